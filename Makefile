@@ -21,7 +21,7 @@ WORKERS    ?= 2
 SHARDS     ?= data/shards/$(RECIPE)-$(SEQ_LEN)
 BUILD_ARGS ?=
 
-.PHONY: help setup system-deps sample-corpus vocab shards inspect demo test bench bench-data clean
+.PHONY: help setup system-deps sample-corpus vocab shards inspect demo test bench bench-data bench-model clean pretrain preflight plot bench-train
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -53,7 +53,7 @@ vocab: sample-corpus  ## train a WordPiece vocab on INPUTS (VOCAB_SIZE, writes V
 
 shards: $(STAMP)  ## build shards: INPUTS, VOCAB, RECIPE, SEQ_LEN, SEED, WORKERS -> SHARDS
 	$(PY) -m data_prep.build $(foreach i,$(INPUTS),--input $(i)) --vocab $(VOCAB) --recipe $(RECIPE) \
-	  --max-seq-len $(SEQ_LEN) --seed $(SEED) --workers $(WORKERS) --out $(SHARDS) $(BUILD_ARGS)
+	  --max-seq-len $(SEQ_LEN) --seed $(SEED) --workers $(WORKERS) --out $(SHARDS) --overwrite $(BUILD_ARGS)
 
 inspect: $(STAMP)  ## statistics of SHARDS
 	$(PY) -m data_prep.inspect $(SHARDS)
@@ -66,10 +66,34 @@ demo: sample-corpus  ## the main job on the embedded sample corpus
 test: sample-corpus  ## run the whole test suite
 	$(PY) -m pytest -q tests
 
-bench: bench-data  ## all benchmarks
+bench: bench-data bench-model bench-train  ## all benchmarks
 
 bench-data: sample-corpus  ## shard build vs raw tokenizer throughput
 	$(PY) -m data_prep.bench
+
+bench-model: $(STAMP)  ## training step of our model vs transformers.BertForPreTraining (tokens/s, % of matmul peak)
+	$(PY) -m pretrain.bench_model
+
+# Pre-training (override: make pretrain CONFIG=pretrain/configs/unilm-large.yaml HOSTFILE=hostfiles/FILE OVERRIDES="k=v ...")
+PRETRAIN_CONFIG = $(or $(CONFIG),pretrain/configs/tiny.yaml)
+HOSTFILE    ?= hostfiles/localhost
+MASTER_ADDR ?= 127.0.0.1
+OVERRIDES   ?=
+RUN         ?= runs/tiny
+
+pretrain: $(STAMP)  ## DeepSpeed pre-training: CONFIG, HOSTFILE, OVERRIDES (resumes automatically)
+	$(PY) -m pretrain.preflight --config $(PRETRAIN_CONFIG) --hostfile $(HOSTFILE) $(OVERRIDES)
+	$(VENV)/bin/deepspeed --hostfile $(HOSTFILE) --no_ssh_check --master_addr $(MASTER_ADDR) \
+	  pretrain/train.py --config $(PRETRAIN_CONFIG) $(OVERRIDES)
+
+preflight: $(STAMP)  ## check HOSTFILE's hosts before a long run: reachable, same code, shards, disk, batch plan
+	$(PY) -m pretrain.preflight --config $(PRETRAIN_CONFIG) --hostfile $(HOSTFILE) $(OVERRIDES)
+
+plot: $(STAMP)  ## loss curves (total and per objective) of RUN to RUN/loss.png
+	$(PY) -m pretrain.plot $(RUN)
+
+bench-train: $(STAMP)  ## loader vs model throughput, data-wait share, per-rank memory of ZeRO-1/2/3
+	$(PY) -m pretrain.bench_train --out bench_out/train
 
 clean:  ## remove built data and outputs (keeps .venv and the registry cache)
 	rm -rf data/vocab data/shards demo_out bench_out

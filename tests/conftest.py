@@ -25,3 +25,65 @@ def samples_dir() -> Path:
 def minilm_dir(samples_dir: Path) -> Path:
     """A real 6-layer HF BERT (all-MiniLM-L6-v2): config.json, model.safetensors, uncased vocab.txt."""
     return samples_dir / "minilm"
+
+
+# --- data_prep fixtures: a small real corpus, a cased WordPiece vocab trained on it, shards per recipe ---
+
+@pytest.fixture(scope="session")
+def small_corpus(samples_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """JSONL of real text: the first 40 Wikipedia excerpt articles (wikitext stripped) + 4 Shakespeare excerpts."""
+    import itertools
+    import json
+
+    from data_prep.sources import read_documents
+
+    wiki = itertools.islice((d for d in read_documents(str(samples_dir / "wiki/enwiki-excerpt.xml.bz2"))
+                             if isinstance(d, str)), 40)
+    books = itertools.islice((d[:60_000] for d in read_documents(str(samples_dir / "books.jsonl"))
+                              if isinstance(d, str)), 4)
+    path = tmp_path_factory.mktemp("corpus") / "small.jsonl"
+    with open(path, "w", encoding="utf-8") as f:
+        for text in itertools.chain(wiki, books):
+            f.write(json.dumps({"text": text}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def vocab_file(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cased 4,000-entry WordPiece vocab.txt trained on ``small_corpus`` ([PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4)."""
+    from data_prep.build import training_documents
+    from data_prep.vocab import train_vocab
+
+    path = tmp_path_factory.mktemp("vocab") / "vocab.txt"
+    train_vocab(training_documents([str(small_corpus)]), 4000, path, uncased=False)
+    return path
+
+
+def _build_shards(recipe: str, corpus: Path, vocab: Path, out: Path) -> Path:
+    from data_prep.build import BuildConfig, build
+    from data_prep.instances import InstanceConfig
+    from data_prep.vocab import load_vocab
+
+    cfg = BuildConfig(inputs=(str(corpus),), vocab_path=str(vocab), vocab_sha256=load_vocab(vocab).sha256,
+                      instances=InstanceConfig(recipe=recipe, max_seq_len=64), seed=1,
+                      samples_per_shard=2500, chunk_chars=200_000)
+    build(cfg, out, progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def unilm_shards(small_corpus: Path, vocab_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Shard dir (``data_prep.shard_format.ShardDataset``), recipe unilm, max_seq_len 64, several balanced shards."""
+    return _build_shards("unilm", small_corpus, vocab_file, tmp_path_factory.mktemp("unilm_shards"))
+
+
+@pytest.fixture(scope="session")
+def bert_shards(small_corpus: Path, vocab_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Shard dir, recipe bert (bidirectional + NSP), max_seq_len 64."""
+    return _build_shards("bert", small_corpus, vocab_file, tmp_path_factory.mktemp("bert_shards"))
+
+
+@pytest.fixture(scope="session")
+def gpt_shards(small_corpus: Path, vocab_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Shard dir, recipe gpt (contiguous left-to-right, no masked positions), max_seq_len 64."""
+    return _build_shards("gpt", small_corpus, vocab_file, tmp_path_factory.mktemp("gpt_shards"))

@@ -1,0 +1,109 @@
+"""``make bench-data``: shard-build throughput against raw ``tokenizers`` encoding of the same text.
+
+One run, same text for every measurement: the sample corpora (Wikipedia excerpt, Shakespeare, news) are
+read once, and
+  raw      — ``Tokenizer.encode_batch`` over the documents' sentences in chunk-sized batches, ids read out
+             (what any consumer of the tokenizer must do), one thread; also ``encode_batch_fast``, the
+             offset-free variant the builder calls, so the cost on top of the builder's own tokenization shows;
+  build    — the full ``data_prep.build`` pipeline from a JSONL of the same documents (read, clean, split,
+             encode, instances, masking, packing, writing shards + manifest) with 1 and with 2 workers.
+Tokens/s counts the same corpus tokens for both, so ratio = raw time / build time (target ≥ 0.8). Each
+measurement is repeated (interleaved) and the fastest run kept, because the machine may be shared; the
+ratio is also given by CPU time of the process, which other load barely disturbs. Tokenizer threads are
+off (``TOKENIZERS_PARALLELISM=false``) so 1 worker compares with 1 core; the 2-worker run shows scaling.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from data_prep.build import BuildConfig, build, iter_chunks
+from data_prep.instances import InstanceConfig
+from data_prep.sources import read_documents
+from data_prep.text import clean_document, split_sentences
+from data_prep.vocab import load_tokenizer, load_vocab, train_vocab
+
+DEFAULT_INPUTS = ["data/samples/wiki/enwiki-excerpt.xml.bz2", "data/samples/books.jsonl", "data/samples/news/lee.txt"]
+
+
+def _timed(function) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) of one call."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    function()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m data_prep.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--input", nargs="+", default=DEFAULT_INPUTS)
+    p.add_argument("--vocab", type=Path, help="vocab.txt (default: train a cased 8,000-entry one on the input)")
+    p.add_argument("--recipe", default="unilm")
+    p.add_argument("--max-seq-len", type=int, default=128)
+    p.add_argument("--chunk-chars", type=int, default=500_000)
+    p.add_argument("--repeat", type=int, default=3)
+    args = p.parse_args(argv)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # before the first encode: one thread, like one worker
+
+    with tempfile.TemporaryDirectory(prefix="bench_data_") as tmp:
+        work = Path(tmp)
+        corpus = work / "corpus.jsonl"
+        with open(corpus, "w", encoding="utf-8") as f:
+            for spec in args.input:
+                for record in read_documents(spec):
+                    if isinstance(record, str):
+                        f.write(json.dumps({"text": record}, ensure_ascii=False) + "\n")
+        vocab_path = args.vocab or work / "vocab.txt"
+        if args.vocab is None:
+            train_vocab((clean_document(json.loads(line)["text"]) for line in open(corpus, encoding="utf-8")),
+                        8000, vocab_path, uncased=False)
+        vocab = load_vocab(vocab_path)
+        tokenizer = load_tokenizer(str(vocab_path), vocab.sha256, False)
+        batches = [[s for text in chunk.records for s in split_sentences(clean_document(text[0]))]
+                   for chunk in iter_chunks([str(corpus)], args.chunk_chars)]
+        num_tokens = sum(len(e.ids) for batch in batches for e in tokenizer.encode_batch(batch, add_special_tokens=False))
+
+        def raw() -> None:
+            for batch in batches:
+                [e.ids for e in tokenizer.encode_batch(batch, add_special_tokens=False)]
+
+        def raw_fast() -> None:  # the call the builder uses: no character offsets
+            for batch in batches:
+                [e.ids for e in tokenizer.encode_batch_fast(batch, add_special_tokens=False)]
+
+        cfg = BuildConfig(inputs=(str(corpus),), vocab_path=str(vocab_path), vocab_sha256=vocab.sha256,
+                          instances=InstanceConfig(recipe=args.recipe, max_seq_len=args.max_seq_len),
+                          chunk_chars=args.chunk_chars)
+        runs = {"raw": raw, "raw_fast": raw_fast,
+                "build_1": lambda: build(cfg, work / "shards1", workers=1, overwrite=True, progress=False),
+                "build_2": lambda: build(cfg, work / "shards2", workers=2, overwrite=True, progress=False)}
+        times = {name: float("inf") for name in runs}
+        cpu = {name: float("inf") for name in runs}
+        for _ in range(args.repeat):  # interleaved, so load from other processes hits all alike
+            for name, run in runs.items():
+                wall, used = _timed(run)
+                times[name], cpu[name] = min(times[name], wall), min(cpu[name], used)
+        same = (work / "shards1/shard-00000.bin").read_bytes() == (work / "shards2/shard-00000.bin").read_bytes()
+
+    raw_rate, build_rate, build2_rate = (num_tokens / times[k] for k in ("raw", "build_1", "build_2"))
+    print(f"[bench-data] corpus: {len(args.input)} inputs, {num_tokens:,} tokens, recipe {args.recipe}, "
+          f"max_seq_len {args.max_seq_len}, best of {args.repeat}")
+    print(f"[bench-data] raw tokenizers encode_batch (1 thread): {raw_rate:12,.0f} tokens/s  ({times['raw']:.2f} s)")
+    print(f"[bench-data] raw encode_batch_fast (1 thread):   {num_tokens / times['raw_fast']:12,.0f} tokens/s  "
+          f"({times['raw_fast']:.2f} s)")
+    print(f"[bench-data] shard build, 1 worker:                  {build_rate:12,.0f} tokens/s  ({times['build_1']:.2f} s)")
+    print(f"[bench-data] shard build, 2 workers:                 {build2_rate:12,.0f} tokens/s  ({times['build_2']:.2f} s)")
+    ratio = build_rate / raw_rate
+    print(f"[bench-data] ratio build/raw (1 worker): {ratio:.2f}  (target >= 0.80: {'met' if ratio >= 0.8 else 'NOT met'}); "
+          f"by CPU time, robust to other load: {cpu['raw'] / cpu['build_1']:.2f}")
+    print(f"[bench-data] ratio build/raw encode_batch_fast (the builder's own call): {times['raw_fast'] / times['build_1']:.2f}"
+          f" (CPU time {cpu['raw_fast'] / cpu['build_1']:.2f})")
+    print(f"[bench-data] speed-up 1 -> 2 workers: {build2_rate / build_rate:.2f}x  (identical bytes: {same}; "
+          f"{os.cpu_count()} CPUs)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,320 @@
+"""Training instances from tokenized documents, and their precomputed masking.
+
+Recipes (``--recipe``):
+  ``unilm`` — objective per instance drawn from the mix (default 1/3 bidirectional with NSP, 1/3 seq2seq,
+              1/6 left-to-right, 1/6 right-to-left); every objective gets cloze masking, as in the paper.
+  ``bert``  — bidirectional + NSP only, masked.
+  ``gpt``   — contiguous left-to-right windows of each document, no masking (every next token is a label).
+
+Pairs follow BERT's ``create_instances_from_document``: sentences accumulate up to a target length (a random
+shorter one with probability ``short_seq_prob``), A is a random prefix of them, B the rest (true
+continuation) or — for NSP, with probability 1/2 — sentences from another document of the same chunk
+(``is_random_next = 1``); the unused sentences go back to the stream. Segments never cross documents
+except that random B. Layout: ``[CLS] A [SEP]`` or ``[CLS] A [SEP] B [SEP]``.
+
+Masking (``mask_tokens``): 15% of the non-special tokens (at least 1, at most ``max_predictions``), in
+non-adjacent spans of which 80% are single tokens and 20% bigrams or trigrams; of the masked tokens 80%
+become [MASK], 10% a random non-special token, 10% stay. Everything random comes from a generator seeded
+by (seed, document index, stream), never by process order, so any split of the work gives the same bytes.
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from data_prep.shard_format import Objective
+
+RECIPES = ("unilm", "bert", "gpt")
+UNILM_MIX = {Objective.BIDIRECTIONAL: 1 / 3, Objective.SEQ2SEQ: 1 / 3,
+             Objective.LEFT_TO_RIGHT: 1 / 6, Objective.RIGHT_TO_LEFT: 1 / 6}
+
+
+@dataclass(frozen=True)
+class MaskingConfig:
+    """Cloze masking parameters (recorded in the manifest)."""
+
+    mask_prob: float = 0.15
+    """fraction of non-special tokens to predict"""
+    max_predictions: int = 20
+    """cap on masked tokens per sample"""
+    span_length_probs: tuple[float, ...] = (0.8, 0.1, 0.1)
+    """probability of a masked span of length 1, 2, 3, …"""
+    replace_mask: float = 0.8
+    """fraction of masked tokens shown as [MASK]"""
+    replace_random: float = 0.1
+    """fraction shown as a random token (the rest stay unchanged)"""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.mask_prob < 1:
+            raise ValueError(f"mask_prob {self.mask_prob} must be in (0, 1)")
+        if self.mask_prob > 0.5:
+            raise ValueError(f"--mask-prob {self.mask_prob}: at most 0.5 (spans need unmasked tokens between them)")
+        if self.max_predictions < 1:
+            raise ValueError(f"--max-predictions {self.max_predictions} must be at least 1")
+        if abs(sum(self.span_length_probs) - 1) > 1e-6:
+            raise ValueError(f"span_length_probs {self.span_length_probs} must sum to 1")
+        if self.replace_mask < 0 or self.replace_random < 0 or self.replace_mask + self.replace_random > 1:
+            raise ValueError("replace_mask + replace_random must be within [0, 1]")
+
+
+@dataclass(frozen=True)
+class InstanceConfig:
+    """How documents become samples (recorded in the manifest)."""
+
+    recipe: str = "unilm"
+    max_seq_len: int = 128
+    short_seq_prob: float = 0.1
+    objective_mix: dict[str, float] = field(default_factory=dict)
+    """objective key → probability; empty means the recipe's default"""
+
+    def __post_init__(self) -> None:
+        if self.recipe not in RECIPES:
+            raise ValueError(f"unknown recipe {self.recipe!r}; choose one of {', '.join(RECIPES)}")
+        if not 8 <= self.max_seq_len <= 65535:
+            raise ValueError(f"--max-seq-len {self.max_seq_len} must be between 8 and 65535")
+        if self.objective_mix and self.recipe != "unilm":
+            raise ValueError(f"--objective-mix applies to --recipe unilm; {self.recipe} has a fixed objective")
+        if self.objective_mix:
+            keys = {o.key for o in Objective}
+            unknown = sorted(set(self.objective_mix) - keys)
+            if unknown:
+                raise ValueError(f"--objective-mix: unknown objective(s) {unknown}; use {sorted(keys)}")
+            if any(p < 0 for p in self.objective_mix.values()):
+                raise ValueError("--objective-mix: proportions must be non-negative")
+            total = sum(self.objective_mix.values())
+            if abs(total - 1) > 1e-6:
+                raise ValueError(f"--objective-mix: proportions sum to {total:.6g}, they must sum to 1")
+
+    @property
+    def mix(self) -> dict[Objective, float]:
+        """Objective probabilities actually used."""
+        if self.recipe == "bert":
+            return {Objective.BIDIRECTIONAL: 1.0}
+        if self.recipe == "gpt":
+            return {Objective.LEFT_TO_RIGHT: 1.0}
+        if self.objective_mix:
+            return {o: float(self.objective_mix.get(o.key, 0.0)) for o in Objective}
+        return dict(UNILM_MIX)
+
+    @property
+    def masked(self) -> bool:
+        return self.recipe != "gpt"
+
+    @property
+    def min_sentences(self) -> int:
+        """Pair recipes need two sentences for A and B; GPT takes any non-empty text."""
+        return 1 if self.recipe == "gpt" else 2
+
+
+def parse_objective_mix(text: str) -> dict[str, float]:
+    """``"bidirectional=0.5,seq2seq=0.5"`` → dict; raises ValueError with the expected syntax."""
+    mix: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        try:
+            if not sep:
+                raise ValueError
+            mix[key.strip()] = float(value)
+        except ValueError:
+            raise ValueError(f"--objective-mix {text!r}: expected name=proportion pairs separated by commas, "
+                             "e.g. bidirectional=0.5,seq2seq=0.25,left_to_right=0.125,right_to_left=0.125") from None
+    return mix
+
+
+class Uniforms:
+    """Random draws for one document from its own generator, fetched in blocks (scalar numpy calls are slow)."""
+
+    def __init__(self, rng: np.random.Generator, block: int = 256):
+        self.rng, self.block = rng, block
+        self.values: list[float] = []
+
+    def next(self) -> float:
+        if not self.values:
+            self.values = self.rng.random(self.block).tolist()[::-1]
+        return self.values.pop()
+
+    def integer(self, low: int, high: int) -> int:
+        """Uniform integer in [low, high)."""
+        return low + int(self.next() * (high - low))  # next() < 1, so the result stays below high
+
+
+@dataclass(frozen=True)
+class Instance:
+    """An unmasked sample: objective, segment A (and B) token ids, NSP label."""
+
+    objective: Objective
+    tokens_a: list[int]
+    tokens_b: list[int] | None
+    is_random_next: int
+
+
+def _truncate_pair(a: list[int], b: list[int], max_tokens: int, rng: Uniforms) -> tuple[list[int], list[int]]:
+    """BERT's truncate_seq_pair: shorten the longer segment, each removed token from the front or back at random."""
+    excess = len(a) + len(b) - max_tokens
+    if excess <= 0:
+        return a, b
+    # remove from the longer until equal, then alternately: closed form of the one-token-at-a-time loop
+    diff = abs(len(a) - len(b))
+    first = min(excess, diff)
+    rest = excess - first
+    cut_long, cut_short = first + (rest + 1) // 2, rest // 2
+    cut_a, cut_b = (cut_long, cut_short) if len(a) >= len(b) else (cut_short, cut_long)
+    return _trim(a, cut_a, rng), _trim(b, cut_b, rng)
+
+
+def _trim(tokens: list[int], count: int, rng: Uniforms) -> list[int]:
+    if count <= 0:
+        return tokens
+    front = rng.integer(0, count + 1)
+    return tokens[front:len(tokens) - (count - front)]
+
+
+def document_instances(sentences: list[list[int]], other_documents: list[list[list[int]]],
+                       cfg: InstanceConfig, rng: Uniforms) -> list[Instance]:
+    """Instances of one tokenized document (a list of sentences of token ids).
+
+    ``other_documents`` are the candidates for NSP random B (other documents of the same chunk).
+    """
+    if cfg.recipe == "gpt":
+        flat = list(itertools.chain.from_iterable(sentences))
+        window = cfg.max_seq_len - 2
+        return [Instance(Objective.LEFT_TO_RIGHT, flat[i:i + window], None, -1) for i in range(0, len(flat), window)]
+
+    objectives = [o for o, p in cfg.mix.items() if p > 0]
+    cumulative = np.cumsum([cfg.mix[o] for o in objectives]).tolist()
+    instances: list[Instance] = []
+
+    def draw() -> tuple[Objective, int]:
+        objective = objectives[min(bisect.bisect(cumulative, rng.next() * cumulative[-1]), len(objectives) - 1)]
+        pair = objective in (Objective.BIDIRECTIONAL, Objective.SEQ2SEQ)
+        max_tokens = cfg.max_seq_len - (3 if pair else 2)
+        target = rng.integer(2, max_tokens + 1) if rng.next() < cfg.short_seq_prob else max_tokens
+        return objective, target
+
+    objective, target = draw()
+    current: list[list[int]] = []
+    current_length = 0
+    i = 0
+    while i < len(sentences):
+        current.append(sentences[i])
+        current_length += len(sentences[i])
+        if i == len(sentences) - 1 or current_length >= target:
+            i = _emit(current, objective, target, i, other_documents, cfg, rng, instances)
+            current, current_length = [], 0
+            objective, target = draw()
+        i += 1
+    return instances
+
+
+def _emit(current: list[list[int]], objective: Objective, target: int, i: int,
+          other_documents: list[list[list[int]]], cfg: InstanceConfig, rng: Uniforms,
+          instances: list[Instance]) -> int:
+    """Turn the accumulated sentences into one instance; returns the (possibly rewound) sentence cursor."""
+    if objective in (Objective.LEFT_TO_RIGHT, Objective.RIGHT_TO_LEFT):
+        flat = list(itertools.chain.from_iterable(current))[: cfg.max_seq_len - 2]
+        if flat:
+            instances.append(Instance(objective, flat, None, -1))
+        return i
+    a_end = rng.integer(1, len(current)) if len(current) >= 2 else 1
+    tokens_a = list(itertools.chain.from_iterable(current[:a_end]))
+    is_random_next = -1
+    if objective == Objective.BIDIRECTIONAL:
+        # a fair coin even when A is one long sentence (BERT forces random B then, skewing NSP towards 1)
+        is_random_next = int(rng.next() < 0.5)
+        if is_random_next and not other_documents:
+            is_random_next = 0  # no other document in this chunk: fall back to the true continuation
+    if is_random_next == 1:
+        other = other_documents[rng.integer(0, len(other_documents))]
+        target_b = max(1, target - len(tokens_a))
+        tokens_b: list[int] = []
+        for sentence in other[rng.integer(0, len(other)):]:
+            tokens_b.extend(sentence)
+            if len(tokens_b) >= target_b:
+                break
+        i -= len(current) - a_end  # the unused sentences go back to the stream
+    else:
+        tokens_b = list(itertools.chain.from_iterable(current[a_end:]))
+        if not tokens_b:  # one long sentence: split it so B is still its true continuation
+            cut = rng.integer(1, len(tokens_a)) if len(tokens_a) >= 2 else 0
+            tokens_a, tokens_b = tokens_a[:cut], tokens_a[cut:]
+    tokens_a, tokens_b = _truncate_pair(tokens_a, tokens_b, cfg.max_seq_len - 3, rng)
+    if tokens_a and tokens_b:
+        instances.append(Instance(objective, tokens_a, tokens_b, is_random_next))
+    return i
+
+
+def masking_budget(num_maskable: np.ndarray, cfg: MaskingConfig) -> np.ndarray:
+    """Tokens to mask per sample: round(15% of maskable), at least 1, at most max_predictions (and maskable)."""
+    return np.minimum(np.clip(np.rint(num_maskable * cfg.mask_prob).astype(np.int64), 1, cfg.max_predictions),
+                      num_maskable)
+
+
+def random_draws_needed(num_maskable: np.ndarray, cfg: MaskingConfig) -> int:
+    """How many uniforms ``mask_samples`` consumes for these samples: 3 per masked token + 1 per maskable one."""
+    return int(3 * masking_budget(num_maskable, cfg).sum() + num_maskable.sum())
+
+
+def mask_samples(tokens: np.ndarray, token_offset: np.ndarray, length: np.ndarray, segment_a_length: np.ndarray,
+                 uniforms: np.ndarray, cfg: MaskingConfig, mask_id: int,
+                 random_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Mask S packed samples at once, in place in ``tokens``; vectorised over all samples.
+
+    tokens: int [T] the samples back to back; token_offset, length, segment_a_length: int [S];
+    uniforms: float [random_draws_needed] in [0, 1), laid out per sample as
+      (span lengths k | replacement k | random token k | slot keys n), samples concatenated in order, so the
+      caller can draw each document's block from that document's own generator.
+    Returns (num_masked [S], masked_positions [K] ascending within each sample, masked_labels [K]).
+    Spans live in each sample's maskable coordinates (positions without [CLS]/[SEP]); they are placed
+    uniformly at random with at least one unmasked token between them (stars and bars), so each span is a
+    separate run and special tokens are never masked.
+    """
+    num_samples = len(length)
+    single = segment_a_length == length
+    n = length - np.where(single, 2, 3)                       # maskable tokens per sample
+    k = masking_budget(n, cfg)                                 # masked tokens per sample
+    block = 3 * k + n
+    block_start = np.cumsum(block) - block
+    sample_of_masked = np.repeat(np.arange(num_samples), k)
+    rank = np.arange(k.sum()) - np.repeat(np.cumsum(k) - k, k)  # index of a masked token within its sample
+    u_span = uniforms[np.repeat(block_start, k) + rank]
+    u_replace = uniforms[np.repeat(block_start + k, k) + rank]
+    u_token = uniforms[np.repeat(block_start + 2 * k, k) + rank]
+
+    # span lengths: draw k per sample, keep those starting before the budget, shorten the last to fit exactly
+    cumulative = np.cumsum(cfg.span_length_probs)[:-1]
+    lengths = 1 + np.searchsorted(cumulative, u_span, side="right")
+    ends = np.cumsum(lengths)
+    ends -= np.repeat(ends[np.cumsum(k) - k] - lengths[np.cumsum(k) - k], k)  # cumulative within each sample
+    starts_at = ends - lengths
+    keep = starts_at < k[sample_of_masked]
+    span_sample = sample_of_masked[keep]
+    span_length = np.minimum(lengths, k[sample_of_masked] - starts_at)[keep]
+    num_spans = np.bincount(span_sample, minlength=num_samples)
+
+    # slots: num_spans smallest of (n - k + 1) random keys per sample, in increasing slot order
+    num_slots = n - k + 1
+    slot_sample = np.repeat(np.arange(num_samples), num_slots)
+    slot = np.arange(num_slots.sum()) - np.repeat(np.cumsum(num_slots) - num_slots, num_slots)
+    keys = uniforms[np.repeat(block_start + 3 * k, num_slots) + slot]
+    order = np.argsort(slot_sample + keys)  # by sample, then key (keys in [0, 1), ties have probability ~0)
+    chosen = order[slot < np.repeat(num_spans, num_slots)]  # sorted by sample, so slot is the rank in its sample
+    chosen = np.sort(chosen)  # slot order within each sample (indices grow with sample, then slot)
+    span_offset = np.cumsum(span_length) - span_length
+    span_offset -= np.repeat(span_offset[np.cumsum(num_spans) - num_spans], num_spans)  # within each sample
+    span_start = slot[chosen] + span_offset
+
+    within = np.arange(span_length.sum()) - np.repeat(np.cumsum(span_length) - span_length, span_length)
+    maskable_index = np.repeat(span_start, span_length) + within
+    content_a = np.where(single, n, segment_a_length - 2)[sample_of_masked]
+    positions = 1 + maskable_index + (maskable_index >= content_a)  # skip [CLS] and the middle [SEP]
+    absolute = token_offset[sample_of_masked] + positions
+    labels = tokens[absolute].astype(np.int64)
+    shown = labels.copy()
+    shown[u_replace < cfg.replace_mask] = mask_id
+    use_random = (u_replace >= cfg.replace_mask) & (u_replace < cfg.replace_mask + cfg.replace_random)
+    shown[use_random] = random_ids[(u_token[use_random] * len(random_ids)).astype(np.int64)]
+    tokens[absolute] = shown
+    return k, positions, labels

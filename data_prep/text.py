@@ -1,0 +1,51 @@
+"""Document clean-up and rule-based sentence splitting (no model download).
+
+``clean_document`` normalises line ends, drops control characters, turns every whitespace run inside a
+paragraph into one space (joining its lines); paragraphs (blank-line separated) stay separate.
+``split_sentences`` cuts each paragraph after ``.``/``!``/``?`` (plus closing quotes or brackets) followed by
+whitespace and a capital letter, digit or opening quote, except after common abbreviations and initials.
+Sentences longer than ``MAX_SENTENCE_CHARS`` are cut at whitespace so one huge line cannot become one
+unbounded sequence.
+"""
+from __future__ import annotations
+
+import re
+
+MAX_SENTENCE_CHARS = 2000
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ufeff\ufffe\uffff]")
+_PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
+_ABBREVIATIONS = ("Mr Mrs Ms Dr Prof Sr Jr St Mt Gen Col Capt Lt Sgt Rev Gov Sen Rep Hon vs etc No Vol pp "
+                  "Fig Inc Ltd Co Corp Jan Feb Mar Apr Jun Jul Aug Sep Sept Oct Nov Dec approx ca cf e.g i.e").split()
+# . ! ? (group 1, with an optional closing quote or bracket: kept with the sentence) that does not end an
+# abbreviation or an initial, then whitespace before a capital, digit or opening quote. The pattern starts
+# with the punctuation class, so the fixed-width lookbehinds only run at candidate boundaries.
+_BOUNDARY = re.compile(
+    r"([.!?]" + "".join(rf"(?<!\b{re.escape(a)}\.)" for a in _ABBREVIATIONS)
+    + r"(?<!\b[A-Z]\.)[\"')\]\u201d\u2019]?)\s+(?=[\"'(\[\u201c\u2018]*[A-Z0-9])")
+_LONG_PIECE = re.compile(r"\S.{0,%d}(?=\s|$)|\S{%d}" % (MAX_SENTENCE_CHARS - 2, MAX_SENTENCE_CHARS))
+
+
+def clean_document(text: str) -> str:
+    """Normalised text: paragraphs separated by one blank line, each paragraph on one line, single spaces."""
+    text = _CONTROL.sub("", text.replace("\r\n", "\n").replace("\r", "\n"))
+    paragraphs = (" ".join(p.split()) for p in _PARAGRAPH_BREAK.split(text))
+    return "\n\n".join(p for p in paragraphs if p)
+
+
+def split_sentences(document: str) -> list[str]:
+    """Sentences of a cleaned document, in order; never empty strings."""
+    parts = _BOUNDARY.split(document)  # one regex pass per document; paragraph ends are handled below
+    parts.append("")  # split alternates text and the punctuation that ends it
+    sentences = [text + end for text, end in zip(parts[0::2], parts[1::2])]
+    if "\n" in document:  # a paragraph end always ends a sentence, punctuated or not
+        sentences = [piece for s in sentences for piece in s.split("\n\n")]
+    if sentences and max(map(len, sentences)) > MAX_SENTENCE_CHARS:
+        sentences = [piece for s in sentences for piece in _bounded(s)]
+    return [s for s in sentences if s]
+
+
+def _bounded(sentence: str) -> list[str]:
+    if len(sentence) <= MAX_SENTENCE_CHARS:
+        return [sentence]
+    return [m.group(0).strip() for m in _LONG_PIECE.finditer(sentence)]

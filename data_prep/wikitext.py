@@ -1,0 +1,109 @@
+"""Article text from Wikipedia XML dumps (``.xml`` / ``.xml.bz2``), as BERT prepared its Wikipedia corpus.
+
+``iter_pages`` streams ``<page>`` elements (constant memory, any dump size). ``wikitext_to_text`` keeps the
+prose only: it drops comments, references, templates (``{{…}}``), tables (``{|…|}``), file/image/category
+links, math/galleries and other non-prose tags, headings, lists, indented lines and table rows; it keeps
+the visible text of internal and external links and removes bold/italic quote marks. Paragraphs come out
+separated by blank lines.
+"""
+from __future__ import annotations
+
+import bz2
+import html
+import re
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Iterator
+
+_COMMENT = re.compile(r"<!--.*?(?:-->|$)", re.S)
+_DROP_TAGS = re.compile(
+    r"<(ref|math|gallery|timeline|score|syntaxhighlight|source|pre|imagemap|chem|hiero|graph|mapframe|"
+    r"templatedata|nowiki)\b[^>]*?(?:/>|>.*?</\1\s*>)", re.S | re.I)
+_SELF_CLOSING_REF = re.compile(r"<ref\b[^>]*/>", re.I)
+_ANY_TAG = re.compile(r"</?[a-zA-Z][^>]*>")
+_TEMPLATE = re.compile(r"\{\{(?:(?!\{\{|\}\}).)*\}\}", re.S)
+_TABLE = re.compile(r"\{\|(?:(?!\{\||\|\}).)*\|\}", re.S)
+_INNER_LINK = re.compile(r"\[\[((?:[^\[\]]|\[[^\[\]]*\])*)\]\]")  # may hold [single brackets]
+_EXTERNAL_LINK = re.compile(r"\[(?:https?:|ftp:)?//[^\s\]]+(?:\s+([^\]]*))?\]")
+_BOLD_ITALIC = re.compile(r"'{2,}")
+_MAGIC_WORD = re.compile(r"__[A-Z]+__")
+_DROPPED_LINK_PREFIXES = ("file", "image", "media", "category", "wikipedia", "wp", "template", "help",
+                          "portal", "special", "talk", "user", "wikt", "wiktionary", "commons", "s", "q", "n")
+_LANGUAGE_PREFIX = re.compile(r"^:?[a-z]{2,3}(?:-[a-z]+)?$")
+_NON_PROSE_LINE = re.compile(r"^\s*(?:=.*=|[*#:;!|{}]|----)")
+
+
+def _link_text(match: re.Match) -> str:
+    target, _, label = match.group(1).partition("|")
+    prefix = target.split(":", 1)[0].strip().lower() if ":" in target else ""
+    if prefix.lstrip(":") in _DROPPED_LINK_PREFIXES or (prefix and _LANGUAGE_PREFIX.match(prefix)):
+        return ""
+    if "|" in label:  # only file links carry several options; a plain link's label is its last part
+        label = label.rsplit("|", 1)[-1]
+    return (label or target).strip()
+
+
+def _remove_nested(pattern: re.Pattern, text: str) -> str:
+    """Remove innermost matches repeatedly, so nested templates/tables disappear completely."""
+    while True:
+        text, count = pattern.subn("", text)
+        if not count:
+            return text
+
+
+def wikitext_to_text(wikitext: str) -> str:
+    """Plain article prose from one page's wikitext; paragraphs separated by blank lines."""
+    text = _COMMENT.sub("", wikitext)
+    text = _SELF_CLOSING_REF.sub("", text)
+    text = _DROP_TAGS.sub("", text)
+    text = _remove_nested(_TEMPLATE, text)
+    text = _remove_nested(_TABLE, text)
+    while True:  # innermost links first: a caption's links resolve before its file link is dropped
+        text, count = _INNER_LINK.subn(_link_text, text)
+        if not count:
+            break
+    text = _EXTERNAL_LINK.sub(lambda m: m.group(1) or "", text)
+    text = _ANY_TAG.sub("", html.unescape(text))
+    text = _MAGIC_WORD.sub("", _BOLD_ITALIC.sub("", text))
+    paragraphs, current = [], []
+    for line in text.split("\n"):
+        if not line.strip() or _NON_PROSE_LINE.match(line):
+            if current:
+                paragraphs.append(" ".join(current))
+                current = []
+            continue
+        current.append(line.strip())
+    if current:
+        paragraphs.append(" ".join(current))
+    return "\n\n".join(p for p in paragraphs if len(p.split()) > 3 or p.endswith((".", "!", "?")))
+
+
+def _local(tag: str) -> str:
+    return tag.rsplit("}", 1)[-1]
+
+
+def iter_pages(path: Path) -> Iterator[tuple[str, int, bool, str]]:
+    """(title, namespace, is_redirect, wikitext) per page of a dump, streamed; ``.bz2`` decompressed on the fly."""
+    opener = bz2.open if path.name.endswith(".bz2") else open
+    with opener(path, "rb") as f:
+        title, namespace, redirect, text = "", 0, False, ""
+        context = ET.iterparse(f, events=("start", "end"))
+        root = None
+        for event, element in context:
+            if root is None:
+                root = element
+            if event != "end":
+                continue
+            tag = _local(element.tag)
+            if tag == "title":
+                title = element.text or ""
+            elif tag == "ns":
+                namespace = int(element.text or 0)
+            elif tag == "redirect":
+                redirect = True
+            elif tag == "text":
+                text = element.text or ""
+            elif tag == "page":
+                yield title, namespace, redirect, text
+                title, namespace, redirect, text = "", 0, False, ""
+                root.clear()  # constant memory: drop finished pages

@@ -1,0 +1,264 @@
+"""The shard builder on real text: determinism, masking statistics, recipes, document boundaries, bad input."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data_prep import build
+from data_prep.inspect import shard_statistics
+from data_prep.shard_format import Objective, ShardDataset
+from data_prep.vocab import load_tokenizer, load_vocab
+
+
+def run_build(*args: object) -> dict:
+    build.main([str(a) for a in args] + ["--quiet"])
+    out = Path(str(args[list(args).index("--out") + 1]))
+    return json.loads((out / "manifest.json").read_text())
+
+
+def build_error(*args: object) -> str:
+    with pytest.raises(SystemExit) as info:
+        build.main([str(a) for a in args] + ["--quiet"])
+    return str(info.value.code)
+
+
+def directory_bytes(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def restored(sample) -> np.ndarray:
+    """Input ids with the original tokens put back at the masked positions."""
+    ids = sample.input_ids.copy()
+    ids[sample.masked_positions] = sample.masked_labels
+    return ids
+
+
+def test_byte_identical_for_any_workers_or_builders(samples_dir, vocab_file, tmp_path):
+    common = ["--input", samples_dir / "news/lee.txt", "--vocab", vocab_file, "--max-seq-len", 64, "--seed", 7,
+              "--chunk-chars", 40_000, "--samples-per-shard", 300, "--dupe-factor", 2]
+    one = run_build(*common, "--workers", 1, "--out", tmp_path / "one")
+    run_build(*common, "--workers", 2, "--out", tmp_path / "two")
+    for index in (1, 0):  # builders may finish in any order
+        build.main([str(a) for a in common] + ["--num-builders", "2", "--builder-index", str(index),
+                                                "--out", str(tmp_path / "split"), "--quiet"])
+    build.main(["--finalize", "--out", str(tmp_path / "split")])
+    assert len(one["shards"]) >= 3 and one["documents"]["read"] == 300
+    reference = directory_bytes(tmp_path / "one")
+    assert directory_bytes(tmp_path / "two") == reference
+    assert directory_bytes(tmp_path / "split") == reference
+    run_build(*common[:-6], "--seed", 8, *common[-6:], "--out", tmp_path / "other_seed")
+    assert directory_bytes(tmp_path / "other_seed")["shard-00000.bin"] != reference["shard-00000.bin"]
+
+
+def test_finalize_refuses_missing_builders(samples_dir, vocab_file, tmp_path):
+    args = ["--input", samples_dir / "news/lee.txt", "--vocab", vocab_file, "--num-builders", 3, "--builder-index", 1,
+            "--out", tmp_path]
+    build.main([str(a) for a in args] + ["--quiet"])
+    assert not (tmp_path / "manifest.json").exists()
+    assert "builder(s) [0, 2] of 3 have not finished" in build_error("--finalize", "--out", tmp_path)
+
+
+def test_masking_statistics(unilm_shards):
+    stats = shard_statistics(ShardDataset(unilm_shards))
+    assert stats["masked_fraction"] == pytest.approx(0.15, abs=0.01)
+    assert stats["replacement"]["mask"] == pytest.approx(0.8, abs=0.02)
+    assert stats["replacement"]["random"] == pytest.approx(0.1, abs=0.015)
+    assert stats["replacement"]["keep"] == pytest.approx(0.1, abs=0.015)
+    spans = stats["span_lengths"]
+    assert set(spans) <= {"1", "2", "3"}
+    # 80% of spans are drawn single; shrinking the last span to the exact budget adds a little
+    assert spans["1"] / sum(spans.values()) == pytest.approx(0.8, abs=0.03)
+    assert spans["3"] / sum(spans.values()) > 0.06  # trigrams exist (some become bigrams when shrunk)
+    assert stats["special_tokens_masked"] == 0
+
+
+def test_samples_never_leak_labels_or_mask_specials(unilm_shards):
+    ds = ShardDataset(unilm_shards)
+    special = ds.special_tokens
+    max_predictions = ds.manifest["masking"]["max_predictions"]
+    shown_equal = total = 0
+    for sample in ds:
+        ids, positions, labels = sample.input_ids, sample.masked_positions, sample.masked_labels
+        structural = {0, sample.segment_a_length - 1, sample.length - 1}
+        assert ids[0] == special["cls"] and ids[sample.segment_a_length - 1] == special["sep"]
+        assert ids[-1] == special["sep"]
+        assert 1 <= len(positions) <= max_predictions and np.all(np.diff(positions) > 0)
+        assert not structural & set(positions.tolist())
+        assert not set(labels.tolist()) & set(special.values()) - {special["unk"]}
+        unmasked = np.ones(sample.length, bool)
+        unmasked[positions] = False
+        assert not np.any(ids[unmasked] == special["mask"])  # [MASK] only where a label is hidden
+        content = np.delete(np.arange(sample.length), sorted(structural))
+        assert not np.isin(ids[content], [special["cls"], special["sep"], special["pad"]]).any()
+        shown_equal += int((ids[positions] == labels).sum())
+        total += len(positions)
+    assert shown_equal / total == pytest.approx(0.1, abs=0.015)  # only the 10% kept tokens show their label
+
+
+def test_objective_proportions_and_nsp(unilm_shards, bert_shards):
+    unilm = ShardDataset(unilm_shards)
+    counts = unilm.manifest["objective_counts"]
+    total = sum(counts.values())
+    for key, expected in {"bidirectional": 1 / 3, "seq2seq": 1 / 3, "left_to_right": 1 / 6, "right_to_left": 1 / 6}.items():
+        assert counts[key] / total == pytest.approx(expected, abs=0.03), key
+    for sample in unilm:
+        single = sample.objective in (Objective.LEFT_TO_RIGHT, Objective.RIGHT_TO_LEFT)
+        assert (sample.segment_a_length == sample.length) == single
+        assert (sample.is_random_next == -1) == (sample.objective != Objective.BIDIRECTIONAL)
+    bert = ShardDataset(bert_shards)
+    labels = np.array([s.is_random_next for s in bert])
+    assert set(labels.tolist()) == {0, 1} and labels.mean() == pytest.approx(0.5, abs=0.03)
+    assert all(s.objective == Objective.BIDIRECTIONAL for s in bert)
+
+
+def test_objective_mix_override(samples_dir, vocab_file, tmp_path):
+    manifest = run_build("--input", samples_dir / "news/lee.txt", "--vocab", vocab_file, "--max-seq-len", 64,
+                         "--objective-mix", "seq2seq=0.75,right_to_left=0.25", "--out", tmp_path)
+    counts = manifest["objective_counts"]
+    assert counts["bidirectional"] == counts["left_to_right"] == 0
+    assert counts["seq2seq"] / manifest["num_samples"] == pytest.approx(0.75, abs=0.05)
+
+
+def test_segments_never_cross_documents_except_random_next(minilm_dir, tmp_path):
+    words = ["apple", "river", "stone", "cloud", "green", "house", "music", "paper", "table", "water", "light", "horse"]
+    corpus = tmp_path / "marked.jsonl"
+    with open(corpus, "w") as f:
+        for word in words:
+            f.write(json.dumps({"text": " ".join(f"{word.title()} {word} {word} {word}." for _ in range(60))}) + "\n")
+    out = tmp_path / "out"
+    run_build("--input", corpus, "--vocab", minilm_dir / "vocab.txt", "--uncased", "--max-seq-len", 48,
+              "--out", out)
+    ds = ShardDataset(out)
+    vocab = load_vocab(minilm_dir / "vocab.txt")
+    word_ids = {vocab.tokens.index(w) for w in words}
+    random_next = 0
+    for sample in ds:
+        ids = restored(sample)
+        segment_a = set(ids[1:sample.segment_a_length - 1].tolist()) & word_ids
+        assert len(segment_a) == 1
+        if sample.segment_a_length < sample.length:
+            segment_b = set(ids[sample.segment_a_length:-1].tolist()) & word_ids
+            assert len(segment_b) == 1
+            assert (segment_a != segment_b) == (sample.is_random_next == 1)
+            random_next += sample.is_random_next == 1
+    assert random_next > 10
+
+
+def test_gpt_is_contiguous_and_unmasked(gpt_shards, small_corpus, vocab_file):
+    ds = ShardDataset(gpt_shards)
+    assert ds.manifest["masking"] is None and ds.manifest["objective_counts"]["left_to_right"] == len(ds)
+    assert all(len(s.masked_positions) == 0 and s.segment_a_length == s.length <= 64 for s in ds)
+    from data_prep.text import clean_document, split_sentences
+
+    vocab = load_vocab(vocab_file)
+    tokenizer = load_tokenizer(str(vocab_file), vocab.sha256, False)
+    first_doc = clean_document(json.loads(small_corpus.read_text().split("\n")[0])["text"])
+    expected = [t for e in tokenizer.encode_batch(split_sentences(first_doc), add_special_tokens=False) for t in e.ids]
+    windows, produced = 0, []
+    while len(produced) < len(expected):
+        produced.extend(ds[windows].input_ids[1:-1].tolist())
+        windows += 1
+    assert produced == expected  # the first document's windows, in order, are exactly its token stream
+
+
+def test_dupe_factor_masks_each_copy_differently(samples_dir, vocab_file, tmp_path):
+    base = run_build("--input", samples_dir / "news/lee.txt", "--vocab", vocab_file, "--recipe", "bert",
+                     "--out", tmp_path / "one")
+    twice = run_build("--input", samples_dir / "news/lee.txt", "--vocab", vocab_file, "--recipe", "bert",
+                      "--dupe-factor", 2, "--max-predictions", 5, "--out", tmp_path / "two")
+    assert twice["num_samples"] == 2 * base["num_samples"]
+    ds = ShardDataset(tmp_path / "two")
+    half = len(ds) // 2  # one chunk: copy 1 follows copy 0
+    different = 0
+    for i in range(half):
+        a, b = ds[i], ds[i + half]
+        np.testing.assert_array_equal(restored(a), restored(b))
+        assert len(a.masked_positions) <= 5
+        different += not np.array_equal(a.masked_positions, b.masked_positions)
+    assert different > 0.9 * half
+
+
+def test_hostile_corpus_builds_with_counted_skips(vocab_file, samples_dir, tmp_path):
+    corpus = tmp_path / "hostile.jsonl"
+    news = (samples_dir / "news/lee.txt").read_text().split("\n\n")[:20]
+    with open(corpus, "wb") as f:
+        for text in news:
+            f.write(json.dumps({"text": text}).encode() + b"\n")
+        f.write(b'{"text": "caf\xe9 latin-1 bytes. Second sentence."}\n')              # not UTF-8
+        f.write(b'{"text": ""}\n{"text": "   \\n\\t  "}\n')                               # empty
+        f.write(b'{"text": "Only one sentence here"}\n')                                 # too short
+        f.write(b'{"text": "Ctrl\\u0000 chars\\u0007 and \\u001b escapes. They are removed. Fine."}\n')
+        f.write(b'{"text": "broken json\n{"id": 3}\n')                                   # malformed, no text
+        huge = "Lorem ipsum dolor sit amet, consectetur adipiscing elit. " * 90_000      # ~5 MB, one line
+        f.write(json.dumps({"text": huge}).encode() + b"\n")
+    assert corpus.stat().st_size > 5_000_000
+    manifest = run_build("--input", corpus, "--vocab", vocab_file, "--recipe", "bert", "--max-seq-len", 64,
+                         "--out", tmp_path / "out")
+    docs = manifest["documents"]
+    assert docs["read"] == 28
+    assert docs["skip_reasons"] == {"empty": 2, "invalid_utf8": 1, "malformed_json": 1, "missing_text_field": 1,
+                                    "too_few_sentences": 1}
+    assert docs["skipped"] == 6 and docs["skip_examples"]["invalid_utf8"] == [f"{corpus}:21"]
+    assert manifest["num_samples"] > 5000  # the 5 MB line became many bounded samples
+    dump = ShardDataset(tmp_path / "out")
+    assert max(s.length for s in dump) <= 64
+
+
+def test_output_dir_conflicts(samples_dir, vocab_file, minilm_dir, tmp_path):
+    args = ["--input", samples_dir / "news/lee.txt", "--max-seq-len", 32, "--out", tmp_path]
+    run_build(*args, "--vocab", vocab_file)
+    assert "already holds a finished build" in build_error(*args, "--vocab", vocab_file)
+    assert "holds shards built with another vocab" in build_error(*args, "--vocab", minilm_dir / "vocab.txt")
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    manifest["format_version"] = 0
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    assert "shard format version 0" in build_error(*args, "--vocab", vocab_file)
+    run_build(*args, "--vocab", minilm_dir / "vocab.txt", "--uncased", "--overwrite")
+    assert ShardDataset(tmp_path).manifest["vocab"]["size"] == 30522
+
+
+def test_stray_shards_and_corpus_without_samples(samples_dir, vocab_file, unilm_shards, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    data = bytearray((unilm_shards / "shard-00000.bin").read_bytes())
+    data[8] = 7  # format version 7
+    (out / "shard-00000.bin").write_bytes(bytes(data))
+    error = build_error("--input", samples_dir / "news/lee.txt", "--vocab", vocab_file, "--out", out)
+    assert "shard-00000.bin: shard format version 7" in error
+    (tmp_path / "empty.jsonl").write_text('{"text": ""}\n{"text": "One sentence only"}\n')
+    error = build_error("--input", tmp_path / "empty.jsonl", "--vocab", vocab_file, "--out", tmp_path / "o2")
+    assert "no samples" in error and "2 documents read, 2 skipped" in error
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--recipe", "t5"], "unknown recipe 't5'; choose one of unilm, bert, gpt"),
+    (["--objective-mix", "bidirectional=0.5,seq2seq=0.4"], "proportions sum to 0.9, they must sum to 1"),
+    (["--objective-mix", "causal=1"], "unknown objective(s) ['causal']"),
+    (["--objective-mix", "bidirectional:1"], "expected name=proportion pairs"),
+    (["--recipe", "bert", "--objective-mix", "seq2seq=1"], "applies to --recipe unilm"),
+    (["--recipe", "gpt", "--dupe-factor", "2"], "gpt has no masking"),
+    (["--max-seq-len", "4"], "--max-seq-len 4 must be between 8 and 65535"),
+])
+def test_bad_settings_are_clear_errors(samples_dir, vocab_file, tmp_path, extra, message):
+    error = build_error("--input", samples_dir / "news/lee.txt", "--vocab", vocab_file, "--out", tmp_path, *extra)
+    assert message in error
+
+
+def test_bad_vocab_and_inputs_are_clear_errors(samples_dir, tmp_path):
+    (tmp_path / "vocab.txt").write_text("[PAD]\n[UNK]\nthe\n")
+    error = build_error("--input", samples_dir / "news/lee.txt", "--vocab", tmp_path / "vocab.txt", "--out", tmp_path / "o")
+    assert "vocab.txt: missing special token(s) ['[CLS]', '[SEP]', '[MASK]']" in error
+    error = build_error("--input", samples_dir / "news/lee.txt", "--vocab", tmp_path / "none.txt", "--out", tmp_path / "o")
+    assert "none.txt: file not found" in error
+    error = build_error("--input", tmp_path / "absent.jsonl", "--vocab", tmp_path / "vocab.txt", "--out", tmp_path / "o")
+    assert "absent.jsonl: file not found" in error
+
+
+def test_train_vocab_then_build_in_one_command(samples_dir, tmp_path):
+    manifest = run_build("--input", samples_dir / "news/lee.txt", "--train-vocab", 800, "--vocab-out",
+                         tmp_path / "vocab.txt", "--recipe", "gpt", "--out", tmp_path / "out")
+    assert manifest["vocab"]["size"] == 800 and manifest["token_dtype"] == "uint16"
+    assert (tmp_path / "out/vocab.txt").read_bytes() == (tmp_path / "vocab.txt").read_bytes()

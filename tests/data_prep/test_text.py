@@ -1,0 +1,60 @@
+"""Document clean-up, sentence splitting and Wikipedia extraction on the real dump excerpt."""
+from __future__ import annotations
+
+import itertools
+
+from data_prep.sources import Skipped, read_documents
+from data_prep.text import MAX_SENTENCE_CHARS, clean_document, split_sentences
+from data_prep.wikitext import wikitext_to_text
+
+
+def test_clean_document_drops_control_characters_and_joins_lines():
+    text = "First\x00 line\x07 of\tpara\r\ncontinues  here.\n\n\n  Second \x1b para.\ufeff"
+    assert clean_document(text) == "First line of para continues here.\n\nSecond para."
+
+
+def test_sentence_split_respects_abbreviations_quotes_and_paragraphs():
+    document = clean_document('Mr. Smith met Dr. J. Watson in the U.S. on Jan. 5. He said "Hi!" Then 3 left.\n\n'
+                              "no capital here. still one")
+    assert split_sentences(document) == [
+        "Mr. Smith met Dr. J. Watson in the U.S. on Jan. 5.", 'He said "Hi!"', "Then 3 left.",
+        "no capital here. still one"]
+
+
+def test_long_lines_are_cut_into_bounded_sentences():
+    sentences = split_sentences("word " * 5000 + "x" * 5000)
+    assert all(0 < len(s) <= MAX_SENTENCE_CHARS for s in sentences)
+    assert "".join(sentences).replace(" ", "") == ("word" * 5000 + "x" * 5000)
+
+
+def test_wikitext_markup_is_removed():
+    wikitext = """{{Infobox person|name=Ada|image=[[File:Ada.jpg|thumb]]}}
+'''Ada Lovelace''' was an [[England|English]] [[mathematician]].<ref name="a">{{cite book|title=X}}</ref> She wrote notes.<ref>Source</ref>
+[[File:Ada Lovelace portrait.jpg|thumb|Portrait of [[Ada Lovelace|Ada]] in 1840]]
+== Early life ==
+* a list item
+# numbered item
+{| class="wikitable"
+| cell || cell
+|}
+She was born in [[London]] in 1815. See [http://example.org the site].
+[[Category:Mathematicians]]
+"""
+    text = wikitext_to_text(wikitext)
+    assert text == ("Ada Lovelace was an English mathematician. She wrote notes.\n\n"
+                    "She was born in London in 1815. See the site.")
+
+
+def test_real_wikipedia_excerpt(samples_dir):
+    records = list(read_documents(str(samples_dir / "wiki/enwiki-excerpt.xml.bz2")))
+    articles = [r for r in records if isinstance(r, str)]
+    skipped = [r for r in records if isinstance(r, Skipped)]
+    assert len(articles) >= 100 and {s.reason for s in skipped} <= {"wiki_redirect", "wiki_not_an_article"}
+    assert articles[0].startswith("Anarchism is a political philosophy")
+    body = "\n".join(articles)
+    for markup in ("{{", "}}", "[[", "]]", "<ref", "</ref>", "{|", "|}", "'''", "File:", "Category:"):
+        assert markup not in body, markup
+    lines = body.split("\n")
+    assert not any(line.startswith(("=", "*", "#", "|", "!")) for line in lines)
+    sentences = list(itertools.chain.from_iterable(split_sentences(clean_document(a)) for a in articles[:5]))
+    assert len(sentences) > 300 and all(s.strip() == s and s for s in sentences)

@@ -1,0 +1,64 @@
+"""Vocab validation, casing, training, and special tokens that text cannot inject."""
+from __future__ import annotations
+
+import pytest
+
+from data_prep.vocab import VocabError, load_tokenizer, load_vocab, train_vocab
+
+SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+def _write(tmp_path, lines, name="vocab.txt") -> str:
+    path = tmp_path / name
+    path.write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")
+    return str(path)
+
+
+def test_real_uncased_bert_vocab(minilm_dir):
+    vocab = load_vocab(minilm_dir / "vocab.txt")
+    assert vocab.size == 30522
+    assert vocab.special_ids == {"pad": 0, "unk": 100, "cls": 101, "sep": 102, "mask": 103}
+
+
+@pytest.mark.parametrize("lines, message", [
+    ([], "empty"),
+    (SPECIALS + ["the", "the"], "line 7 repeats 'the' \\(first at line 6\\)"),
+    (["[PAD]", "[UNK]", "[CLS]", "the"], "missing special token\\(s\\) \\['\\[SEP\\]', '\\[MASK\\]'\\]"),
+    (SPECIALS + ["", "x"], "line 6 is blank"),
+])
+def test_malformed_vocab_is_named(tmp_path, lines, message):
+    with pytest.raises(VocabError, match=rf"vocab .*vocab.txt: {message}"):
+        load_vocab(_write(tmp_path, lines))
+
+
+def test_missing_and_binary_vocab(tmp_path):
+    with pytest.raises(VocabError, match="nope.txt: file not found.*--train-vocab"):
+        load_vocab(tmp_path / "nope.txt")
+    (tmp_path / "bin.txt").write_bytes(b"[PAD]\n[UNK]\n\xff\xfe\x00\n")
+    with pytest.raises(VocabError, match="bin.txt: line 3 is not UTF-8"):
+        load_vocab(tmp_path / "bin.txt")
+
+
+def test_cased_by_default_uncased_on_request(tmp_path):
+    path = _write(tmp_path, SPECIALS + ["Hello", "hello", "cafe", "café", "world", "!", "##s"])
+    vocab = load_vocab(path)
+    cased = load_tokenizer(path, vocab.sha256, False)
+    uncased = load_tokenizer(path, vocab.sha256, True)
+    assert cased.encode("Hello café worlds!", add_special_tokens=False).tokens == ["Hello", "café", "world", "##s", "!"]
+    assert uncased.encode("Hello Café", add_special_tokens=False).tokens == ["hello", "cafe"]
+
+
+def test_literal_special_token_text_stays_ordinary_text(vocab_file):
+    vocab = load_vocab(vocab_file)
+    tokenizer = load_tokenizer(str(vocab_file), vocab.sha256, False)
+    ids = tokenizer.encode("Before [SEP] and [MASK] or [CLS] [PAD] after", add_special_tokens=False).ids
+    assert not set(ids) & {vocab.special_ids[k] for k in ("pad", "cls", "sep", "mask")}
+
+
+def test_train_vocab_writes_a_valid_cased_vocab(tmp_path, samples_dir):
+    text = (samples_dir / "news/lee.txt").read_text().split("\n\n")
+    vocab = train_vocab(iter(text), 600, tmp_path / "v" / "vocab.txt", uncased=False)
+    assert vocab.size == 600 and vocab.tokens[:5] == tuple(SPECIALS)
+    assert "The" in vocab.tokens  # cased
+    with pytest.raises(VocabError, match="too small"):
+        train_vocab(iter(text), 10, tmp_path / "small.txt", uncased=False)
