@@ -312,13 +312,16 @@ def run_builder(cfg: BuildConfig, out: Path, workers: int = 1, builder_index: in
     os.replace(copy, out / VOCAB_NAME)
     stats = DocumentStats()
     num_chunks = 0
+    total_samples = 0
     bar = tqdm(desc=f"building {out.name}", unit="doc", disable=not progress, file=sys.stderr)
 
     def collect(result: tuple[int, int, DocumentStats, int]) -> None:
+        nonlocal total_samples
         _, records, chunk_stats, samples = result
         stats.add(chunk_stats)
+        total_samples += samples
         bar.update(records)
-        bar.set_postfix(samples=samples, skipped=stats.skipped)
+        bar.set_postfix(samples=total_samples, skipped=stats.skipped)
 
     chunks = iter_chunks(cfg.inputs, cfg.chunk_chars)
     if workers <= 1:
