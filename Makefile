@@ -21,7 +21,7 @@ WORKERS    ?= 2
 SHARDS     ?= data/shards/$(RECIPE)-$(SEQ_LEN)
 BUILD_ARGS ?=
 
-.PHONY: help setup system-deps sample-corpus vocab shards inspect demo test bench bench-data bench-model clean pretrain preflight plot bench-train
+.PHONY: help setup system-deps sample-corpus vocab shards inspect demo test bench bench-data bench-model clean pretrain preflight plot bench-train finetune-data finetune-demo bench-decode
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -58,15 +58,15 @@ shards: $(STAMP)  ## build shards: INPUTS, VOCAB, RECIPE, SEQ_LEN, SEED, WORKERS
 inspect: $(STAMP)  ## statistics of SHARDS
 	$(PY) -m data_prep.inspect $(SHARDS)
 
-demo: sample-corpus  ## the main job on the embedded sample corpus
-	$(MAKE) vocab
-	$(MAKE) shards
-	$(MAKE) inspect
+DEMO_ARGS ?=
+demo: $(STAMP)  ## the whole pipeline end to end on the sample corpus -> demo_out/REPORT.md (reruns skip done stages)
+	$(PY) -m pretrain.demo --samples $(SAMPLES) $(DEMO_ARGS)
 
 test: sample-corpus  ## run the whole test suite
 	$(PY) -m pytest -q tests
 
-bench: bench-data bench-model bench-train  ## all benchmarks
+bench: sample-corpus  ## every benchmark in one run: one table of ratios + the machine -> bench_out/results.json
+	$(PY) -m pretrain.bench_all --out bench_out
 
 bench-data: sample-corpus  ## shard build vs raw tokenizer throughput
 	$(PY) -m data_prep.bench
@@ -94,6 +94,25 @@ plot: $(STAMP)  ## loss curves (total and per objective) of RUN to RUN/loss.png
 
 bench-train: $(STAMP)  ## loader vs model throughput, data-wait share, per-rank memory of ZeRO-1/2/3
 	$(PY) -m pretrain.bench_train --out bench_out/train
+
+# Fine-tuning (issue 5). finetune-demo fine-tunes the tiny model pre-trained by our pipeline (FT_PRETRAINED: a
+# checkpoints directory, built with `make vocab shards pretrain OVERRIDES=$(FT_PRETRAIN_OVERRIDES)` when missing)
+# and the same model from scratch on BBC topic classification and headline generation, then prints the table.
+FT_OUT                ?= demo_out/finetune
+FT_PRETRAINED         ?= $(RUN)/checkpoints
+FT_VOCAB              ?= $(VOCAB)
+FT_PRETRAIN_OVERRIDES ?= train.max_steps=600 optim.warmup_steps=30
+
+finetune-data: sample-corpus  ## BBC News, Rotten Tomatoes, SQuAD samples -> task files in data/finetune
+	$(PY) -m finetune.datasets --samples $(SAMPLES) --out data/finetune
+
+finetune-demo: finetune-data  ## fine-tune pre-trained vs from-scratch tiny model on BBC topic + headlines: table
+	@test -f $(FT_PRETRAINED)/latest || { echo "[finetune-demo] no checkpoint in $(FT_PRETRAINED): pre-training one"; \
+	  $(MAKE) vocab shards && $(MAKE) pretrain OVERRIDES="$(FT_PRETRAIN_OVERRIDES)"; }
+	$(PY) -m finetune.demo --pretrained $(FT_PRETRAINED) --vocab $(FT_VOCAB) --data data/finetune --out $(FT_OUT)
+
+bench-decode: sample-corpus  ## beam-5 decoding of 64-token targets: KV cache vs --no-cache (same outputs, speed-up)
+	$(PY) -m finetune.bench_decode --out bench_out/decode.json
 
 clean:  ## remove built data and outputs (keeps .venv and the registry cache)
 	rm -rf data/vocab data/shards demo_out bench_out

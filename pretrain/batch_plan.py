@@ -1,0 +1,112 @@
+"""Batch arithmetic: global = micro × accumulation × data-parallel ranks, checked before any work starts.
+
+The paper's global batch of 330 = 2·3·5·11 cannot be split over e.g. 8 ranks. Instead of silently changing
+it, ``plan_batch`` fails with the feasible (micro, accumulation) pairs for this world size and the nearest
+feasible global batches; the user opts into one by setting it (``train.global_batch_size=...``).
+
+    python -m pretrain.batch_plan --global-batch 330 --world-size 8 [--micro-batch 4]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+
+class InfeasibleBatchError(ValueError):
+    """The requested global batch cannot be split over this many ranks (the message lists the choices)."""
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    global_batch_size: int
+    """Sequences per optimizer step over all ranks."""
+    micro_batch_size: int
+    """Sequences per rank per forward pass."""
+    gradient_accumulation_steps: int
+    """Forward/backward passes per optimizer step on each rank."""
+    data_parallel_size: int
+    """Number of data-parallel ranks."""
+
+    def __post_init__(self) -> None:
+        product = self.micro_batch_size * self.gradient_accumulation_steps * self.data_parallel_size
+        if product != self.global_batch_size:
+            raise InfeasibleBatchError(
+                f"global {self.global_batch_size} != micro {self.micro_batch_size} × accumulation "
+                f"{self.gradient_accumulation_steps} × data-parallel {self.data_parallel_size} = {product}")
+
+    @property
+    def samples_per_rank(self) -> int:
+        """Sequences each rank processes per optimizer step."""
+        return self.micro_batch_size * self.gradient_accumulation_steps
+
+    def deepspeed_fields(self) -> dict[str, int]:
+        """The batch keys injected into the DeepSpeed config (they never live in the JSON)."""
+        return {"train_batch_size": self.global_batch_size,
+                "train_micro_batch_size_per_gpu": self.micro_batch_size,
+                "gradient_accumulation_steps": self.gradient_accumulation_steps}
+
+
+def feasible_pairs(global_batch_size: int, data_parallel_size: int) -> list[tuple[int, int]]:
+    """All (micro, accumulation) with micro × accumulation × dp == global, smallest accumulation first."""
+    if global_batch_size % data_parallel_size:
+        return []
+    per_rank = global_batch_size // data_parallel_size
+    return [(per_rank // accumulation, accumulation)
+            for accumulation in range(1, per_rank + 1) if per_rank % accumulation == 0]
+
+
+def nearest_feasible_globals(global_batch_size: int, data_parallel_size: int,
+                             micro_batch_size: int | None = None) -> list[int]:
+    """The feasible global batches just below and above ``global_batch_size`` (a multiple of dp, or of
+    micro × dp when the micro-batch is fixed)."""
+    unit = data_parallel_size * (micro_batch_size or 1)
+    below = (global_batch_size // unit) * unit
+    candidates = [below, below + unit] if below != global_batch_size else [below]
+    return [c for c in candidates if c > 0]
+
+
+def plan_batch(global_batch_size: int, micro_batch_size: int, data_parallel_size: int) -> BatchPlan:
+    """Split the global batch over ``data_parallel_size`` ranks with the given micro-batch, or explain why not."""
+    if min(global_batch_size, micro_batch_size, data_parallel_size) < 1:
+        raise InfeasibleBatchError("global batch, micro-batch and data-parallel size must all be >= 1")
+    per_step = micro_batch_size * data_parallel_size
+    if global_batch_size % per_step == 0:
+        return BatchPlan(global_batch_size, micro_batch_size, global_batch_size // per_step, data_parallel_size)
+    pairs = feasible_pairs(global_batch_size, data_parallel_size)
+    lines = [f"global batch {global_batch_size} is not micro {micro_batch_size} × accumulation × "
+             f"{data_parallel_size} data-parallel ranks."]
+    if pairs:
+        lines.append(f"Feasible (micro, accumulation) pairs for {global_batch_size} on {data_parallel_size} ranks: "
+                     + ", ".join(f"({m}, {a})" for m, a in pairs)
+                     + " -> set train.micro_batch_size accordingly.")
+    else:
+        lines.append(f"No (micro, accumulation) pair reaches {global_batch_size} on {data_parallel_size} ranks "
+                     f"({global_batch_size} is not a multiple of {data_parallel_size}).")
+    nearest = nearest_feasible_globals(global_batch_size, data_parallel_size)
+    lines.append("Nearest feasible global batches: " + ", ".join(
+        f"{g} (micro×accumulation = {g // data_parallel_size} per rank)" for g in nearest))
+    with_micro = nearest_feasible_globals(global_batch_size, data_parallel_size, micro_batch_size)
+    if with_micro != nearest:
+        lines.append(f"Keeping micro-batch {micro_batch_size}: " + ", ".join(map(str, with_micro)))
+    lines.append("Opt in with train.global_batch_size=N (or change the number of ranks).")
+    raise InfeasibleBatchError("\n".join(lines))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--global-batch", type=int, default=330)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--micro-batch", type=int, default=1)
+    args = parser.parse_args(argv)
+    try:
+        plan = plan_batch(args.global_batch, args.micro_batch, args.world_size)
+    except InfeasibleBatchError as error:
+        print(error, file=sys.stderr)
+        return 1
+    print(plan)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,293 @@
+"""`make bench`: every benchmark of the project in one run, one table of ratios, ``bench_out/results.json``.
+
+    python -m pretrain.bench_all [--out bench_out] [--only data model train decode]
+
+Runs, one after the other on the same machine (so the ratios are measured side by side):
+  data    ``data_prep.bench``           shard build vs raw ``tokenizers`` encoding of the same corpus
+  model   ``pretrain.bench_model``      training step vs ``transformers.BertForPreTraining``; FLOP/s vs matmul peak
+  train   ``pretrain.bench_train``      loader vs model consumption, data-wait share, ZeRO-1/2/3 memory per rank
+  decode  ``finetune.bench_decode``     beam search with vs without the key/value cache (when present)
+  gpu     (CUDA machines only)          fp16/bf16 BERT-large training throughput at seq 128 and 512, MFU
+Each measurement is one row: what was measured, against what, the ratio, the target. A benchmark that fails
+is reported as such and the others still run. The machine (CPU model, cores, memory, library versions) is
+recorded beside the numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from pretrain.config import REPO_ROOT
+
+SECTIONS = ("data", "model", "train", "decode", "gpu")
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    import deepspeed
+    import tokenizers
+    import torch
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        memory_gb = None
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": memory_gb, "torch_threads": torch.get_num_threads(),
+            "load_average": os.getloadavg(), "python": platform.python_version(), "torch": torch.__version__,
+            "deepspeed": deepspeed.__version__, "transformers": transformers.__version__,
+            "tokenizers": tokenizers.__version__,
+            "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}
+
+
+# -------------------------------------------------------------------------------------------- sections
+def bench_data(args: argparse.Namespace) -> dict[str, Any]:
+    from data_prep.bench import measure
+    return measure(repeat=args.repeat)
+
+
+def bench_model(args: argparse.Namespace) -> dict[str, Any]:
+    """``pretrain.bench_model`` in its own process (it prints a table; parsed here)."""
+    output = _run([sys.executable, "-m", "pretrain.bench_model"])
+    rows = {}
+    for clock, name, seconds, tokens, gflops, percent in re.findall(
+            r"^(wall|cpu)\s+(ours|transformers)\s+([\d.]+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)%$", output, re.M):
+        rows[f"{clock}_{name}"] = {"step_s": float(seconds), "tokens_per_s": float(tokens),
+                                   "useful_gflops": float(gflops), "percent_of_peak": float(percent)}
+    peak = re.search(r"matmul peak: ([\d.]+) GFLOP per wall-second, ([\d.]+) GFLOP per CPU-second", output)
+    if len(rows) != 4 or peak is None:
+        raise RuntimeError(f"could not read pretrain.bench_model's output:\n{output[-2000:]}")
+    return {"rows": rows, "matmul_peak_gflops": {"wall": float(peak.group(1)), "cpu": float(peak.group(2))},
+            "setup": output.splitlines()[0] if output else ""}
+
+
+def bench_train(args: argparse.Namespace) -> dict[str, Any]:
+    from pretrain.bench_train import measure
+    return measure(_shards(args), args.out / "train")
+
+
+def bench_decode(args: argparse.Namespace) -> dict[str, Any]:
+    if importlib.util.find_spec("finetune.bench_decode") is None:
+        return {"skipped": "finetune.bench_decode is not in this tree"}
+    out = args.out / "decode.json"
+    _run([sys.executable, "-m", "finetune.bench_decode", "--out", str(out)])
+    return json.loads(out.read_text())
+
+
+def bench_gpu(args: argparse.Namespace) -> dict[str, Any]:
+    """BERT-large training throughput per GPU (forward + backward + AdamW under autocast) at seq 128 and 512 in
+    fp16 and bf16, with MFU against the dense matmul peak measured in the same dtype."""
+    import torch
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA device"}
+    from pretrain.bench_model import make_batch, useful_flops
+    from pretrain.model import build_model, preset
+
+    cfg = preset("bert-large")
+    results = []
+    for dtype in (torch.float16, torch.bfloat16):
+        a = torch.randn(8192, 8192, device="cuda", dtype=dtype)
+        for _ in range(3):
+            a @ a
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize()
+        peak = 20 * 2 * 8192**3 / (time.perf_counter() - began)
+        del a
+        for seq_len, batch_size in ((128, 64), (512, 16)):
+            model = build_model(cfg).cuda().train()
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+            scaler = torch.amp.GradScaler(enabled=dtype == torch.float16)
+            predictions = int(0.15 * seq_len)
+            batch = {k: v.cuda() for k, v in make_batch(cfg, batch_size, seq_len, predictions).items()}
+
+            def step() -> None:
+                with torch.autocast("cuda", dtype=dtype):
+                    loss = model(**batch).loss
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+            began, steps = time.perf_counter(), 10
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+            seconds = (time.perf_counter() - began) / steps
+            results.append({"dtype": str(dtype).removeprefix("torch."), "seq_len": seq_len, "micro_batch": batch_size,
+                            "samples_per_s": batch_size / seconds,
+                            "mfu": useful_flops(cfg, batch_size, seq_len, predictions) / seconds / peak,
+                            "matmul_peak_tflops": peak / 1e12})
+            del model, optimizer
+            torch.cuda.empty_cache()
+    return {"device": torch.cuda.get_device_name(0), "bert_large": results}
+
+
+RUNNERS = {"data": bench_data, "model": bench_model, "train": bench_train, "decode": bench_decode, "gpu": bench_gpu}
+
+
+def _run(command: list[str]) -> str:
+    print(f"[bench]   $ {' '.join(Path(command[0]).name if i == 0 else c for i, c in enumerate(command))}",
+          flush=True)
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
+    sys.stdout.write(done.stdout)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(command[1:])} exited {done.returncode}:\n{done.stderr[-2000:]}")
+    return done.stdout
+
+
+def _shards(args: argparse.Namespace) -> str:
+    """The training-engine benchmark reads real shards: ``--shards``, else a build of the sample corpus."""
+    if args.shards and Path(args.shards, "manifest.json").is_file():
+        return args.shards
+    data = args.out / "data"
+    inputs = ["data/samples/wiki/enwiki-excerpt.xml.bz2", "data/samples/books.jsonl"]
+    if not (data / "shards" / "manifest.json").is_file():
+        _run([sys.executable, "-m", "data_prep.build", "--input", *inputs, "--train-vocab", "8000",
+              "--vocab-out", str(data / "vocab.txt"), "--quiet"])
+        _run([sys.executable, "-m", "data_prep.build", "--input", *inputs, "--vocab", str(data / "vocab.txt"),
+              "--workers", "2", "--out", str(data / "shards"), "--overwrite", "--quiet"])
+    return str(data / "shards")
+
+
+# ----------------------------------------------------------------------------------------------- table
+def table_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per measured ratio: benchmark, measured value, reference value, ratio, target, met."""
+    rows = []
+
+    def row(name: str, measured: str, reference: str, ratio: float, target: str, met: bool | None) -> None:
+        rows.append({"benchmark": name, "measured": measured, "reference": reference, "ratio": ratio,
+                     "target": target, "met": met})
+
+    data = results.get("data", {})
+    if "tokens_per_s" in data:
+        rate = data["tokens_per_s"]
+        row("shard build (1 worker) vs raw tokenizers encode_batch, tokens/s", f"{rate['build_1']:,.0f}",
+            f"{rate['raw']:,.0f}", data["ratio_build_vs_raw"], ">= 0.80", data["ratio_build_vs_raw"] >= 0.8)
+        row("  same, by process CPU time (robust to other load)", "", "", data["ratio_build_vs_raw_cpu"], ">= 0.80",
+            data["ratio_build_vs_raw_cpu"] >= 0.8)
+        row("shard build 2 workers vs 1 worker, tokens/s", f"{rate['build_2']:,.0f}", f"{rate['build_1']:,.0f}",
+            data["speedup_2_workers"], "> 1 (identical bytes)",
+            data["speedup_2_workers"] > 1 and data["identical_bytes_1_vs_2_workers"])
+    model = results.get("model", {})
+    if "rows" in model:
+        for clock in ("wall", "cpu"):
+            ours, theirs = model["rows"][f"{clock}_ours"], model["rows"][f"{clock}_transformers"]
+            row(f"train step ours vs transformers BertForPreTraining (bert-base fp32), tokens/s, {clock} clock",
+                f"{ours['tokens_per_s']:,.0f}", f"{theirs['tokens_per_s']:,.0f}",
+                theirs["step_s"] / ours["step_s"], ">= 1.3", theirs["step_s"] / ours["step_s"] >= 1.3)
+            row(f"useful FLOP/s vs torch fp32 matmul peak, {clock} clock", f"{ours['useful_gflops']:.1f} GFLOP/s",
+                f"{model['matmul_peak_gflops'][clock]:.1f} GFLOP/s", ours["percent_of_peak"] / 100, ">= 0.80",
+                ours["percent_of_peak"] >= 80)
+    train = results.get("train", {})
+    if "model_samples_per_s" in train:
+        loader = train["loader_samples_per_s_per_rank"]
+        for name, rate in train["model_samples_per_s"].items():
+            row(f"loader vs model consumption ({name}, 1 rank), samples/s", f"{loader:,.0f}", f"{rate:,.1f}",
+                loader / rate, "> 1", loader > rate)
+        wait = train["data_wait"]
+        row("data-wait share of step time (tiny, 2 ranks, ZeRO-2)", f"{1000 * wait['step_time_s']:.0f} ms/step", "",
+            wait["data_wait_share"], "< 0.01", wait["data_wait_share"] < 0.01)
+        for memory in train["zero_memory"]:
+            stage = memory["stage"]
+            budget = memory["zero3_16P_N_gb"] if stage == 3 else memory["zero2_4P_12P_N_gb"]
+            formula = "16·P/N" if stage == 3 else "4·P+12·P/N"
+            row(f"ZeRO-{stage} memory per rank vs budget {formula} (bert-base bf16, 2 ranks)",
+                f"{memory['measured_gb_per_rank']:.3f} GB", f"{budget:.3f} GB",
+                memory["measured_gb_per_rank"] / budget, "<= 1", memory["measured_gb_per_rank"] <= budget)
+    decode = results.get("decode", {})
+    if "speedup" in decode:
+        row(f"beam-{decode['beam_size']} decoding with vs without KV cache ({decode['target_length']} tokens)",
+            f"{decode['cache']['seconds']:.2f} s", f"{decode['no_cache']['seconds']:.2f} s", decode["speedup"],
+            ">= 10 (same outputs)", decode["speedup"] >= 10 and decode["identical_outputs"])
+    for gpu in results.get("gpu", {}).get("bert_large", []):
+        row(f"BERT-large {gpu['dtype']} seq {gpu['seq_len']} on {results['gpu']['device']}, MFU",
+            f"{gpu['samples_per_s']:.1f} samples/s", f"{gpu['matmul_peak_tflops']:.0f} TFLOP/s peak", gpu["mfu"],
+            "", None)
+    return rows
+
+
+def render_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| benchmark | measured | reference | ratio | target | |", "|---|---:|---:|---:|---|---|"]
+    for r in rows:
+        verdict = "" if r["met"] is None else "met" if r["met"] else "NOT met"
+        lines.append(f"| {r['benchmark']} | {r['measured']} | {r['reference']} | {r['ratio']:.3g} | {r['target']} "
+                     f"| {verdict} |")
+    return "\n".join(lines)
+
+
+def describe(info: dict[str, Any]) -> str:
+    gpus = f", GPUs: {', '.join(info['gpus'])}" if info["gpus"] else ", no GPU"
+    memory = f"{info['memory_gib']:.0f} GiB" if info.get("memory_gib") else "? GiB"
+    return (f"{info['cpu']}, {info['cores']} cores, {memory}{gpus}; torch {info['torch']}, deepspeed "
+            f"{info['deepspeed']}, transformers {info['transformers']}, tokenizers {info['tokenizers']}, Python "
+            f"{info['python']}; load average at start {info['load_average'][0]:.1f}")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("bench_out"))
+    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument("--shards", default="data/shards/unilm-128", help="shards for the training benchmark")
+    parser.add_argument("--repeat", type=int, default=3, help="repeats of the data benchmark (best kept)")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO_ROOT / ".cache" / "torch_extensions"))
+    args.out.mkdir(parents=True, exist_ok=True)
+    info = machine()
+    print(f"[bench] machine: {describe(info)}", flush=True)
+    results: dict[str, Any] = {}
+    errors: dict[str, str] = {}
+    timings: dict[str, float] = {}
+    for name in args.only:
+        print(f"[bench] {name} ...", flush=True)
+        began = time.monotonic()
+        try:
+            results[name] = RUNNERS[name](args)
+        except Exception as error:  # one broken benchmark must not hide the others
+            traceback.print_exc()
+            errors[name] = f"{type(error).__name__}: {error}"
+        timings[name] = time.monotonic() - began
+        print(f"[bench] {name}: {timings[name]:.0f} s", flush=True)
+    rows = table_rows(results)
+    table = render_table(rows)
+    report = {"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": info,
+              "machine_description": describe(info), "table": rows, "results": results, "errors": errors,
+              "seconds": timings}
+    (args.out / "results.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    (args.out / "results.md").write_text(f"Measured {report['date_utc']} on {describe(info)}.\n\n{table}\n")
+    print(f"\n[bench] {describe(info)}\n\n{table}\n", flush=True)
+    for name, error in errors.items():
+        print(f"[bench] {name} FAILED: {error.splitlines()[0]}", flush=True)
+    skipped = {k: v["skipped"] for k, v in results.items() if isinstance(v, dict) and "skipped" in v}
+    for name, why in skipped.items():
+        print(f"[bench] {name} skipped: {why}", flush=True)
+    print(f"[bench] wrote {args.out / 'results.json'}", flush=True)
+    if errors:
+        sys.exit(1)
+    return report
+
+
+if __name__ == "__main__":
+    main()

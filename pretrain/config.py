@@ -1,0 +1,313 @@
+"""The pre-training run config: frozen dataclasses loaded from YAML with dotted ``key=value`` overrides.
+
+One ``RunConfig`` describes a run completely (together with the model config it resolves to and the DeepSpeed
+JSON it names). ``train.max_steps`` alone defines the run — the LR schedule and the data order; when a process
+stops (``train.exit_at_step``, ``train.exit_after_minutes``) is separate, so a run stopped early and resumed is
+the same run.
+
+    cfg = load_config("pretrain/configs/tiny.yaml", ["train.max_steps=50", "out_dir=runs/a"])
+
+Batch sizes live here only: the DeepSpeed JSON holds engine settings and gets them injected
+(see ``pretrain.batch_plan``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    shards: str = ""
+    """Directory of a shard set (``manifest.json`` + shards written by ``data_prep``)."""
+    eval_shards: str | None = None
+    """Optional held-out shard set; gives per-objective eval loss every ``train.eval_interval`` steps."""
+    prefetch_steps: int = 4
+    """Optimizer steps of collated batches the background thread keeps ready per rank."""
+    max_seq_len: int | None = None
+    """Longest sequence accepted; default: the model's ``max_position_embeddings``."""
+
+    def __post_init__(self) -> None:
+        if not self.shards:
+            raise ValueError("data.shards is required (a directory with manifest.json)")
+        if self.prefetch_steps < 1:
+            raise ValueError(f"data.prefetch_steps must be >= 1, got {self.prefetch_steps}")
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    preset: str | None = "tiny"
+    """A ``pretrain.model.preset`` name: unilm-large, bert-large, bert-base, gpt, tiny."""
+    init_from: str | None = None
+    """A Hugging Face BERT directory to initialise from (UniLM starts from BERT-large); overrides ``preset``."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """``ModelConfig`` fields replaced on top of the preset, e.g. ``{hidden_dropout: 0.0}``; with
+    ``preset: null`` and no ``init_from``, the complete model config."""
+
+    def __post_init__(self) -> None:
+        if not self.preset and not self.init_from and not self.overrides:
+            raise ValueError("set model.preset, model.init_from, or a full model config in model.overrides")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 3e-5
+    """Peak learning rate (UniLM: 3e-5)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam betas."""
+    eps: float = 1e-6
+    """Adam epsilon."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay; never applied to biases and LayerNorm weights."""
+    warmup_steps: int = 40_000
+    """Linear warm-up steps, then linear decay to ``min_lr`` at ``train.max_steps`` (DeepSpeed WarmupDecayLR)."""
+    min_lr: float = 0.0
+    """Learning rate at step 0 and at the end of the decay."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clipping (DeepSpeed ``gradient_clipping``); 0 disables."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ValueError(f"need 0 <= optim.min_lr <= optim.lr and lr > 0, got lr={self.lr} min_lr={self.min_lr}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"optim.betas must be two numbers in [0, 1), got {self.betas}")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise ValueError("optim.weight_decay and optim.grad_clip must be >= 0")
+        if self.warmup_steps < 1:
+            raise ValueError(f"optim.warmup_steps must be >= 1 (DeepSpeed WarmupDecayLR), got {self.warmup_steps}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    global_batch_size: int = 330
+    """Sequences per optimizer step over all ranks (= micro × accumulation × data-parallel)."""
+    micro_batch_size: int = 1
+    """Sequences per rank per forward pass."""
+    max_steps: int = 770_000
+    """Optimizer steps of the whole run; defines the LR schedule and the data order."""
+    save_interval: int = 1000
+    """Save a checkpoint every this many optimizer steps (and at the end / on early exit)."""
+    keep_last: int = 3
+    """Complete checkpoints kept; older ones are deleted after a newer one is complete."""
+    seed: int = 1234
+    """Seeds the data order (per epoch) and the model initialisation / dropout RNGs."""
+    resume: str = "auto"
+    """``auto`` (newest complete checkpoint in out_dir, if any), ``never``, or a checkpoint tag directory."""
+    exit_at_step: int | None = None
+    """Save and exit cleanly after this step (the run stays defined by max_steps)."""
+    exit_after_minutes: float | None = None
+    """Save and exit cleanly once this much wall time has passed (time-limited allocations)."""
+    eval_interval: int = 0
+    """Evaluate on ``data.eval_shards`` every this many steps; 0 disables."""
+    eval_batches: int = 4
+    """Micro-batches per rank per evaluation."""
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch_size", "micro_batch_size", "max_steps", "save_interval", "keep_last"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.exit_at_step is not None and not 1 <= self.exit_at_step <= self.max_steps:
+            raise ValueError(f"train.exit_at_step must be in [1, max_steps={self.max_steps}], got {self.exit_at_step}")
+        if self.exit_after_minutes is not None and self.exit_after_minutes <= 0:
+            raise ValueError(f"train.exit_after_minutes must be > 0, got {self.exit_after_minutes}")
+        if self.eval_interval < 0 or self.eval_batches < 1:
+            raise ValueError("train.eval_interval must be >= 0 and train.eval_batches >= 1")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    out_dir: str
+    """Run directory: checkpoints/, metrics.jsonl, monitor/ (DeepSpeed CSV/TensorBoard), loss.png."""
+    deepspeed_config: str
+    """DeepSpeed JSON with engine settings only (ZeRO stage, precision, offload, optimizer/scheduler types)."""
+    data: DataConfig
+    """Shards and loader settings."""
+    model: ModelSection = field(default_factory=ModelSection)
+    """Which model to build."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and LR-schedule hyper-parameters (applied through DeepSpeed's optimizer and scheduler)."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Batch sizes, run length, checkpointing, resume and early exit."""
+
+    def __post_init__(self) -> None:
+        if not self.out_dir:
+            raise ValueError("out_dir is required")
+        if self.train.eval_interval and not self.data.eval_shards:
+            raise ValueError("train.eval_interval > 0 needs data.eval_shards")
+        if self.optim.warmup_steps >= self.train.max_steps:
+            raise ValueError(
+                f"optim.warmup_steps={self.optim.warmup_steps} must be < train.max_steps={self.train.max_steps} "
+                "(WarmupDecayLR decays over max_steps - warmup_steps)")
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.out_dir) / "checkpoints"
+
+    @property
+    def deepspeed_config_path(self) -> Path:
+        """The JSON path as given, else relative to the repository (so configs work from any directory)."""
+        path = Path(self.deepspeed_config)
+        return path if path.exists() or path.is_absolute() else REPO_ROOT / path
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _coerce(hint: Any, value: Any, name: str) -> Any:
+    """Check a YAML value against the field type; numbers written as strings (YAML reads ``2e-3`` as a string)
+    become numbers."""
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    if value is None and type(None) in options:
+        return None
+    for option in options:
+        try:
+            if option is float and isinstance(value, (int, float, str)) and not isinstance(value, bool):
+                return float(value)
+            if option is int and isinstance(value, (int, str)) and not isinstance(value, bool) \
+                    and str(value).lstrip("-").isdigit():
+                return int(value)
+            if option is bool and isinstance(value, bool):
+                return value
+            if option is str and isinstance(value, str):
+                return value
+            if typing.get_origin(option) is tuple and isinstance(value, (list, tuple)):
+                return tuple(float(v) for v in value)
+            if typing.get_origin(option) is dict and isinstance(value, dict):
+                return value
+        except ValueError:
+            continue
+    raise ValueError(f"{name}={value!r} is not a valid {hint}")
+
+
+def _build(cls: type, values: dict[str, Any], prefix: str) -> Any:
+    """Build dataclass ``cls`` from a nested dict, refusing unknown keys by their dotted name."""
+    if not isinstance(values, dict):
+        raise ValueError(f"{prefix or 'config'} must be a mapping, got {values!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown config key(s): {', '.join(prefix + k for k in unknown)}")
+    kwargs = {}
+    for name, value in values.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            value = _build(hint, value or {}, f"{prefix}{name}.")
+        else:
+            value = _coerce(hint, value, prefix + name)
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Return a copy of nested ``values`` with ``a.b.c=value`` overrides applied (values parsed as YAML)."""
+    result = yaml.safe_load(yaml.safe_dump(values)) or {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override {item!r} is not of the form key=value")
+        node = result
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"override {item!r}: {part} is not a section")
+        node[leaf] = yaml.safe_load(raw)
+    return result
+
+
+def config_from_dict(values: dict[str, Any]) -> RunConfig:
+    return _build(RunConfig, values, "")
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
+    """Read a run YAML, apply dotted overrides, validate."""
+    values = yaml.safe_load(Path(path).read_text()) or {}
+    return config_from_dict(apply_overrides(values, list(overrides)))
+
+
+# ------------------------------------------------------------------------------- configuration reference
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each field of dataclass ``cls`` (the string literal after the field)."""
+    import ast
+    import inspect
+    import textwrap
+
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    docs = {}
+    for node, following in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)):
+            docs[node.target.id] = " ".join(inspect.cleandoc(following.value.value).split())
+    return docs
+
+
+def _reference_rows(cls: type, prefix: str, required: str = "required") -> list[str]:
+    docs = field_docs(cls)
+    rows = []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(typing.get_type_hints(cls)[f.name]):
+            continue  # a section: documented by its own table
+        if f.default is not dataclasses.MISSING:
+            default = f"`{f.default!r}`" if f.default not in (None, "") else ("`null`" if f.default is None else "`''`")
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f"`{f.default_factory()!r}`"
+        else:
+            default = required
+        doc = docs.get(f.name)
+        if doc is None:
+            raise ValueError(f"{cls.__name__}.{f.name} has no docstring: every config key is documented")
+        doc = doc.replace("``", "`").replace("|", "\\|")
+        kind = str(f.type).replace("|", "\\|")
+        rows.append(f"| `{prefix}{f.name}` | `{kind}` | {default} | {doc} |")
+    return rows
+
+
+def reference_markdown() -> str:
+    """The README's configuration reference: every key of a run YAML, from the dataclasses' field docstrings."""
+    from pretrain.model import ModelConfig
+
+    header = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    parts = ["Every key of a run YAML (`pretrain/configs/*.yaml`); any of them can be overridden on the command "
+             "line as `key=value` (e.g. `train.max_steps=100`). Generated by `python -m pretrain.config --reference` "
+             "from the field docstrings in `pretrain/config.py` and `pretrain/model.py`; `tests/test_readme.py` "
+             "keeps this section equal to it.", ""]
+    for title, cls, prefix in (("Top level", RunConfig, ""), ("`data`", DataConfig, "data."),
+                               ("`model`", ModelSection, "model."), ("`optim`", OptimConfig, "optim."),
+                               ("`train`", TrainConfig, "train.")):
+        parts += [f"#### {title}", "", *header, *_reference_rows(cls, prefix), ""]
+    parts += ["#### `model.overrides` (the architecture, `pretrain.model.ModelConfig`)", "",
+              "Fields replaced on top of `model.preset` (e.g. `model.overrides.hidden_dropout=0.0`); keys without a "
+              "default come from the preset.", "", *header,
+              *_reference_rows(ModelConfig, "model.overrides.", required="from preset"), ""]
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m pretrain.config",
+                                     description="Print a resolved run config, or the configuration reference.")
+    parser.add_argument("config", nargs="?", help="run YAML to resolve and print (with overrides)")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    parser.add_argument("--reference", action="store_true", help="print the Markdown reference of every key")
+    args = parser.parse_args(argv)
+    if args.reference:
+        print(reference_markdown(), end="")
+    elif args.config:
+        print(yaml.safe_dump(load_config(args.config, args.overrides).to_dict(), sort_keys=False), end="")
+    else:
+        parser.error("give a run YAML or --reference")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""Hugging Face BERT checkpoints in and out: `load_hf_bert(path)` and `save_hf_bert(model, path)`.
+
+Our parameter names map one-to-one onto HF `BertForPreTraining` names (`_HF_NAMES`); the only tensor that
+changes shape is the segment (token-type) embedding, because UniLM uses 6 segment types and BERT 2:
+
+    import (2 → 6)   HF type 0 ("first/only segment") → our rows 0 (bidirectional A), 2 (left-to-right),
+                     3 (right-to-left), 4 (seq2seq source); HF type 1 ("second segment") → rows 1
+                     (bidirectional B) and 5 (seq2seq target). A checkpoint that already has 6 types loads as is.
+    export (6 → 2)   rows 0 and 1 are written; rows 2..5 (left-to-right, right-to-left, seq2seq source/target)
+                     are dropped with a warning — a HF BERT cannot represent them, so the exported model
+                     behaves as ours on bidirectional inputs only.
+
+Tensors are read safely: `model.safetensors` with safetensors, `pytorch_model.bin` with
+`torch.load(weights_only=True)`. Checkpoints with or without the `bert.` prefix and with or without the
+MLM/NSP heads (and pooler) load; missing heads are freshly initialised and a warning names them.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from pretrain.masks import NUM_SEGMENT_TYPES
+from pretrain.model import ModelConfig, UniLMModel, build_model
+
+logger = logging.getLogger(__name__)
+
+# (our name prefix, HF BertForPreTraining name prefix); `{i}` is a layer index.
+_HF_NAMES = (
+    ("embeddings.token.", "bert.embeddings.word_embeddings."),
+    ("embeddings.position.", "bert.embeddings.position_embeddings."),
+    ("embeddings.segment.", "bert.embeddings.token_type_embeddings."),
+    ("embeddings.norm.", "bert.embeddings.LayerNorm."),
+    ("layers.{i}.attention.query.", "bert.encoder.layer.{i}.attention.self.query."),
+    ("layers.{i}.attention.key.", "bert.encoder.layer.{i}.attention.self.key."),
+    ("layers.{i}.attention.value.", "bert.encoder.layer.{i}.attention.self.value."),
+    ("layers.{i}.attention.output.", "bert.encoder.layer.{i}.attention.output.dense."),
+    ("layers.{i}.attention_norm.", "bert.encoder.layer.{i}.attention.output.LayerNorm."),
+    ("layers.{i}.ffn_in.", "bert.encoder.layer.{i}.intermediate.dense."),
+    ("layers.{i}.ffn_out.", "bert.encoder.layer.{i}.output.dense."),
+    ("layers.{i}.ffn_norm.", "bert.encoder.layer.{i}.output.LayerNorm."),
+    ("pooler.", "bert.pooler.dense."),
+    ("mlm_head.dense.", "cls.predictions.transform.dense."),
+    ("mlm_head.norm.", "cls.predictions.transform.LayerNorm."),
+    ("mlm_head.decoder.bias", "cls.predictions.bias"),
+    ("nsp_head.", "cls.seq_relationship."),
+)
+# HF keys that carry nothing of their own: buffers, and the decoder tied to the embeddings / bias.
+_HF_REDUNDANT = ("bert.embeddings.position_ids", "bert.embeddings.token_type_ids",
+                 "cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
+# Our tensors that a HF BERT checkpoint may lack (BertModel has no heads, BertForMaskedLM no pooler/NSP).
+_OPTIONAL_PREFIXES = ("pooler.", "mlm_head.", "nsp_head.")
+# HF type 0 → our rows 0, 2, 3, 4; HF type 1 → rows 1, 5 (see the module docstring).
+SEGMENT_ROWS_FROM_HF = (0, 1, 0, 0, 0, 1)
+
+
+def _rename(name: str, table: tuple[tuple[str, str], ...]) -> str | None:
+    for source, target in table:
+        pattern = "^" + re.escape(source).replace(r"\{i\}", r"(\d+)")
+        match = re.match(pattern, name)
+        if match:
+            renamed = target.replace("{i}", match.group(1)) if match.groups() else target
+            return renamed + name[match.end():]
+    return None
+
+
+def to_hf_name(name: str) -> str | None:
+    """Our parameter name → HF BertForPreTraining name (None for the tied decoder weight)."""
+    return _rename(name, _HF_NAMES)
+
+
+def from_hf_name(name: str) -> str | None:
+    """HF BertForPreTraining name (with `bert.` prefix) → our parameter name (None if unknown)."""
+    return _rename(name, tuple((hf, ours) for ours, hf in _HF_NAMES))
+
+
+def config_from_hf(config: dict) -> ModelConfig:
+    """Our ModelConfig from a HF BERT `config.json` dict; refuses what our model cannot express."""
+    if config.get("model_type", "bert") != "bert":
+        raise ValueError(f"not a BERT config: model_type={config.get('model_type')!r}")
+    if config.get("hidden_act", "gelu") != "gelu":
+        raise ValueError(f"only exact gelu is supported, config has hidden_act={config['hidden_act']!r}")
+    if config.get("position_embedding_type", "absolute") != "absolute":
+        raise ValueError("only absolute position embeddings are supported, config has "
+                         f"position_embedding_type={config['position_embedding_type']!r}")
+    if config.get("type_vocab_size", 2) not in (2, NUM_SEGMENT_TYPES):
+        raise ValueError(f"type_vocab_size={config['type_vocab_size']} cannot be mapped to "
+                         f"{NUM_SEGMENT_TYPES} segment types (2 or {NUM_SEGMENT_TYPES} can)")
+    return ModelConfig(
+        vocab_size=config["vocab_size"],
+        hidden_size=config["hidden_size"],
+        num_layers=config["num_hidden_layers"],
+        num_heads=config["num_attention_heads"],
+        intermediate_size=config["intermediate_size"],
+        max_position_embeddings=config.get("max_position_embeddings", 512),
+        hidden_dropout=config.get("hidden_dropout_prob", 0.1),
+        attention_dropout=config.get("attention_probs_dropout_prob", 0.1),
+        layer_norm_eps=config.get("layer_norm_eps", 1e-12),
+        initializer_range=config.get("initializer_range", 0.02),
+    )
+
+
+def _read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
+    if (directory / "model.safetensors").is_file():
+        return load_file(directory / "model.safetensors")
+    if (directory / "pytorch_model.bin").is_file():
+        return torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise FileNotFoundError(f"{directory}: neither model.safetensors nor pytorch_model.bin")
+
+
+def load_hf_bert(path: str | Path) -> UniLMModel:
+    """Our model with the weights of a HF BERT directory (config.json + model.safetensors | pytorch_model.bin).
+
+    Accepts BertModel, BertForMaskedLM and BertForPreTraining checkpoints, with or without the `bert.` prefix
+    and with TF-era `gamma`/`beta` LayerNorm names. Segment types 2 → 6 as in the module docstring. Tensors
+    our model has but the checkpoint lacks (pooler, MLM head, NSP head) keep their fresh init, with a warning;
+    anything else missing, unknown or of the wrong shape is an error.
+    """
+    directory = Path(path)
+    cfg = config_from_hf(json.loads((directory / "config.json").read_text()))
+    model = build_model(cfg)
+    ours = model.state_dict()
+
+    loaded: dict[str, torch.Tensor] = {}
+    unknown = []
+    for hf_name, tensor in _read_state_dict(directory).items():
+        hf_name = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", hf_name)  # TF-era names
+        hf_name = re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", hf_name)
+        if not hf_name.startswith(("bert.", "cls.")):
+            hf_name = "bert." + hf_name
+        if hf_name in _HF_REDUNDANT:
+            continue
+        name = from_hf_name(hf_name)
+        if name is None:
+            unknown.append(hf_name)
+            continue
+        if name == "embeddings.segment.weight" and tensor.shape[0] == 2:
+            tensor = tensor[list(SEGMENT_ROWS_FROM_HF)]
+        if tensor.shape != ours[name].shape:
+            raise ValueError(f"{directory}: {hf_name} has shape {tuple(tensor.shape)}, "
+                             f"our {name} needs {tuple(ours[name].shape)}")
+        loaded[name] = tensor
+    if unknown:
+        raise ValueError(f"{directory}: tensors our model has no place for: {unknown}")
+
+    tied = "mlm_head.decoder.weight"
+    missing = sorted(n for n in ours if n not in loaded and n != tied)
+    not_optional = [n for n in missing if not n.startswith(_OPTIONAL_PREFIXES)]
+    if not_optional:
+        raise ValueError(f"{directory}: checkpoint lacks {not_optional}")
+    if missing:
+        message = (f"{directory}: no weights for {sorted({n.split('.')[0] for n in missing})} "
+                   f"({len(missing)} tensors) — freshly initialised, train them before use")
+        logger.warning(message)
+    model.load_state_dict(loaded, strict=False)
+    return model
+
+
+# What each HF class holds besides the encoder: from_pretrained reports anything else as unexpected.
+HF_ARCHITECTURES = {
+    "BertForPreTraining": ("bert.", "cls."),
+    "BertForMaskedLM": ("bert.embeddings.", "bert.encoder.", "cls.predictions."),
+    "BertModel": ("bert.embeddings.", "bert.encoder.", "bert.pooler."),
+}
+
+
+def hf_config(cfg: ModelConfig, architecture: str = "BertForPreTraining") -> dict:
+    """The HF `config.json` of a BERT equivalent to our config (2 segment types)."""
+    return {
+        "architectures": [architecture],
+        "model_type": "bert",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "intermediate_size": cfg.intermediate_size,
+        "hidden_act": "gelu",
+        "hidden_dropout_prob": cfg.hidden_dropout,
+        "attention_probs_dropout_prob": cfg.attention_dropout,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "type_vocab_size": 2,
+        "initializer_range": cfg.initializer_range,
+        "layer_norm_eps": cfg.layer_norm_eps,
+        "position_embedding_type": "absolute",
+        "tie_word_embeddings": True,
+    }
+
+
+def save_hf_bert(model: UniLMModel, path: str | Path, architecture: str = "BertForPreTraining") -> Path:
+    """Write `config.json` + `model.safetensors` for one HF class to `path`; returns it.
+
+    `architecture` is the class that will load it with no missing and no unexpected weights:
+    `BertForPreTraining` (everything: encoder, pooler, MLM and NSP heads), `BertForMaskedLM` (no pooler,
+    no NSP head) or `BertModel` (no heads; `bert.` prefix dropped). A BertForPreTraining export also loads
+    into the other two, which then list the heads they lack as unexpected (HF's usual report).
+    Segment rows 2..5 are dropped (warning): see the module docstring. Copy a vocab.txt beside it yourself.
+    """
+    if architecture not in HF_ARCHITECTURES:
+        raise ValueError(f"architecture must be one of {list(HF_ARCHITECTURES)}, got {architecture!r}")
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        hf_name = to_hf_name(name)
+        # the decoder weight is the token embedding (HF re-ties it on load); heads the class lacks are left out
+        if hf_name is None or not hf_name.startswith(HF_ARCHITECTURES[architecture]):
+            continue
+        if name == "embeddings.segment.weight":
+            tensor = tensor[:2]
+        if architecture == "BertModel":
+            hf_name = hf_name.removeprefix("bert.")
+        tensors[hf_name] = tensor.detach().cpu().contiguous()
+    logger.warning("HF BERT has 2 token types: exported segment rows 0/1 (bidirectional A/B); dropped rows 2-5 "
+                   "(left-to-right, right-to-left, seq2seq source/target)")
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(hf_config(model.cfg, architecture), indent=2) + "\n")
+    return directory

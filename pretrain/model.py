@@ -1,0 +1,386 @@
+"""The shared Transformer that every objective trains: UniLM (4 cloze objectives), BERT (MLM + NSP), GPT-1.
+
+Reads top to bottom: config and presets → embeddings → attention → block → heads → the model → builder.
+
+Differences from vanilla BERT (Devlin et al. 2019, google-research/bert `modeling.py`):
+  1. Six segment types instead of two: 0/1 bidirectional A/B, 2 left-to-right, 3 right-to-left, 4/5 seq2seq
+     source/target (the UniLM scheme). Segment ids and the (B, L, L) attention mask are derived on the device
+     from (objective, len_a, length) by `pretrain.masks`; loaders never ship them.
+  2. The attention mask is per example and arbitrary (Bool[B, Lq, Lk], `True` = may attend), not a key-padding
+     mask. `encode` turns it once into an additive (0 / -inf) mask shared by all layers and passes that to
+     `torch.nn.functional.scaled_dot_product_attention` (with dropout, torch's math path would otherwise
+     convert a boolean mask again in every layer).
+  3. The training forward gathers the hidden states at the masked positions before the MLM head, so the
+     vocabulary projection runs on P masked tokens, not all L (BERT computes logits everywhere).
+  4. The NSP loss counts only bidirectional samples whose `is_random_next >= 0`; losses are also reported per
+     objective (bidirectional_mlm, nsp, left_to_right, right_to_left, seq2seq; or causal_lm).
+  5. `causal_lm=True` (the GPT preset) predicts every next token under the left-to-right mask, through the same
+     tied MLM head (GPT-1 has no head transform; here one head serves both recipes).
+  6. `encode` takes an optional per-layer key/value cache (`past_key_values`) for UniLM-style incremental
+     decoding: several query positions at once, keys = cached positions + new ones.
+  7. Optional speed-ups, same numerics: apex's FusedLayerNorm when importable (torch LayerNorm otherwise);
+     activation checkpointing of each block (`torch.utils.checkpoint`, non-reentrant) when configured.
+Unchanged: post-LayerNorm blocks, exact (erf) gelu, learned absolute positions, dropout 0.1, LayerNorm eps
+1e-12, N(0, 0.02) init, the pooler (dense + tanh on the first token) under the NSP head, the MLM head (dense +
+gelu + LayerNorm + decoder tied to the token embeddings + bias). Parameter names map one-to-one onto Hugging
+Face BERT names (table in `pretrain.hf`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from pretrain.masks import (
+    BIDIRECTIONAL, LEFT_TO_RIGHT, NUM_OBJECTIVES, NUM_SEGMENT_TYPES, RIGHT_TO_LEFT, SEQ2SEQ,
+    build_attention_mask, build_segment_ids,
+)
+
+try:  # an optional accelerator, never a requirement (apex is not on PyPI); falls back to torch on CPU tensors
+    from apex.normalization import FusedLayerNorm as LayerNorm
+except ImportError:
+    LayerNorm = nn.LayerNorm
+
+IGNORE_INDEX = -100
+KeyValueCache = tuple[tuple[torch.Tensor, torch.Tensor], ...]
+"""Per layer, (keys, values), each Float[B, heads, past_length, head_size]."""
+
+
+# ------------------------------------------------------------------------------------------------ config
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of the shared Transformer (nothing about training, launchers or DeepSpeed)."""
+
+    vocab_size: int
+    """Rows of the token embedding (= columns of the tied MLM decoder)."""
+    hidden_size: int
+    """Width of every hidden state."""
+    num_layers: int
+    """Transformer blocks."""
+    num_heads: int
+    """Attention heads per block; must divide hidden_size."""
+    intermediate_size: int
+    """Width of the feed-forward inner layer (4 × hidden in all presets)."""
+    max_position_embeddings: int = 512
+    """Rows of the learned position embedding: the longest sequence the model accepts."""
+    hidden_dropout: float = 0.1
+    """Dropout on embeddings, attention output and feed-forward output."""
+    attention_dropout: float = 0.1
+    """Dropout on attention probabilities."""
+    layer_norm_eps: float = 1e-12
+    """LayerNorm epsilon (BERT's value)."""
+    initializer_range: float = 0.02
+    """Standard deviation of the normal init of weights and embeddings."""
+    causal_lm: bool = False
+    """GPT recipe: predict every next token under the left-to-right mask instead of masked positions."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward (less memory, about one extra forward of compute)."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
+                     "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"ModelConfig.hidden_size={self.hidden_size} is not divisible by "
+                             f"num_heads={self.num_heads}")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"ModelConfig.{name} must be in [0, 1), got {getattr(self, name)!r}")
+        if self.layer_norm_eps <= 0 or self.initializer_range <= 0:
+            raise ValueError("ModelConfig.layer_norm_eps and initializer_range must be > 0")
+
+    @property
+    def head_size(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def num_segment_types(self) -> int:
+        return NUM_SEGMENT_TYPES
+
+
+_PRESETS: dict[str, dict] = {
+    # UniLM (Dong et al. 2019): BERT-large shape, cased WordPiece vocab; ≈335M parameters.
+    "unilm-large": dict(vocab_size=28996, hidden_size=1024, num_layers=24, num_heads=16, intermediate_size=4096),
+    "bert-large": dict(vocab_size=30522, hidden_size=1024, num_layers=24, num_heads=16, intermediate_size=4096),
+    "bert-base": dict(vocab_size=30522, hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072),
+    # GPT-1 (Radford et al. 2018): 12/768/12, 40,478 BPE tokens (any vocab works), left-to-right LM.
+    "gpt": dict(vocab_size=40478, hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072,
+                causal_lm=True),
+    # Tests and the demo (vocab of `make vocab`'s default size).
+    "tiny": dict(vocab_size=8000, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=256),
+}
+PRESET_NAMES = tuple(_PRESETS)
+
+
+def preset(name: str) -> ModelConfig:
+    """The ModelConfig of a named preset (`unilm-large`, `bert-large`, `bert-base`, `gpt`, `tiny`).
+    Change a field with `dataclasses.replace(preset(name), vocab_size=...)`."""
+    if name not in _PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESET_NAMES)}")
+    return ModelConfig(**_PRESETS[name])
+
+
+# ------------------------------------------------------------------------------------------------ layers
+class Embeddings(nn.Module):
+    """token + learned position + segment embeddings → LayerNorm → dropout."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.token = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.position = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.segment = nn.Embedding(cfg.num_segment_types, cfg.hidden_size)
+        self.norm = LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+
+    def forward(self, input_ids: torch.Tensor, segment_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Long[B, L] ×3 → Float[B, L, H]."""
+        x = self.token(input_ids) + self.position(position_ids) + self.segment(segment_ids)
+        return self.dropout(self.norm(x))
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention under an arbitrary boolean mask, with an optional key/value cache."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.head_size = cfg.num_heads, cfg.head_size
+        self.query = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.key = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.value = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.output = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.attention_dropout = cfg.attention_dropout
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:  # [B, L, H] → [B, heads, L, head_size]
+        return x.view(x.shape[0], x.shape[1], self.num_heads, self.head_size).transpose(1, 2)
+
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor, past: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """x Float[B, Lq, H], mask Float[B, 1, Lq, Lk] additive (0 or -inf; Lk = past length + Lq) →
+        (Float[B, Lq, H], (keys, values) Float[B, heads, Lk, head_size] each, the cache to pass on)."""
+        query, key, value = self._heads(self.query(x)), self._heads(self.key(x)), self._heads(self.value(x))
+        if past is not None:
+            key, value = torch.cat([past[0], key], dim=2), torch.cat([past[1], value], dim=2)
+        context = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask,
+            dropout_p=self.attention_dropout if self.training else 0.0,
+        )
+        context = context.transpose(1, 2).reshape(x.shape)
+        return self.output(context), (key, value)
+
+
+class Block(nn.Module):
+    """Post-LayerNorm Transformer block: x = LN(x + attention(x)); x = LN(x + FFN(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention = SelfAttention(cfg)
+        self.attention_norm = LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.ffn_in = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.ffn_out = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.ffn_norm = LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor, past: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        attended, cache = self.attention(x, mask, past)
+        x = self.attention_norm(x + self.dropout(attended))
+        x = self.ffn_norm(x + self.dropout(self.ffn_out(F.gelu(self.ffn_in(x)))))
+        return x, cache
+
+
+class MLMHead(nn.Module):
+    """dense → gelu → LayerNorm → decoder whose weight *is* the token embedding (one Parameter, two owners;
+    sharing the object rather than reading another module's weight keeps ZeRO-3 partitioning correct)."""
+
+    def __init__(self, cfg: ModelConfig, token_embedding: nn.Embedding):
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.norm = LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.decoder = nn.Linear(cfg.hidden_size, cfg.vocab_size)
+        self.decoder.weight = token_embedding.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float[..., H] → Float[..., vocab]."""
+        return self.decoder(self.norm(F.gelu(self.dense(hidden))))
+
+
+# ------------------------------------------------------------------------------------------------ model
+@dataclass
+class PretrainOutput:
+    """What the training forward returns."""
+
+    loss: torch.Tensor
+    """Scalar to backpropagate: mean token loss over all predicted tokens + mean NSP loss."""
+    objective_losses: dict[str, torch.Tensor]
+    """Detached mean loss per objective present in the batch: bidirectional_mlm, nsp, left_to_right,
+    right_to_left, seq2seq (or causal_lm)."""
+    objective_tokens: dict[str, torch.Tensor]
+    """How many predictions each of those means averages (tokens; samples for nsp)."""
+
+
+_OBJECTIVE_LOSS_NAMES = {BIDIRECTIONAL: "bidirectional_mlm", LEFT_TO_RIGHT: "left_to_right",
+                         RIGHT_TO_LEFT: "right_to_left", SEQ2SEQ: "seq2seq"}
+
+
+class UniLMModel(nn.Module):
+    """Embeddings → blocks → (MLM head, pooler → NSP head)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embeddings = Embeddings(cfg)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.pooler = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.mlm_head = MLMHead(cfg, self.embeddings.token)
+        self.nsp_head = nn.Linear(cfg.hidden_size, 2)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=self.cfg.initializer_range)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+        if isinstance(module, (nn.LayerNorm, LayerNorm)):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+
+    # -- public pieces (fine-tuning builds on these)
+    def encode(
+        self,
+        input_ids: torch.Tensor,
+        segment_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: KeyValueCache | None = None,
+        use_cache: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, KeyValueCache]:
+        """Final hidden states of the encoder.
+
+        Args:
+            input_ids, segment_ids: Long[B, Lq].
+            attention_mask: Bool[B, Lq, Lk], True = query may attend to key; Lk = past length + Lq, keys ordered
+                (cached positions, then these). Every row needs at least one True (`build_attention_mask`
+                guarantees it) or that row's output is NaN.
+            position_ids: Long[B, Lq]; default past length + arange(Lq).
+            past_key_values: the cache returned by an earlier call with use_cache=True (a tuple of
+                num_layers (keys, values) pairs, each Float[B, heads, past_length, head_size]).
+            use_cache: also return the cache extended by these Lq positions (slice dim 2 to drop some,
+                e.g. a [MASK] placeholder that will be replaced by the predicted token).
+
+        Returns:
+            Float[B, Lq, H], or (that, cache) when use_cache.
+        """
+        past_length = 0 if past_key_values is None else past_key_values[0][0].shape[2]
+        if position_ids is None:
+            position_ids = torch.arange(past_length, past_length + input_ids.shape[1], device=input_ids.device)
+            position_ids = position_ids.unsqueeze(0).expand_as(input_ids)
+        x = self.embeddings(input_ids, segment_ids, position_ids)
+        additive_mask = torch.zeros(attention_mask.shape, dtype=x.dtype, device=x.device)
+        additive_mask = additive_mask.masked_fill_(~attention_mask, float("-inf")).unsqueeze(1)
+        recompute = self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled()
+        cache = []
+        for index, layer in enumerate(self.layers):
+            past = None if past_key_values is None else past_key_values[index]
+            if recompute:
+                x, layer_cache = checkpoint(layer, x, additive_mask, past, use_reentrant=False)
+            else:
+                x, layer_cache = layer(x, additive_mask, past)
+            cache.append(layer_cache)
+        return (x, tuple(cache)) if use_cache else x
+
+    def mlm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float[..., H] → Float[..., vocab] through the tied MLM head."""
+        return self.mlm_head(hidden)
+
+    def pooled(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float[B, L, H] → Float[B, H]: tanh(dense(first token)), BERT's pooler (the NSP head's input)."""
+        return torch.tanh(self.pooler(hidden[:, 0]))
+
+    # -- the training forward
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        objective: torch.Tensor,
+        len_a: torch.Tensor,
+        length: torch.Tensor,
+        is_random_next: torch.Tensor | None = None,
+        masked_positions: torch.Tensor | None = None,
+        masked_labels: torch.Tensor | None = None,
+    ) -> PretrainOutput:
+        """Loss of a collated batch (see docs/architecture.md).
+
+        Args:
+            input_ids: Long[B, L], padded; objective, len_a, length, is_random_next: Long[B]
+                (is_random_next: 1 random B, 0 true next, -1 no NSP loss; default all -1);
+            masked_positions: Long[B, P] (padding positions arbitrary), masked_labels: Long[B, P] (-100 = pad).
+                Unused (may be None) when cfg.causal_lm.
+        """
+        max_len = input_ids.shape[1]
+        if self.cfg.causal_lm:  # GPT: every sample is a left-to-right sample
+            objective = torch.full_like(objective, LEFT_TO_RIGHT)
+        mask = build_attention_mask(objective, len_a, length, max_len)
+        segment_ids = build_segment_ids(objective, len_a, length, max_len)
+        hidden = self.encode(input_ids, segment_ids, mask)
+
+        if self.cfg.causal_lm:
+            logits = self.mlm_logits(hidden[:, :-1])  # position t predicts token t + 1
+            labels = input_ids[:, 1:].masked_fill(
+                torch.arange(1, max_len, device=input_ids.device) >= length.unsqueeze(1), IGNORE_INDEX)
+            token_objective = None
+        else:
+            if masked_positions is None or masked_labels is None:
+                raise ValueError("masked_positions and masked_labels are required unless cfg.causal_lm")
+            gathered = hidden.gather(1, masked_positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+            logits, labels = self.mlm_logits(gathered), masked_labels
+            token_objective = objective.unsqueeze(1).expand_as(labels)
+        token_loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                                     reduction="none")
+        predicted = (labels.flatten() != IGNORE_INDEX).float()
+        token_count = predicted.sum()
+        loss = token_loss.sum() / token_count.clamp(min=1)
+
+        # NSP on every sample, weighted to zero where it does not apply: the graph (and which parameters get
+        # gradients) is the same for every batch, and no host sync is needed.
+        if is_random_next is None:
+            is_random_next = torch.full_like(objective, -1)
+        nsp_weight = ((objective == BIDIRECTIONAL) & (is_random_next >= 0)).float()
+        nsp_loss = F.cross_entropy(self.nsp_head(self.pooled(hidden)).float(), is_random_next.clamp(min=0),
+                                   reduction="none")
+        nsp_count = nsp_weight.sum()
+        loss = loss + (nsp_loss * nsp_weight).sum() / nsp_count.clamp(min=1)
+
+        # Per-objective reports: sums and counts in one tensor, one host transfer for all of them.
+        with torch.no_grad():
+            if token_objective is None:
+                sums, counts, names = token_loss.sum().view(1), token_count.view(1), ["causal_lm"]
+            else:
+                flat = token_objective.flatten()
+                sums = token_loss.new_zeros(NUM_OBJECTIVES).index_add_(0, flat, token_loss)
+                counts = predicted.new_zeros(NUM_OBJECTIVES).index_add_(0, flat, predicted)
+                sums = torch.cat([sums, (nsp_loss * nsp_weight).sum().view(1)])
+                counts = torch.cat([counts, nsp_count.view(1)])
+                names = [_OBJECTIVE_LOSS_NAMES[i] for i in range(NUM_OBJECTIVES)] + ["nsp"]
+            present = counts.tolist()
+            objective_losses = {n: sums[i] / counts[i] for i, n in enumerate(names) if present[i] > 0}
+            objective_tokens = {n: counts[i] for i, n in enumerate(names) if present[i] > 0}
+        return PretrainOutput(loss, objective_losses, objective_tokens)
+
+    def num_parameters(self, non_embedding: bool = False) -> int:
+        """Distinct parameters (the tied decoder counted once); non_embedding drops the three embedding tables."""
+        total = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            total -= sum(p.numel() for p in (self.embeddings.token.weight, self.embeddings.position.weight,
+                                             self.embeddings.segment.weight))
+        return total
+
+
+def build_model(cfg: ModelConfig) -> UniLMModel:
+    """A freshly initialised model of this config (BERT init: N(0, initializer_range), zero biases)."""
+    return UniLMModel(cfg)

@@ -1,0 +1,135 @@
+"""Check a cluster before a long run: ``make preflight HOSTFILE=... CONFIG=...``.
+
+For the run config and hostfile it verifies, before any rank starts:
+  * the global batch splits over the hostfile's slots (else the feasible choices are listed);
+  * every host is reachable (password-less ssh, as DeepSpeed's launcher needs; local names run in-process);
+  * every host runs the same code version (``git describe`` / package version) as this one;
+  * every host sees the shards with the same manifest hash (and opens them: sizes, magic, version);
+  * every host has free disk for ``keep_last + 1`` checkpoints (≈16 bytes per parameter each, an estimate).
+
+    python -m pretrain.preflight --config pretrain/configs/tiny.yaml --hostfile hostfiles/localhost [k=v ...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from pretrain.batch_plan import InfeasibleBatchError, plan_batch
+from pretrain.checkpoint import code_version
+from pretrain.config import REPO_ROOT, RunConfig, load_config
+
+CHECKPOINT_BYTES_PER_PARAMETER = 16  # fp32 weights + Adam moments (12) + low-precision copy / slack
+LOCAL_NAMES = {"localhost", "127.0.0.1", socket.gethostname(), socket.getfqdn()}
+
+
+def read_hostfile(path: str | Path) -> dict[str, int]:
+    """``host slots=N`` lines (DeepSpeed's hostfile format; # comments allowed) → {host: slots}."""
+    hosts: dict[str, int] = {}
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        if len(parts) != 2 or not parts[1].startswith("slots=") or not parts[1][6:].isdigit():
+            raise ValueError(f"{path}:{number}: expected 'HOST slots=N', got {line!r}")
+        hosts[parts[0]] = int(parts[1][6:])
+    if not hosts:
+        raise ValueError(f"{path}: no hosts")
+    return hosts
+
+
+def probe(cfg: RunConfig) -> dict[str, Any]:
+    """What this host sees: code version, shard manifest hash, free disk under out_dir."""
+    from data_prep.shard_format import MANIFEST_NAME, ShardDataset, sha256_file
+    report: dict[str, Any] = {"host": socket.gethostname(), "code_version": code_version()}
+    try:
+        ShardDataset(cfg.data.shards)
+        report["manifest_hash"] = sha256_file(Path(cfg.data.shards) / MANIFEST_NAME)
+    except Exception as error:  # reported, not raised: the caller lists every host's problems
+        report["shards_error"] = str(error)
+    target = Path(cfg.out_dir).resolve()
+    while not target.exists():
+        target = target.parent
+    report["free_bytes"] = shutil.disk_usage(target).free
+    return report
+
+
+def checkpoint_bytes(cfg: RunConfig) -> int:
+    from pretrain.trainer import resolve_model_config
+    model_cfg = resolve_model_config(cfg)
+    h, layers, vocab = model_cfg.hidden_size, model_cfg.num_layers, model_cfg.vocab_size
+    parameters = layers * (4 * h * h + 2 * h * model_cfg.intermediate_size) + (vocab + model_cfg.max_position_embeddings) * h
+    return CHECKPOINT_BYTES_PER_PARAMETER * parameters
+
+
+def remote_probe(host: str, config: str, overrides: list[str]) -> dict[str, Any]:
+    command = (f"cd {shlex.quote(str(REPO_ROOT))} && {shlex.quote(sys.executable)} -m pretrain.preflight --probe "
+               f"--config {shlex.quote(config)} " + " ".join(shlex.quote(o) for o in overrides))
+    result = subprocess.run(["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", host, command],
+                            capture_output=True, text=True, timeout=120)
+    if result.returncode != 0:
+        return {"host": host, "unreachable": (result.stderr or result.stdout).strip()[-500:]}
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def preflight(config: str, overrides: list[str], hostfile: str | None) -> list[str]:
+    """Problems found (empty = ready)."""
+    cfg = load_config(config, overrides)
+    hosts = read_hostfile(hostfile) if hostfile else {"localhost": 1}
+    world = sum(hosts.values())
+    problems = []
+    if not cfg.deepspeed_config_path.is_file():
+        problems.append(f"DeepSpeed config {cfg.deepspeed_config} not found")
+    try:
+        plan = plan_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size, world)
+        print(f"[preflight] {len(hosts)} host(s), {world} ranks: {plan}")
+    except InfeasibleBatchError as error:
+        problems.append(str(error))
+    local = probe(cfg)
+    needed = (cfg.train.keep_last + 1) * checkpoint_bytes(cfg)
+    for host in hosts:
+        report = local if host in LOCAL_NAMES else remote_probe(host, config, overrides)
+        if "unreachable" in report:
+            problems.append(f"{host}: not reachable by ssh ({report['unreachable']})")
+            continue
+        if report["code_version"] != local["code_version"]:
+            problems.append(f"{host}: code version {report['code_version']} != {local['code_version']} here")
+        if "shards_error" in report:
+            problems.append(f"{host}: shards {cfg.data.shards}: {report['shards_error']}")
+        elif report["manifest_hash"] != local.get("manifest_hash"):
+            problems.append(f"{host}: shards {cfg.data.shards} differ from this host's (manifest hash)")
+        if report["free_bytes"] < needed:
+            problems.append(f"{host}: {report['free_bytes'] / 2**30:.1f} GiB free under {cfg.out_dir}, "
+                            f"need ~{needed / 2**30:.1f} GiB for {cfg.train.keep_last + 1} checkpoints")
+        else:
+            print(f"[preflight] {host}: ok (code {report['code_version']}, "
+                  f"{report['free_bytes'] / 2**30:.0f} GiB free)")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--hostfile", default=None)
+    parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)  # run on each host over ssh
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    if args.probe:
+        print(json.dumps(probe(load_config(args.config, args.overrides))))
+        return 0
+    problems = preflight(args.config, args.overrides, args.hostfile)
+    for problem in problems:
+        print(f"[preflight] PROBLEM: {problem}", file=sys.stderr)
+    print("[preflight] ready" if not problems else f"[preflight] {len(problems)} problem(s)")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

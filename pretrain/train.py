@@ -1,0 +1,39 @@
+"""Pre-training entry point (thin): parse → config → train.
+
+    deepspeed --hostfile hostfiles/localhost --no_ssh_check --master_addr 127.0.0.1 \\
+        pretrain/train.py --config pretrain/configs/tiny.yaml out_dir=runs/tiny train.max_steps=50
+    deepspeed --num_gpus 8 pretrain/train.py --config pretrain/configs/unilm-large.yaml
+    torchrun --nproc_per_node 2 -m pretrain.train --config pretrain/configs/tiny.yaml
+    mpirun -np 2 python -m pretrain.train --config pretrain/configs/tiny.yaml
+    python -m pretrain.train --config pretrain/configs/tiny.yaml          # one process
+
+Everything after ``--config`` is a dotted ``key=value`` override (``train.exit_at_step=100``).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+if __package__ in (None, ""):  # `deepspeed pretrain/train.py` runs this file as a script
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pretrain.config import load_config  # noqa: E402
+from pretrain.trainer import NonFiniteLossError, train  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="UniLM / BERT / GPT pre-training on DeepSpeed")
+    parser.add_argument("--config", required=True, help="run YAML (pretrain/configs/*.yaml)")
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    args = parser.parse_args(argv)
+    try:
+        train(load_config(args.config, args.overrides))
+    except NonFiniteLossError as error:  # a diagnosis, not a crash: no traceback
+        print(f"[stop] {error}", file=sys.stderr, flush=True)
+        sys.exit(3)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""Batch planner: global = micro × accumulation × data-parallel, with the paper's 330 on 1, 2, 3, 5, 8 ranks."""
+import pytest
+
+from pretrain.batch_plan import BatchPlan, InfeasibleBatchError, feasible_pairs, main, plan_batch
+
+
+@pytest.mark.parametrize("world, micro, accumulation", [(1, 11, 30), (2, 11, 15), (3, 11, 10), (5, 11, 6),
+                                                        (2, 165, 1), (1, 1, 330)])
+def test_330_splits_exactly(world: int, micro: int, accumulation: int) -> None:
+    plan = plan_batch(330, micro, world)
+    assert plan == BatchPlan(330, micro, accumulation, world)
+    assert plan.deepspeed_fields() == {"train_batch_size": 330, "train_micro_batch_size_per_gpu": micro,
+                                       "gradient_accumulation_steps": accumulation}
+    assert plan.samples_per_rank * world == 330
+
+
+def test_330_on_8_ranks_is_refused_with_the_choices() -> None:
+    with pytest.raises(InfeasibleBatchError) as error:
+        plan_batch(330, 4, 8)
+    message = str(error.value)
+    assert "No (micro, accumulation) pair reaches 330 on 8 ranks" in message
+    assert "328 (micro×accumulation = 41 per rank)" in message and "336 (micro×accumulation = 42 per rank)" in message
+    assert "Keeping micro-batch 4: 320, 352" in message
+    assert "train.global_batch_size" in message
+    plan_batch(336, 6, 8)  # opting into a listed choice works
+
+
+def test_wrong_micro_lists_feasible_pairs() -> None:
+    with pytest.raises(InfeasibleBatchError) as error:
+        plan_batch(330, 4, 5)  # 330 / 5 = 66 per rank, 4 does not divide it
+    assert "Feasible (micro, accumulation) pairs for 330 on 5 ranks: (66, 1), (33, 2), (22, 3), (11, 6), (6, 11)" \
+        in str(error.value)
+    assert feasible_pairs(330, 5)[-1] == (1, 66)
+    assert feasible_pairs(330, 8) == []
+
+
+def test_batch_plan_checks_its_own_product() -> None:
+    with pytest.raises(InfeasibleBatchError):
+        BatchPlan(330, 4, 10, 8)
+
+
+def test_cli(capsys: pytest.CaptureFixture) -> None:
+    assert main(["--world-size", "8", "--micro-batch", "2"]) == 1
+    assert "Nearest feasible global batches" in capsys.readouterr().err
+    assert main(["--world-size", "3", "--micro-batch", "11"]) == 0

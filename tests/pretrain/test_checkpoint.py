@@ -1,0 +1,91 @@
+"""Checkpoint bookkeeping without DeepSpeed: completion markers, `latest`, pruning, compatibility, RNG."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pretrain import checkpoint as ckpt
+
+
+def fake_save(directory: Path, step: int, complete: bool = True) -> str:
+    tag = ckpt.tag_for_step(step)
+    (directory / tag).mkdir(parents=True)
+    (directory / tag / "mp_rank_00_model_states.pt").write_bytes(b"x" * (100 + step))
+    (directory / tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(b"y" * 50)
+    if complete:
+        ckpt.write_marker(directory / tag, {"step": step})
+        ckpt.update_latest(directory, tag)
+    return tag
+
+
+def test_only_complete_checkpoints_count(tmp_path: Path) -> None:
+    for step in (4, 8):
+        fake_save(tmp_path, step)
+    fake_save(tmp_path, 12, complete=False)                        # a save that died half-way
+    truncated = fake_save(tmp_path, 10)
+    (tmp_path / truncated / "mp_rank_00_model_states.pt").write_bytes(b"x")  # damaged after its marker
+    assert ckpt.complete_tags(tmp_path) == ["global_step4", "global_step8"]
+    assert ckpt.newest_complete_tag(tmp_path) == "global_step8"
+    marker = ckpt.read_marker(tmp_path / "global_step8")
+    assert marker["files"] == {"mp_rank_00_model_states.pt": 108, "zero_pp_rank_1_mp_rank_00_optim_states.pt": 50}
+    assert marker["format_version"] == ckpt.FORMAT_VERSION and marker["step"] == 8
+
+
+def test_latest_is_replaced_atomically(tmp_path: Path) -> None:
+    fake_save(tmp_path, 4)
+    fake_save(tmp_path, 8)
+    assert (tmp_path / "latest").read_text() == "global_step8"
+    assert not (tmp_path / "latest.tmp").exists()
+
+
+def test_prune_keeps_the_last_k_and_never_a_save_in_progress(tmp_path: Path) -> None:
+    for step in (2, 4, 6, 8):
+        fake_save(tmp_path, step)
+    fake_save(tmp_path, 5, complete=False)   # stale, older than the newest complete one
+    fake_save(tmp_path, 10, complete=False)  # may still be being written
+    (tmp_path / "global_step2_universal").mkdir()
+    assert ckpt.prune(tmp_path, keep_last=2) == ["global_step2", "global_step4", "global_step5"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == \
+        ["global_step10", "global_step6", "global_step8"]
+
+
+def test_unknown_marker_version_is_refused(tmp_path: Path) -> None:
+    fake_save(tmp_path, 4)
+    marker = tmp_path / "global_step4" / ckpt.MARKER
+    marker.write_text(json.dumps(dict(json.loads(marker.read_text()), format_version=99)))
+    with pytest.raises(ckpt.CheckpointMismatchError, match="format_version 99"):
+        ckpt.read_marker(tmp_path / "global_step4")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("vocab_hash", "other", "vocab_hash='abc'"),
+    ("manifest_hash", "other", "manifest_hash='def'"),
+    ("seed", 2, "seed=1"),
+])
+def test_mismatch_names_the_field(field: str, value: object, message: str) -> None:
+    saved = {"model_config": {"hidden_size": 64}, "vocab_hash": "abc", "manifest_hash": "def", "seed": 1}
+    ckpt.check_compatible(saved, dict(saved), "ckpt")
+    with pytest.raises(ckpt.CheckpointMismatchError, match="refusing to resume") as error:
+        ckpt.check_compatible(saved, dict(saved, **{field: value}), "ckpt")
+    assert message in str(error.value) and field in str(error.value)
+    with pytest.raises(ckpt.CheckpointMismatchError, match=r"model.num_layers=2.*model.num_layers=4"):
+        ckpt.check_compatible(dict(saved, model_config={"num_layers": 2}), dict(saved, model_config={"num_layers": 4}),
+                              "ckpt")
+
+
+def test_rng_state_round_trip() -> None:
+    ckpt.seed_everything(3)
+    state = ckpt.rng_state()
+    first = (torch.rand(3), np.random.rand(3), random.random())
+    ckpt.set_rng_state(state)
+    second = (torch.rand(3), np.random.rand(3), random.random())
+    assert torch.equal(first[0], second[0]) and np.array_equal(first[1], second[1]) and first[2] == second[2]
+
+
+def test_code_version_is_known() -> None:
+    assert ckpt.code_version().split(":")[0] in {"git", "pkg"}

@@ -1,0 +1,186 @@
+"""Hugging Face BERT weights in and out, with `transformers` as the peer (the real 6-layer MiniLM BERT)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pretrain.hf import SEGMENT_ROWS_FROM_HF, load_hf_bert, save_hf_bert
+from pretrain.masks import BIDIRECTIONAL, build_attention_mask, build_segment_ids
+from pretrain.model import build_model, preset
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+
+@pytest.fixture(scope="module")
+def minilm(minilm_dir: Path):
+    return load_hf_bert(minilm_dir).eval()
+
+
+@pytest.fixture(scope="module")
+def bidirectional_batch():
+    """Two real-vocab sequences, [CLS] A [SEP] B [SEP], the second padded."""
+    torch.manual_seed(0)
+    length, len_a, max_len = torch.tensor([16, 11]), torch.tensor([7, 5]), 16
+    input_ids = torch.randint(1000, 30000, (2, max_len))
+    input_ids[:, 0] = 101
+    for b in range(2):
+        input_ids[b, int(len_a[b]) - 1] = input_ids[b, int(length[b]) - 1] = 102
+        input_ids[b, int(length[b]):] = 0
+    objective = torch.full((2,), BIDIRECTIONAL)
+    return dict(
+        input_ids=input_ids,
+        segment_ids=build_segment_ids(objective, len_a, length, max_len),
+        mask=build_attention_mask(objective, len_a, length, max_len),
+        padding=(torch.arange(max_len) < length.unsqueeze(1)).long(),
+    )
+
+
+def ours_and_theirs(model, hf_model, batch):
+    with torch.no_grad():
+        hidden = model.encode(batch["input_ids"], batch["segment_ids"], batch["mask"])
+        theirs = hf_model(input_ids=batch["input_ids"], token_type_ids=batch["segment_ids"],
+                          attention_mask=batch["padding"])
+    return hidden, theirs
+
+
+def test_import_matches_transformers_bert_model(minilm, minilm_dir, bidirectional_batch):
+    hf_model = transformers.BertModel.from_pretrained(minilm_dir).eval()
+    hidden, theirs = ours_and_theirs(minilm, hf_model, bidirectional_batch)
+    real = bidirectional_batch["padding"].bool()
+    torch.testing.assert_close(hidden[real], theirs.last_hidden_state[real], atol=1e-5, rtol=0)
+    torch.testing.assert_close(minilm.pooled(hidden), theirs.pooler_output, atol=1e-5, rtol=0)
+
+
+def test_import_says_which_heads_were_initialised(minilm_dir, caplog):
+    with caplog.at_level(logging.WARNING, logger="pretrain.hf"):
+        load_hf_bert(minilm_dir)
+    assert "mlm_head" in caplog.text and "nsp_head" in caplog.text and "freshly initialised" in caplog.text
+    assert "pooler" not in caplog.text  # MiniLM ships a pooler
+
+
+def test_segment_types_extend_from_two_to_six(minilm, minilm_dir):
+    hf_types = load_file(minilm_dir / "model.safetensors")["embeddings.token_type_embeddings.weight"]
+    assert SEGMENT_ROWS_FROM_HF == (0, 1, 0, 0, 0, 1)
+    ours = minilm.embeddings.segment.weight.detach()
+    for row, source in enumerate(SEGMENT_ROWS_FROM_HF):
+        assert torch.equal(ours[row], hf_types[source])
+
+
+@pytest.mark.parametrize("architecture", ["BertForPreTraining", "BertForMaskedLM", "BertModel"])
+def test_export_loads_in_transformers_without_missing_or_unexpected_keys(architecture, tmp_path, caplog,
+                                                                         bidirectional_batch):
+    torch.manual_seed(1)  # random heads, so the MLM and NSP outputs are really compared
+    model = build_model(dataclasses.replace(preset("tiny"), vocab_size=30522)).eval()
+    with caplog.at_level(logging.WARNING, logger="pretrain.hf"):
+        save_hf_bert(model, tmp_path, architecture=architecture)
+    assert "dropped rows 2-5" in caplog.text
+    hf_class = getattr(transformers, architecture)
+    hf_model, info = hf_class.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    hf_model.eval()
+    real = bidirectional_batch["padding"].bool()
+    with torch.no_grad():
+        hidden = model.encode(bidirectional_batch["input_ids"], bidirectional_batch["segment_ids"],
+                              bidirectional_batch["mask"])
+        theirs = hf_model(input_ids=bidirectional_batch["input_ids"],
+                          token_type_ids=bidirectional_batch["segment_ids"],
+                          attention_mask=bidirectional_batch["padding"], output_hidden_states=True)
+        torch.testing.assert_close(hidden[real], theirs.hidden_states[-1][real], atol=1e-5, rtol=0)
+        if architecture == "BertForPreTraining":
+            torch.testing.assert_close(model.mlm_logits(hidden)[real], theirs.prediction_logits[real],
+                                       atol=1e-5, rtol=0)
+            torch.testing.assert_close(model.nsp_head(model.pooled(hidden)), theirs.seq_relationship_logits,
+                                       atol=1e-5, rtol=0)
+        if architecture == "BertForMaskedLM":
+            torch.testing.assert_close(model.mlm_logits(hidden)[real], theirs.logits[real], atol=1e-5, rtol=0)
+        if architecture == "BertModel":
+            torch.testing.assert_close(model.pooled(hidden), theirs.pooler_output, atol=1e-5, rtol=0)
+
+
+def test_real_bert_round_trip_through_transformers(minilm, tmp_path, bidirectional_batch):
+    """MiniLM → ours → export → transformers.BertModel: the same hidden states as the original again."""
+    save_hf_bert(minilm, tmp_path, architecture="BertModel")
+    hf_model = transformers.BertModel.from_pretrained(tmp_path).eval()
+    hidden, theirs = ours_and_theirs(minilm, hf_model, bidirectional_batch)
+    real = bidirectional_batch["padding"].bool()
+    torch.testing.assert_close(hidden[real], theirs.last_hidden_state[real], atol=1e-5, rtol=0)
+
+
+def test_export_then_import_restores_every_tensor(tmp_path):
+    torch.manual_seed(2)
+    model = build_model(preset("tiny"))
+    save_hf_bert(model, tmp_path)
+    back = load_hf_bert(tmp_path)
+    assert back.cfg == model.cfg
+    ours, theirs = model.state_dict(), back.state_dict()
+    for name, tensor in ours.items():
+        if name == "embeddings.segment.weight":  # rows 2..5 are re-derived from HF types 0/1
+            torch.testing.assert_close(theirs[name], tensor[list(SEGMENT_ROWS_FROM_HF)])
+        else:
+            assert torch.equal(theirs[name], tensor), name
+    assert back.mlm_head.decoder.weight is back.embeddings.token.weight
+
+
+def test_pytorch_model_bin_without_prefix_and_with_tf_layer_norm_names(minilm, minilm_dir, tmp_path):
+    state = load_file(minilm_dir / "model.safetensors")
+    legacy = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+              for k, v in state.items()}
+    torch.save(legacy, tmp_path / "pytorch_model.bin")
+    (tmp_path / "config.json").write_text((minilm_dir / "config.json").read_text())
+    loaded = load_hf_bert(tmp_path)
+    for name, tensor in minilm.state_dict().items():
+        if not name.startswith(("mlm_head.", "nsp_head.")):
+            assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+def test_bad_checkpoints_fail_loudly(minilm_dir, tmp_path):
+    config = json.loads((minilm_dir / "config.json").read_text())
+    state = load_file(minilm_dir / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    torch.save({**state, "encoder.layer.0.attention.self.rotary.weight": torch.zeros(1)},
+               tmp_path / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="no place for"):
+        load_hf_bert(tmp_path)
+    torch.save({k: v for k, v in state.items() if "layer.3.output.dense" not in k}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="lacks"):
+        load_hf_bert(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_act": "relu"}))
+    with pytest.raises(ValueError, match="gelu"):
+        load_hf_bert(tmp_path)
+
+
+def test_a_checkpoint_with_six_segment_types_loads_as_is(tmp_path):
+    torch.manual_seed(3)
+    model = build_model(preset("tiny"))
+    save_hf_bert(model, tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["bert.embeddings.token_type_embeddings.weight"] = model.embeddings.segment.weight.detach().clone()
+    save_file(tensors, tmp_path / "model.safetensors")
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "type_vocab_size": 6}))
+    assert torch.equal(load_hf_bert(tmp_path).embeddings.segment.weight, model.embeddings.segment.weight)
+
+
+def test_training_loss_equals_bert_for_pretraining_on_the_bench_batch(tmp_path):
+    """Our sparse MLM + NSP loss = HF's dense one on the same weights, batch and masked positions (the benchmark's
+    premise: both models do the same job)."""
+    from pretrain.bench_model import hf_inputs, make_batch
+
+    torch.manual_seed(4)
+    cfg = dataclasses.replace(preset("tiny"), vocab_size=2000)
+    model = build_model(cfg).eval()
+    save_hf_bert(model, tmp_path)
+    hf_model = transformers.BertForPreTraining.from_pretrained(tmp_path).eval()
+    batch = make_batch(cfg, batch_size=3, seq_len=24, predictions=4)
+    with torch.no_grad():
+        ours = model(**batch)
+        theirs = hf_model(**hf_inputs(batch))
+    torch.testing.assert_close(ours.loss, theirs.loss, atol=1e-5, rtol=1e-5)
+    assert set(ours.objective_losses) == {"bidirectional_mlm", "nsp"}

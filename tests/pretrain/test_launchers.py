@@ -1,0 +1,97 @@
+"""Each launcher starts 2 ranks of pretrain.train (gloo, tiny model, real shards); together they run ZeRO 0/1/3
+(ZeRO-2 is the stage of test_train.py) and bf16."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run(command: list[str], extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", **(extra_env or {}))
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache/torch_extensions"))
+    process = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-5000:]
+    return process
+
+
+def train_args(shards: Path, out_dir: Path, ds_config: str, *extra: str) -> list[str]:
+    return ["--config", "pretrain/configs/tiny.yaml", f"data.shards={shards}", f"out_dir={out_dir}",
+            f"deepspeed_config={ds_config}", "model.overrides.vocab_size=4000", "train.max_steps=3",
+            "train.save_interval=3", "optim.warmup_steps=2", *extra]
+
+
+def assert_trained(out_dir: Path, world_size: int = 2, zero_stage: int | None = None, steps: int = 3) -> list[dict]:
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    marker = json.loads((out_dir / "checkpoints" / f"global_step{steps}" / "complete.json").read_text())
+    assert marker["world_size"] == world_size
+    if zero_stage is not None:
+        assert marker["zero_stage"] == zero_stage
+    return records
+
+
+def test_deepspeed_launcher_with_the_localhost_hostfile_zero0(unilm_shards: Path, tmp_path: Path) -> None:
+    run([str(BIN / "deepspeed"), "--hostfile", "hostfiles/localhost", "--no_ssh_check", "--master_addr", "127.0.0.1",
+         "--master_port", str(free_port()), "pretrain/train.py",
+         *train_args(unilm_shards, tmp_path, "ds_configs/zero0_fp32_cpu.json")])
+    assert_trained(tmp_path, zero_stage=0)
+
+
+def test_torchrun_zero1_with_held_out_eval(unilm_shards: Path, tmp_path: Path) -> None:
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "pretrain.train",
+         *train_args(unilm_shards, tmp_path, "ds_configs/zero1_fp32_cpu.json", f"data.eval_shards={unilm_shards}",
+                     "train.eval_interval=2", "train.eval_batches=2")])
+    records = assert_trained(tmp_path, zero_stage=1)
+    assert "eval_loss" in records[1] and "eval_loss_seq2seq" in records[1] and "eval_loss" not in records[0]
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs openmpi (make system-deps)")
+def test_mpirun_zero3(unilm_shards: Path, tmp_path: Path) -> None:
+    run(["mpirun", "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable, "-m", "pretrain.train",
+         *train_args(unilm_shards, tmp_path, "ds_configs/zero3_fp32_cpu.json")],
+        {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "MASTER_PORT": str(free_port())})
+    assert_trained(tmp_path, zero_stage=3)
+
+
+def test_torchrun_zero2_bf16(unilm_shards: Path, tmp_path: Path) -> None:
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "pretrain.train",
+         *train_args(unilm_shards, tmp_path, "ds_configs/zero2_bf16_cpu.json")])
+    marker = json.loads((tmp_path / "checkpoints" / "global_step3" / "complete.json").read_text())
+    assert marker["precision"] == "bf16"
+    assert_trained(tmp_path, zero_stage=2)
+
+
+def test_preflight_checks_batch_plan_shards_and_hosts(unilm_shards: Path, tmp_path: Path) -> None:
+    from pretrain.preflight import preflight, read_hostfile
+
+    assert read_hostfile(ROOT / "hostfiles/localhost") == {"localhost": 2}
+    assert sum(read_hostfile(ROOT / "hostfiles/multinode.example").values()) == 16
+    overrides = [f"data.shards={unilm_shards}", f"out_dir={tmp_path}"]
+    assert preflight("pretrain/configs/tiny.yaml", overrides, str(ROOT / "hostfiles/localhost")) == []
+    eight = tmp_path / "eight"
+    eight.write_text("localhost slots=8\n")
+    problems = preflight("pretrain/configs/unilm-large.yaml", overrides, str(eight))
+    assert len(problems) == 1 and "No (micro, accumulation) pair reaches 330 on 8 ranks" in problems[0]
+    problems = preflight("pretrain/configs/tiny.yaml", [f"data.shards={tmp_path}", f"out_dir={tmp_path}"], None)
+    assert len(problems) == 1 and "no manifest" in problems[0]
+
+
+def test_slurm_script_is_valid_bash() -> None:
+    subprocess.run(["bash", "-n", str(ROOT / "hostfiles/slurm.sbatch")], check=True)

@@ -1,0 +1,325 @@
+"""The shared Transformer: config, presets, context visibility per objective, losses, tying, KV cache."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pretrain.model as model_module
+from pretrain.masks import (
+    BIDIRECTIONAL, LEFT_TO_RIGHT, RIGHT_TO_LEFT, SEQ2SEQ, build_attention_mask, build_segment_ids,
+)
+from pretrain.model import PretrainOutput, build_model, preset
+
+OBJECTIVES = (BIDIRECTIONAL, LEFT_TO_RIGHT, RIGHT_TO_LEFT, SEQ2SEQ)
+NAMES = {BIDIRECTIONAL: "bidirectional_mlm", LEFT_TO_RIGHT: "left_to_right", RIGHT_TO_LEFT: "right_to_left",
+         SEQ2SEQ: "seq2seq"}
+TINY = dataclasses.replace(preset("tiny"), vocab_size=97, max_position_embeddings=32)
+
+
+def tiny_model(**overrides) -> model_module.UniLMModel:
+    torch.manual_seed(0)
+    return build_model(dataclasses.replace(TINY, **overrides))
+
+
+def make_batch(seed: int = 0, max_len: int = 12) -> dict[str, torch.Tensor]:
+    """Five samples, every objective, NSP on one, padding and padded masked positions."""
+    g = torch.Generator().manual_seed(seed)
+    objective = torch.tensor([BIDIRECTIONAL, LEFT_TO_RIGHT, RIGHT_TO_LEFT, SEQ2SEQ, BIDIRECTIONAL])
+    len_a = torch.tensor([5, 9, 12, 4, 6])
+    length = torch.tensor([10, 9, 12, 8, 11])
+    input_ids = torch.randint(5, TINY.vocab_size, (5, max_len), generator=g)
+    input_ids = input_ids.masked_fill(torch.arange(max_len) >= length.unsqueeze(1), 0)
+    masked_positions = torch.tensor([[1, 6, 0], [3, 0, 0], [2, 10, 11], [5, 6, 0], [2, 8, 0]])
+    masked_labels = torch.randint(5, TINY.vocab_size, (5, 3), generator=g)
+    masked_labels = masked_labels.masked_fill(torch.tensor([[0, 0, 1], [0, 1, 1], [0, 0, 0], [0, 0, 1],
+                                                            [0, 0, 1]], dtype=torch.bool), -100)
+    return dict(input_ids=input_ids, objective=objective, len_a=len_a, length=length,
+                is_random_next=torch.tensor([1, -1, -1, -1, 0]), masked_positions=masked_positions,
+                masked_labels=masked_labels)
+
+
+# ------------------------------------------------------------------------------------------- config
+def test_config_is_frozen_and_validated():
+    cfg = preset("tiny")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.hidden_size = 128
+    with pytest.raises(ValueError, match="divisible"):
+        dataclasses.replace(cfg, num_heads=3)
+    with pytest.raises(ValueError, match="hidden_dropout"):
+        dataclasses.replace(cfg, hidden_dropout=1.5)
+    with pytest.raises(ValueError, match="num_layers"):
+        dataclasses.replace(cfg, num_layers=0)
+    with pytest.raises(ValueError, match="unknown model preset"):
+        preset("bert-huge")
+    assert cfg.head_size == 16 and cfg.num_segment_types == 6
+
+
+@pytest.mark.parametrize("name, low, high", [
+    ("unilm-large", 334.5e6, 340e6), ("bert-large", 334.5e6, 340e6), ("bert-base", 109e6, 111e6),
+    ("gpt", 116e6, 118e6),
+])
+def test_preset_parameter_counts(name, low, high):
+    with torch.device("meta"):
+        model = build_model(preset(name))
+    assert low <= model.num_parameters() <= high
+    assert preset(name).causal_lm == (name == "gpt")
+
+
+def test_unilm_large_shape():
+    cfg = preset("unilm-large")
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.intermediate_size, cfg.vocab_size,
+            cfg.max_position_embeddings) == (24, 1024, 16, 4096, 28996, 512)
+
+
+# ------------------------------------------------------------------------------------------- structure
+def test_decoder_is_tied_to_token_embeddings():
+    model = tiny_model()
+    assert model.mlm_head.decoder.weight is model.embeddings.token.weight
+    assert sum(p is model.embeddings.token.weight for p in model.parameters()) == 1
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(**make_batch()).loss.backward()
+    assert model.embeddings.token.weight.grad.abs().sum() > 0
+    optimizer.step()
+    assert torch.equal(model.mlm_head.decoder.weight, model.embeddings.token.weight)
+    hidden = torch.randn(2, TINY.hidden_size)
+    head = model.mlm_head
+    manual = head.norm(F.gelu(head.dense(hidden))) @ model.embeddings.token.weight.T + head.decoder.bias
+    torch.testing.assert_close(model.mlm_logits(hidden), manual)
+
+
+def test_attention_goes_through_sdpa(monkeypatch):
+    calls = []
+    real = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["attn_mask"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model_module.F, "scaled_dot_product_attention", spy)
+    batch = make_batch()
+    tiny_model()(**batch)
+    expected = build_attention_mask(batch["objective"], batch["len_a"], batch["length"], 12).unsqueeze(1)
+    assert len(calls) == TINY.num_layers
+    for mask in calls:  # the boolean mask as one additive mask: 0 where allowed, -inf where blocked
+        assert torch.equal(mask == 0, expected) and torch.isneginf(mask[~expected]).all()
+
+
+def test_mlm_head_runs_only_on_masked_positions():
+    model = tiny_model()
+    shapes = []
+    model.mlm_head.register_forward_hook(lambda module, args, out: shapes.append(tuple(args[0].shape)))
+    model(**make_batch())
+    assert shapes == [(5, 3, TINY.hidden_size)]
+
+
+# ------------------------------------------------------------------------------------------- visibility
+def encode_batch(model, input_ids, objective, len_a, length):
+    max_len = input_ids.shape[1]
+    return model.encode(input_ids, build_segment_ids(objective, len_a, length, max_len),
+                        build_attention_mask(objective, len_a, length, max_len))
+
+
+@pytest.mark.parametrize("objective", OBJECTIVES)
+def test_each_position_sees_only_allowed_context(objective):
+    """Perturb key k: the output at query q changes iff the mask lets q see k (masks are transitively closed,
+    so with several layers the dependency set is the mask itself)."""
+    model = tiny_model().eval()
+    max_len, length, len_a = 10, 8, 4 if objective in (BIDIRECTIONAL, SEQ2SEQ) else 8
+    args = (torch.tensor([objective]), torch.tensor([len_a]), torch.tensor([length]))
+    input_ids = torch.randint(5, TINY.vocab_size, (1, max_len), generator=torch.Generator().manual_seed(1))
+    mask = build_attention_mask(*args, max_len)[0]
+    with torch.no_grad():
+        base = encode_batch(model, input_ids, *args)[0]
+        for key in range(max_len):
+            perturbed = input_ids.clone()
+            perturbed[0, key] = (perturbed[0, key] + 1) % TINY.vocab_size
+            changed = (encode_batch(model, perturbed, *args)[0] - base).abs().amax(-1) > 1e-6
+            assert torch.equal(changed[:length], mask[:length, key]), (objective, key)
+
+
+@pytest.mark.parametrize("objective", OBJECTIVES)
+def test_loss_sees_only_allowed_context(objective):
+    """Loss at one masked query: a token it may not see leaves the loss bit-identical, one it may see moves it."""
+    model = tiny_model().eval()
+    batch = make_batch()
+    row = [int(o) for o in batch["objective"]].index(objective)
+    batch = {k: v[row:row + 1] for k, v in batch.items()}
+    query = int(batch["masked_positions"][0, 0])
+    batch["masked_positions"], batch["masked_labels"] = batch["masked_positions"][:, :1], batch["masked_labels"][:, :1]
+    batch["is_random_next"] = torch.tensor([-1])
+    mask = build_attention_mask(batch["objective"], batch["len_a"], batch["length"], batch["input_ids"].shape[1])[0]
+    with torch.no_grad():
+        base = model(**batch).loss
+        for key in range(int(batch["length"][0])):
+            if key == query:
+                continue
+            perturbed = dict(batch, input_ids=batch["input_ids"].clone())
+            perturbed["input_ids"][0, key] = (perturbed["input_ids"][0, key] + 1) % TINY.vocab_size
+            moved = model(**perturbed).loss != base
+            assert bool(moved) == bool(mask[query, key]), (objective, query, key)
+
+
+def test_padding_does_not_change_real_positions_and_stays_finite():
+    model = tiny_model().eval()
+    batch = make_batch()
+    with torch.no_grad():
+        padded = encode_batch(model, batch["input_ids"], batch["objective"], batch["len_a"], batch["length"])
+        assert torch.isfinite(padded).all()
+        for b in range(5):
+            n = int(batch["length"][b])
+            alone = encode_batch(model, batch["input_ids"][b:b + 1, :n], batch["objective"][b:b + 1],
+                                 batch["len_a"][b:b + 1], batch["length"][b:b + 1])
+            torch.testing.assert_close(padded[b, :n], alone[0], atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------- losses
+def test_losses_match_a_manual_computation():
+    model = tiny_model().eval()
+    batch = make_batch()
+    with torch.no_grad():
+        out = model(**batch)
+        hidden = encode_batch(model, batch["input_ids"], batch["objective"], batch["len_a"], batch["length"])
+        per_objective: dict[str, list[torch.Tensor]] = {}
+        for b in range(5):
+            for position, label in zip(batch["masked_positions"][b], batch["masked_labels"][b]):
+                if label == -100:
+                    continue
+                loss = F.cross_entropy(model.mlm_logits(hidden[b, position]), label)
+                per_objective.setdefault(NAMES[int(batch["objective"][b])], []).append(loss)
+        nsp_rows = [0, 4]  # bidirectional with is_random_next >= 0
+        nsp_logits = model.nsp_head(model.pooled(hidden))
+        nsp = F.cross_entropy(nsp_logits[nsp_rows], batch["is_random_next"][nsp_rows])
+    assert isinstance(out, PretrainOutput)
+    assert set(out.objective_losses) == set(per_objective) | {"nsp"}
+    for name, losses in per_objective.items():
+        torch.testing.assert_close(out.objective_losses[name], torch.stack(losses).mean())
+        assert int(out.objective_tokens[name]) == len(losses)
+    torch.testing.assert_close(out.objective_losses["nsp"], nsp)
+    assert int(out.objective_tokens["nsp"]) == 2
+    all_tokens = torch.cat([torch.stack(v) for v in per_objective.values()])
+    torch.testing.assert_close(out.loss, all_tokens.mean() + nsp)
+    assert not any(v.requires_grad for v in out.objective_losses.values())
+
+
+def test_nsp_only_on_bidirectional_samples_with_a_label():
+    model = tiny_model().eval()
+    batch = make_batch()
+    with torch.no_grad():
+        base = model(**batch).loss
+        # NSP labels on non-bidirectional samples are ignored
+        ignored = dict(batch, is_random_next=torch.tensor([1, 1, 0, 1, 0]))
+        assert model(**ignored).loss == base
+        no_nsp = model(**dict(batch, is_random_next=torch.full((5,), -1)))
+    assert "nsp" not in no_nsp.objective_losses
+
+
+@pytest.mark.parametrize("causal_lm", [False, True])
+def test_gradients_finite_for_every_objective(causal_lm):
+    model = tiny_model(causal_lm=causal_lm).train()
+    batch = make_batch()
+    for objective in OBJECTIVES:
+        model.zero_grad()
+        out = model(**dict(batch, objective=torch.full((5,), objective)))
+        out.loss.backward()
+        assert torch.isfinite(out.loss)
+        for name, parameter in model.named_parameters():
+            assert parameter.grad is not None and torch.isfinite(parameter.grad).all(), (objective, name)
+
+
+def test_causal_lm_predicts_every_next_token():
+    model = tiny_model(causal_lm=True).eval()
+    batch = make_batch()
+    with torch.no_grad():
+        out = model(**dict(batch, objective=torch.full((5,), SEQ2SEQ)))  # objective is forced to left-to-right
+        l2r = torch.full((5,), LEFT_TO_RIGHT)
+        hidden = encode_batch(model, batch["input_ids"], l2r, batch["length"], batch["length"])
+        losses = []
+        for b in range(5):
+            n = int(batch["length"][b])
+            losses.append(F.cross_entropy(model.mlm_logits(hidden[b, :n - 1]), batch["input_ids"][b, 1:n],
+                                          reduction="none"))
+    assert set(out.objective_losses) == {"causal_lm"}
+    expected = torch.cat(losses)
+    assert int(out.objective_tokens["causal_lm"]) == expected.numel()
+    torch.testing.assert_close(out.loss, expected.mean())
+    torch.testing.assert_close(out.objective_losses["causal_lm"], expected.mean())
+
+
+# ------------------------------------------------------------------------------------------- speed switches
+def test_activation_checkpointing_gives_the_same_loss_and_gradients():
+    batch = make_batch()
+    results = []
+    for enabled in (False, True):
+        model = tiny_model(activation_checkpointing=enabled).train()
+        torch.manual_seed(123)  # same dropout masks: non-reentrant checkpointing replays the RNG state
+        out = model(**batch)
+        out.loss.backward()
+        results.append((out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    torch.testing.assert_close(results[0][0], results[1][0])
+    for name, grad in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], grad, msg=name)
+
+
+def test_layer_norm_is_apex_when_importable_else_torch():
+    try:
+        from apex.normalization import FusedLayerNorm
+    except ImportError:
+        assert model_module.LayerNorm is torch.nn.LayerNorm
+    else:
+        assert model_module.LayerNorm is FusedLayerNorm
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fused_layer_norm_matches_torch_on_gpu():
+    fused = pytest.importorskip("apex.normalization").FusedLayerNorm(64, eps=1e-12).cuda()
+    reference = torch.nn.LayerNorm(64, eps=1e-12).cuda()
+    x = torch.randn(8, 16, 64, device="cuda")
+    torch.testing.assert_close(fused(x), reference(x), atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------- KV cache
+@pytest.mark.parametrize("objective, len_a, prefix, step", [
+    (SEQ2SEQ, 4, 4, 1), (SEQ2SEQ, 4, 6, 3), (LEFT_TO_RIGHT, 10, 3, 2), (LEFT_TO_RIGHT, 10, 5, 1),
+])
+def test_incremental_encode_with_cache_equals_full_recompute(objective, len_a, prefix, step):
+    """UniLM decoding: encode a prefix once, then feed `step` new positions at a time against the cache."""
+    model = tiny_model().eval()
+    length = 10
+    args = (torch.tensor([objective, objective]), torch.tensor([len_a, len_a]), torch.tensor([length, length]))
+    input_ids = torch.randint(5, TINY.vocab_size, (2, length), generator=torch.Generator().manual_seed(2))
+    mask = build_attention_mask(*args, length)
+    segments = build_segment_ids(*args, length)
+    with torch.no_grad():
+        full = model.encode(input_ids, segments, mask)
+        pieces, cache = [], None
+        hidden, cache = model.encode(input_ids[:, :prefix], segments[:, :prefix], mask[:, :prefix, :prefix],
+                                     use_cache=True)
+        pieces.append(hidden)
+        for start in range(prefix, length, step):
+            end = min(start + step, length)
+            hidden, cache = model.encode(input_ids[:, start:end], segments[:, start:end], mask[:, start:end, :end],
+                                         past_key_values=cache, use_cache=True)
+            pieces.append(hidden)
+    assert len(cache) == TINY.num_layers and cache[0][0].shape == (2, TINY.num_heads, length, TINY.head_size)
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_cache_can_drop_a_placeholder_position():
+    """UniLM's decoding step feeds [token, MASK], keeps the token's keys and drops the MASK's."""
+    model = tiny_model().eval()
+    objective, len_a, length = torch.tensor([SEQ2SEQ]), torch.tensor([4]), torch.tensor([6])
+    input_ids = torch.randint(5, TINY.vocab_size, (1, 6), generator=torch.Generator().manual_seed(3))
+    mask, segments = build_attention_mask(objective, len_a, length, 6), build_segment_ids(objective, len_a, length, 6)
+    with torch.no_grad():
+        full = model.encode(input_ids, segments, mask)
+        _, cache = model.encode(input_ids[:, :5], segments[:, :5], mask[:, :5, :5], use_cache=True)
+        placeholder = torch.tensor([[1]])
+        _, with_placeholder = model.encode(placeholder, segments[:, 5:], mask[:, 5:, :6], past_key_values=cache,
+                                           use_cache=True)
+        trimmed = tuple((k[:, :, :5], v[:, :, :5]) for k, v in with_placeholder)
+        last = model.encode(input_ids[:, 5:], segments[:, 5:], mask[:, 5:, :6], past_key_values=trimmed)
+    torch.testing.assert_close(last, full[:, 5:], atol=1e-5, rtol=1e-5)

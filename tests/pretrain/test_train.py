@@ -1,0 +1,183 @@
+"""The training engine end to end: 2 ranks on gloo, tiny model, real unilm shards.
+
+One module fixture runs the scenarios once (each launch costs ~10 s of start-up on 2 cores); the tests read
+their outputs:
+  full     2 ranks, ZeRO-2 fp32, dropout on, 24 steps, checkpoints every 4 (keep 3)
+  stopped  the same command with train.exit_at_step=10, then junk planted (an incomplete newer tag and a
+           truncated one), then the same command again (auto-resume) to step 24
+  nodrop   2 ranks, dropout off, 12 steps; then resumed from its step-8 checkpoint on 1 rank (universal)
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+def launch(overrides: list[str], nproc: int = 2, config: str = "pretrain/configs/tiny.yaml",
+           timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run pretrain.train with torchrun (2 ranks) or plain python (1 rank); returns the finished process."""
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
+               TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache/torch_extensions")))
+    entry = ["-m", "pretrain.train", "--config", config, *overrides]
+    if nproc == 1:
+        command = [sys.executable, *entry]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                   *entry]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def check(process: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-6000:]
+    return process
+
+
+def metrics(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def losses(out_dir: Path) -> dict[int, float]:
+    return {record["step"]: record["loss"] for record in metrics(out_dir) if "loss" in record}
+
+
+@pytest.fixture(scope="module")
+def runs(unilm_shards: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    base = tmp_path_factory.mktemp("train")
+    common = [f"data.shards={unilm_shards}", "model.overrides.vocab_size=4000", "train.max_steps=24",
+              "train.save_interval=4", "train.keep_last=3"]
+    out: dict = {"base": base, "common": common}
+
+    out["full"] = base / "full"
+    out["full_log"] = check(launch(common + [f"out_dir={out['full']}"]))
+
+    stopped = base / "stopped"
+    out["stopped"] = stopped
+    out["stop_log"] = check(launch(common + [f"out_dir={stopped}", "train.exit_at_step=10"]))
+    checkpoints = stopped / "checkpoints"
+    out["tags_after_stop"] = sorted(p.name for p in checkpoints.iterdir() if p.is_dir())
+    out["latest_after_stop"] = (checkpoints / "latest").read_text()
+    # A newer save that died half-way (no marker) and one whose file got truncated after its marker.
+    shutil.copytree(checkpoints / "global_step10", checkpoints / "global_step12")
+    (checkpoints / "global_step12" / "complete.json").unlink()
+    shutil.copytree(checkpoints / "global_step10", checkpoints / "global_step11")
+    with open(checkpoints / "global_step11" / "mp_rank_00_model_states.pt", "r+b") as handle:
+        handle.truncate(100)
+    out["resume_log"] = check(launch(common + [f"out_dir={stopped}"]))
+
+    nodrop = common[:2] + ["train.max_steps=12", "train.save_interval=4", "train.keep_last=5",
+                           "model.overrides.hidden_dropout=0.0", "model.overrides.attention_dropout=0.0"]
+    out["nodrop"] = base / "nodrop"
+    check(launch(nodrop + [f"out_dir={out['nodrop']}"]))
+    out["one_rank"] = base / "one_rank"
+    out["one_rank_log"] = check(launch(
+        nodrop + [f"out_dir={out['one_rank']}", f"train.resume={out['nodrop'] / 'checkpoints' / 'global_step8'}"],
+        nproc=1))
+    return out
+
+
+def test_loss_falls_and_metrics_are_complete(runs: dict) -> None:
+    records = metrics(runs["full"])
+    assert [r["step"] for r in records] == list(range(1, 25))
+    first, last = [r["loss"] for r in records[:4]], [r["loss"] for r in records[-4:]]
+    assert sum(last) / 4 < sum(first) / 4 - 0.3, (first, last)
+    for record in records:
+        assert record["consumed_samples"] == 24 * record["step"]
+        for key in ("lr", "samples_per_s", "tokens_per_s", "tflops", "data_wait_s", "loss_bidirectional_mlm",
+                    "loss_nsp", "loss_left_to_right", "loss_right_to_left", "loss_seq2seq"):
+            assert key in record, key
+    assert records[-1]["lr"] < max(r["lr"] for r in records)  # warm-up then decay (DeepSpeed WarmupDecayLR)
+    assert any((runs["full"] / "monitor").rglob("*.csv"))      # DeepSpeed's CSV monitor
+    assert any((runs["full"] / "monitor").rglob("events.out.tfevents*"))  # and its TensorBoard monitor
+
+
+def test_checkpoints_are_complete_self_describing_and_pruned(runs: dict) -> None:
+    checkpoints = runs["full"] / "checkpoints"
+    assert (checkpoints / "latest").read_text() == "global_step24"
+    assert sorted(p.name for p in checkpoints.iterdir() if p.is_dir()) == \
+        ["global_step16", "global_step20", "global_step24"]
+    marker = json.loads((checkpoints / "global_step24" / "complete.json").read_text())
+    assert marker["consumed_samples"] == 24 * 24 and marker["world_size"] == 2 and marker["zero_stage"] == 2
+    assert marker["model_config"]["vocab_size"] == 4000 and marker["manifest_hash"] and marker["vocab_hash"]
+    assert marker["code_version"] != "unknown"
+    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in marker["files"]
+    state = torch.load(checkpoints / "global_step24" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert state["consumed_samples"] == 576 and state["step"] == 24
+    assert len(state["rng_states"]) == 2 and set(state["rng_states"][1]) == {"torch", "numpy", "python"}
+    assert state["run_config"]["train"]["max_steps"] == 24
+
+
+def test_stop_and_auto_resume_reproduce_the_uninterrupted_losses(runs: dict) -> None:
+    assert runs["tags_after_stop"] == ["global_step10", "global_step4", "global_step8"]
+    assert runs["latest_after_stop"] == "global_step10"
+    assert "[exit] exit_at_step" in runs["stop_log"].stdout
+    # the incomplete global_step12 and the truncated global_step11 were passed over
+    assert "[resume] global_step10: step 10, consumed_samples 240" in runs["resume_log"].stdout
+    full, resumed = losses(runs["full"]), losses(runs["stopped"])
+    assert sorted(resumed) == list(range(1, 25))
+    assert resumed == full  # bit for bit, dropout on
+    assert (runs["stopped"] / "checkpoints" / "latest").read_text() == "global_step24"
+
+
+def test_resume_on_another_world_size_continues_at_the_exact_sample(runs: dict) -> None:
+    log = runs["one_rank_log"].stdout
+    assert "world size 2 -> 1" in log and "[resume] global_step8: step 8, consumed_samples 192" in log
+    two_ranks, one_rank = losses(runs["nodrop"]), losses(runs["one_rank"])
+    assert sorted(one_rank) == [9, 10, 11, 12]
+    assert [r["consumed_samples"] for r in metrics(runs["one_rank"])] == [216, 240, 264, 288]
+    for step in one_rank:  # same samples, same weights and optimizer state; only the reduction order differs
+        assert one_rank[step] == pytest.approx(two_ranks[step], rel=1e-5, abs=1e-5), step
+    marker = json.loads((runs["one_rank"] / "checkpoints" / "global_step12" / "complete.json").read_text())
+    assert marker["world_size"] == 1
+
+
+def test_mismatched_resume_is_refused_naming_the_field(runs: dict) -> None:
+    process = launch(runs["common"] + [f"out_dir={runs['full']}", "model.overrides.hidden_size=128"], nproc=1)
+    assert process.returncode != 0
+    assert "model.hidden_size=64" in process.stderr and "model.hidden_size=128" in process.stderr
+    assert "refusing to resume" in process.stderr
+
+
+def test_export_writes_a_hugging_face_bert(runs: dict, tmp_path: Path) -> None:
+    from transformers import BertForPreTraining
+
+    from pretrain.export import load_consolidated, main
+    from pretrain.hf import load_hf_bert
+
+    main([str(runs["full"] / "checkpoints"), str(tmp_path / "hf")])
+    ours = load_consolidated(runs["full"] / "checkpoints" / "global_step24")
+    assert ours.cfg.vocab_size == 4000
+    hf = BertForPreTraining.from_pretrained(tmp_path / "hf")
+    assert torch.equal(hf.bert.embeddings.word_embeddings.weight, ours.embeddings.token.weight)
+    reloaded = load_hf_bert(tmp_path / "hf").state_dict()
+    for name, value in ours.state_dict().items():
+        if "segment" not in name:  # HF BERT keeps 2 of our 6 segment rows
+            assert torch.equal(reloaded[name], value), name
+
+
+def test_nan_loss_stops_with_a_diagnostic_and_keeps_the_last_checkpoint(unilm_shards: Path, tmp_path: Path) -> None:
+    process = launch([f"data.shards={unilm_shards}", "model.overrides.vocab_size=4000", f"out_dir={tmp_path}",
+                      "train.max_steps=8", "train.save_interval=2", "train.global_batch_size=8",
+                      "optim.lr=1e30", "optim.warmup_steps=1"], nproc=1)
+    assert process.returncode == 3, process.stderr[-3000:]
+    assert "[stop] non-finite loss nan at step 4" in process.stderr
+    assert "the last complete checkpoint (global_step2) is intact" in process.stderr
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "global_step2"
+    assert metrics(tmp_path)[-1]["event"] == "nonfinite_loss"
+
+
+def test_time_limit_saves_and_exits_cleanly(unilm_shards: Path, tmp_path: Path) -> None:
+    process = check(launch([f"data.shards={unilm_shards}", "model.overrides.vocab_size=4000", f"out_dir={tmp_path}",
+                            "train.max_steps=20", "train.exit_after_minutes=0.0001"], nproc=1))
+    assert "[exit] time limit" in process.stdout
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "global_step1"
+    assert [r["step"] for r in metrics(tmp_path)] == [1]

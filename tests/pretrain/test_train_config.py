@@ -1,0 +1,100 @@
+"""The run config: YAML presets + dotted overrides, frozen, validated; DeepSpeed JSON injection."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from pretrain.batch_plan import plan_batch
+from pretrain.config import REPO_ROOT, load_config
+from pretrain.trainer import build_deepspeed_config, parameter_groups
+
+PRESETS = sorted((REPO_ROOT / "pretrain" / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=[p.stem for p in PRESETS])
+def test_presets_load_and_name_existing_deepspeed_configs(path: Path) -> None:
+    cfg = load_config(path)
+    assert cfg.deepspeed_config_path.is_file()
+    json.loads(cfg.deepspeed_config_path.read_text())
+
+
+def test_the_paper_settings_are_the_defaults_of_unilm_large() -> None:
+    cfg = load_config(REPO_ROOT / "pretrain/configs/unilm-large.yaml")
+    assert (cfg.optim.lr, cfg.optim.betas, cfg.optim.weight_decay, cfg.optim.warmup_steps, cfg.optim.grad_clip) == \
+        (3e-5, (0.9, 0.999), 0.01, 40_000, 1.0)
+    assert cfg.train.global_batch_size == 330 and cfg.train.max_steps == 770_000
+    assert {p.stem for p in PRESETS} >= {"unilm-large", "bert-large", "gpt", "tiny"}
+
+
+def test_overrides_parse_types_and_the_config_is_frozen(tmp_path: Path) -> None:
+    cfg = load_config(REPO_ROOT / "pretrain/configs/tiny.yaml",
+                      ["train.max_steps=100", "optim.lr=2e-3", "model.overrides.hidden_dropout=0.0",
+                       "train.exit_after_minutes=1.5", f"out_dir={tmp_path}"])
+    assert cfg.train.max_steps == 100 and cfg.optim.lr == 2e-3 and cfg.train.exit_after_minutes == 1.5
+    assert cfg.model.overrides == {"hidden_dropout": 0.0} and cfg.out_dir == str(tmp_path)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.train.max_steps = 5  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.max_stpes=3", "unknown config key.*train.max_stpes"),
+    ("train.max_steps=abc", "train.max_steps='abc' is not a valid"),
+    ("train.exit_at_step=500", "exit_at_step must be in"),
+    ("optim.warmup_steps=100", "must be < train.max_steps"),
+    ("train.eval_interval=5", "needs data.eval_shards"),
+    ("optim.betas=[0.9]", "two numbers"),
+])
+def test_invalid_values_fail_early(override: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        load_config(REPO_ROOT / "pretrain/configs/tiny.yaml", [override])
+
+
+def test_deepspeed_json_gets_batch_optimizer_and_schedule_injected(tmp_path: Path) -> None:
+    cfg = load_config(REPO_ROOT / "pretrain/configs/unilm-large.yaml", [f"out_dir={tmp_path}"])
+    config = build_deepspeed_config(cfg, plan_batch(330, 11, 3), load_universal=False)
+    assert (config["train_batch_size"], config["train_micro_batch_size_per_gpu"],
+            config["gradient_accumulation_steps"]) == (330, 11, 10)
+    assert config["gradient_clipping"] == 1.0 and config["fp16"]["enabled"]
+    assert config["optimizer"] == {"type": "AdamW", "params": {"lr": 3e-5, "betas": [0.9, 0.999], "eps": 1e-6,
+                                                                "weight_decay": 0.01}}
+    assert config["scheduler"] == {"type": "WarmupDecayLR", "params": {
+        "total_num_steps": 770_000, "warmup_num_steps": 40_000, "warmup_max_lr": 3e-5, "warmup_min_lr": 0.0,
+        "warmup_type": "linear"}}
+    assert "checkpoint" not in config
+    assert build_deepspeed_config(cfg, plan_batch(330, 11, 3), load_universal=True)["checkpoint"] == \
+        {"load_universal": True}
+
+
+def test_batch_sizes_in_the_deepspeed_json_are_refused(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"train_batch_size": 32, "optimizer": {"type": "AdamW", "params": {"lr": 1}}}))
+    cfg = load_config(REPO_ROOT / "pretrain/configs/tiny.yaml", [f"deepspeed_config={bad}"])
+    with pytest.raises(ValueError, match="train_batch_size, optimizer.params.lr"):
+        build_deepspeed_config(cfg, plan_batch(24, 4, 2), load_universal=False)
+
+
+def test_no_weight_decay_on_biases_and_layer_norms() -> None:
+    from pretrain.model import build_model, preset
+    model = build_model(preset("tiny"))
+    decay, no_decay = parameter_groups(model, 0.01)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert decay["weight_decay"] == 0.01 and no_decay["weight_decay"] == 0.0
+    assert all(names[id(p)].endswith("bias") or "norm" in names[id(p)].lower() for p in no_decay["params"])
+    assert any("norm" in names[id(p)].lower() for p in no_decay["params"])
+    assert all(p.ndim == 2 for p in decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def test_model_from_preset_overrides_or_a_full_config(tmp_path: Path) -> None:
+    from pretrain.trainer import resolve_model_config
+    cfg = load_config(REPO_ROOT / "pretrain/configs/tiny.yaml", ["model.overrides.num_layers=3"])
+    assert resolve_model_config(cfg).num_layers == 3 and resolve_model_config(cfg).hidden_size == 64
+    full = {"vocab_size": 100, "hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}
+    cfg = load_config(REPO_ROOT / "pretrain/configs/tiny.yaml",
+                      ["model.preset=null", f"model.overrides={json.dumps(full)}"])
+    assert resolve_model_config(cfg).hidden_size == 32
+    with pytest.raises(ValueError, match="model.preset, model.init_from"):
+        load_config(REPO_ROOT / "pretrain/configs/tiny.yaml", ["model.preset=null"])
