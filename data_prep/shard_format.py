@@ -179,7 +179,7 @@ def write_shard(path: Path, arrays: ShardArrays, durable: bool = True) -> None:
 
 
 class ShardFile:
-    """A memory-mapped shard; checks magic, version and size on open, reads samples lazily."""
+    """A memory-mapped shard; checks the whole header and the file size on open, reads samples lazily."""
 
     def __init__(self, path: Path | str):
         self.path = Path(path)
@@ -191,14 +191,16 @@ class ShardFile:
             raise ShardError(f"{self.path}: {size} bytes is shorter than the {HEADER_BYTES}-byte header "
                              "(truncated file?); rebuild the shards")
         with open(self.path, "rb") as f:
-            magic, version, width, num_samples, num_tokens, num_masked = _HEADER.unpack(f.read(_HEADER.size))
+            header = f.read(HEADER_BYTES)
+        magic, version, width, num_samples, num_tokens, num_masked = _HEADER.unpack_from(header)
         if magic != MAGIC:
             raise ShardError(f"{self.path}: not a shard of this project (magic {magic!r}, expected {MAGIC!r})")
         if version != FORMAT_VERSION:
             raise ShardError(f"{self.path}: shard format version {version}, this code reads version "
                              f"{FORMAT_VERSION}; rebuild the shards with this version of data_prep")
-        if width not in (2, 4):
-            raise ShardError(f"{self.path}: invalid token width {width} in the header (corrupt file)")
+        if width not in (2, 4) or any(header[_HEADER.size:]):
+            raise ShardError(f"{self.path}: corrupt header (token width {width}, padding "
+                             f"{header[_HEADER.size:].hex()}); rebuild the shards")
         dtype = np.dtype(f"<u{width}")
         sizes = [num_samples * INDEX_DTYPE.itemsize, num_tokens * width, num_masked * 2, num_masked * width]
         expected = HEADER_BYTES + sum(_align8(s) for s in sizes)
@@ -265,22 +267,46 @@ def read_manifest(directory: Path | str) -> dict[str, Any]:
     if version != FORMAT_VERSION:
         raise ShardError(f"{path}: shard format version {version}, this code reads version {FORMAT_VERSION}; "
                          "rebuild the shards with this version of data_prep")
-    missing = [k for k in ("shards", "vocab", "num_samples", "max_seq_len", "recipe") if k not in manifest]
+    missing = [k for k in ("shards", "vocab", "num_samples", "max_seq_len", "recipe", "token_dtype")
+               if k not in manifest]
     if missing:
         raise ShardError(f"{path}: manifest lacks field(s) {missing}; rebuild the shards")
+    # a hand-edited manifest must fail here, naming the file, not later as a KeyError deep in the trainer
+    shards, vocab = manifest["shards"], manifest["vocab"]
+    entry_fields = {"file": str, "num_samples": int, "bytes": int, "sha256": str}
+    if not isinstance(shards, list) or not all(
+            isinstance(e, dict) and all(isinstance(e.get(k), t) for k, t in entry_fields.items()) for e in shards):
+        raise ShardError(f"{path}: 'shards' must list {{file, num_samples, bytes, sha256}} entries; rebuild the shards")
+    outside = [e["file"] for e in shards if Path(e["file"]).name != e["file"] or not e["file"].startswith("shard-")]
+    if outside:
+        raise ShardError(f"{path}: shard file(s) {outside} are not shard-*.bin names inside {directory}")
+    if not isinstance(vocab, dict) or not isinstance(vocab.get("sha256"), str) or \
+            not isinstance(vocab.get("special_tokens"), dict):
+        raise ShardError(f"{path}: 'vocab' lacks sha256 or special_tokens; rebuild the shards")
+    if sum(e["num_samples"] for e in shards) != manifest["num_samples"]:
+        raise ShardError(f"{path}: num_samples {manifest['num_samples']} differs from the sum over its shards "
+                         f"({sum(e['num_samples'] for e in shards)}); rebuild the shards")
+    if manifest["token_dtype"] not in ("uint16", "uint32"):
+        raise ShardError(f"{path}: token_dtype {manifest['token_dtype']!r} is not uint16 or uint32")
     return manifest
 
 
 class ShardDataset:
     """All shards of a build directory as one indexable sequence of ``Sample`` (shards in manifest order).
 
-    Opening checks the manifest version and each shard's existence, size, magic and version; ``verify()``
-    additionally compares every file with the sha256 recorded in the manifest.
+    Opening checks the manifest (version, fields, counts), the copied vocab's sha256 (a small file) and each
+    shard's existence, size, magic, version, token width and sample count — everything short of reading the
+    shards; ``verify()`` also compares every shard with its sha256 (bytes flipped inside a shard show up only
+    there).
     """
 
     def __init__(self, directory: Path | str):
         self.directory = Path(directory)
         self.manifest = read_manifest(self.directory)
+        vocab = self.directory / VOCAB_NAME
+        if vocab.is_file() and sha256_file(vocab) != self.manifest["vocab"]["sha256"]:
+            raise ShardError(f"{vocab}: not the vocab these shards were built with (sha256 differs from "
+                             f"{self.directory / MANIFEST_NAME}); restore it or rebuild the shards")
         self.shards: list[ShardFile] = []
         for entry in self.manifest["shards"]:
             path = self.directory / entry["file"]
@@ -292,6 +318,9 @@ class ShardDataset:
             shard = ShardFile(path)
             if len(shard) != entry["num_samples"]:
                 raise ShardError(f"{path}: {len(shard)} samples, the manifest records {entry['num_samples']}")
+            if shard.token_dtype.name != self.manifest["token_dtype"]:
+                raise ShardError(f"{path}: {shard.token_dtype.name} token ids, the manifest records "
+                                 f"{self.manifest['token_dtype']} (a shard of a build with another vocab?)")
             self.shards.append(shard)
         self._ends = np.cumsum([len(s) for s in self.shards], dtype=np.int64)
 
@@ -317,14 +346,11 @@ class ShardDataset:
         return dict(self.manifest["vocab"]["special_tokens"])
 
     def verify(self) -> None:
-        """Check every shard (and the copied vocab) against the manifest sha256; raise naming the bad files."""
+        """Check every shard against the manifest sha256 (the vocab was checked on open); raise naming bad files."""
         bad = []
         for entry in self.manifest["shards"]:
             if sha256_file(self.directory / entry["file"]) != entry["sha256"]:
                 bad.append(str(self.directory / entry["file"]))
-        vocab = self.directory / VOCAB_NAME
-        if vocab.is_file() and sha256_file(vocab) != self.manifest["vocab"]["sha256"]:
-            bad.append(str(vocab))
         if bad:
             raise ShardError(f"sha256 mismatch (modified or corrupt): {', '.join(bad)}; rebuild the shards")
 

@@ -1,7 +1,7 @@
 """Document clean-up and rule-based sentence splitting (no model download).
 
-``clean_document`` normalises line ends, drops control characters, turns every whitespace run inside a
-paragraph into one space (joining its lines); paragraphs (blank-line separated) stay separate.
+``clean_document`` normalises line ends, drops control characters and lone surrogates, turns every whitespace
+run inside a paragraph into one space (joining its lines); paragraphs (blank-line separated) stay separate.
 ``split_sentences`` cuts each paragraph after ``.``/``!``/``?`` (plus closing quotes or brackets) followed by
 whitespace and a capital letter, digit or opening quote, except after common abbreviations and initials.
 Sentences longer than ``MAX_SENTENCE_CHARS`` are cut at whitespace so one huge line cannot become one
@@ -13,7 +13,8 @@ import re
 
 MAX_SENTENCE_CHARS = 2000
 
-_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ufeff\ufffe\uffff]")
+# lone surrogates (JSON allows "\ud800") are dropped too: they are not text, and tokenizers refuses them
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff\ufeff\ufffe\uffff]")
 _PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
 _ABBREVIATIONS = ("Mr Mrs Ms Dr Prof Sr Jr St Mt Gen Col Capt Lt Sgt Rev Gov Sen Rep Hon vs etc No Vol pp "
                   "Fig Inc Ltd Co Corp Jan Feb Mar Apr Jun Jul Aug Sep Sept Oct Nov Dec approx ca cf e.g i.e").split()

@@ -5,6 +5,10 @@ prose only: it drops comments, references, templates (``{{…}}``), tables (``{|
 links, math/galleries and other non-prose tags, headings, lists, indented lines and table rows; it keeps
 the visible text of internal and external links and removes bold/italic quote marks. Paragraphs come out
 separated by blank lines.
+
+Hostile markup costs linear time: no pattern scans past the next ``<``/``[`` that could start another match
+(so unterminated ``<ref>``, ``[[`` or ``[http://`` cannot make a page quadratic), and nested templates, tables
+and links are resolved innermost first for at most ``MAX_NESTING`` rounds; deeper markup stays as text.
 """
 from __future__ import annotations
 
@@ -15,16 +19,18 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Iterator
 
+MAX_NESTING = 32  # real articles nest templates a few levels deep; each round is one linear pass
+
 _COMMENT = re.compile(r"<!--.*?(?:-->|$)", re.S)
 _DROP_TAGS = re.compile(
     r"<(ref|math|gallery|timeline|score|syntaxhighlight|source|pre|imagemap|chem|hiero|graph|mapframe|"
-    r"templatedata|nowiki)\b[^>]*?(?:/>|>.*?</\1\s*>)", re.S | re.I)
-_SELF_CLOSING_REF = re.compile(r"<ref\b[^>]*/>", re.I)
-_ANY_TAG = re.compile(r"</?[a-zA-Z][^>]*>")
+    r"templatedata|nowiki)\b[^<>]*?(?:/>|>(?:(?!<\1\b).)*?</\1\s*>)", re.S | re.I)  # these tags never nest
+_SELF_CLOSING_REF = re.compile(r"<ref\b[^<>]*/>", re.I)
+_ANY_TAG = re.compile(r"</?[a-zA-Z][^<>]*>")
 _TEMPLATE = re.compile(r"\{\{(?:(?!\{\{|\}\}).)*\}\}", re.S)
 _TABLE = re.compile(r"\{\|(?:(?!\{\||\|\}).)*\|\}", re.S)
 _INNER_LINK = re.compile(r"\[\[((?:[^\[\]]|\[[^\[\]]*\])*)\]\]")  # may hold [single brackets]
-_EXTERNAL_LINK = re.compile(r"\[(?:https?:|ftp:)?//[^\s\]]+(?:\s+([^\]]*))?\]")
+_EXTERNAL_LINK = re.compile(r"\[(?:https?:|ftp:)?//[^\s\[\]]+(?:\s+([^\[\]]*))?\]")  # MediaWiki URLs exclude [ ]
 _BOLD_ITALIC = re.compile(r"'{2,}")
 _MAGIC_WORD = re.compile(r"__[A-Z]+__")
 _DROPPED_LINK_PREFIXES = ("file", "image", "media", "category", "wikipedia", "wp", "template", "help",
@@ -43,12 +49,13 @@ def _link_text(match: re.Match) -> str:
     return (label or target).strip()
 
 
-def _remove_nested(pattern: re.Pattern, text: str) -> str:
-    """Remove innermost matches repeatedly, so nested templates/tables disappear completely."""
-    while True:
-        text, count = pattern.subn("", text)
+def _replace_nested(pattern: re.Pattern, replacement, text: str) -> str:
+    """Replace innermost matches repeatedly (at most ``MAX_NESTING`` rounds), so nested markup resolves fully."""
+    for _ in range(MAX_NESTING):
+        text, count = pattern.subn(replacement, text)
         if not count:
-            return text
+            break
+    return text
 
 
 def wikitext_to_text(wikitext: str) -> str:
@@ -56,12 +63,9 @@ def wikitext_to_text(wikitext: str) -> str:
     text = _COMMENT.sub("", wikitext)
     text = _SELF_CLOSING_REF.sub("", text)
     text = _DROP_TAGS.sub("", text)
-    text = _remove_nested(_TEMPLATE, text)
-    text = _remove_nested(_TABLE, text)
-    while True:  # innermost links first: a caption's links resolve before its file link is dropped
-        text, count = _INNER_LINK.subn(_link_text, text)
-        if not count:
-            break
+    text = _replace_nested(_TEMPLATE, "", text)
+    text = _replace_nested(_TABLE, "", text)
+    text = _replace_nested(_INNER_LINK, _link_text, text)  # a caption's links resolve before its file link is dropped
     text = _EXTERNAL_LINK.sub(lambda m: m.group(1) or "", text)
     text = _ANY_TAG.sub("", html.unescape(text))
     text = _MAGIC_WORD.sub("", _BOLD_ITALIC.sub("", text))
@@ -98,7 +102,8 @@ def iter_pages(path: Path) -> Iterator[tuple[str, int, bool, str]]:
             if tag == "title":
                 title = element.text or ""
             elif tag == "ns":
-                namespace = int(element.text or 0)
+                ns = (element.text or "0").strip()
+                namespace = int(ns) if ns.lstrip("-").isdigit() else -1  # malformed: not an article, skipped
             elif tag == "redirect":
                 redirect = True
             elif tag == "text":
