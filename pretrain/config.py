@@ -34,6 +34,9 @@ class DataConfig:
     """Optimizer steps of collated batches the background thread keeps ready per rank."""
     max_seq_len: int | None = None
     """Longest sequence accepted; default: the model's ``max_position_embeddings``."""
+    verify: bool = True
+    """Check every shard's sha256 against the manifest before training (rank 0, one sequential read of the
+    shard set) so a flipped byte never trains silently; opening always checks sizes, headers and the vocab."""
 
     def __post_init__(self) -> None:
         if not self.shards:

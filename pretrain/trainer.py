@@ -270,6 +270,11 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     from data_prep.shard_format import ShardDataset
 
     dataset = ShardDataset(cfg.data.shards)
+    if cfg.data.verify and rank == 0:  # other ranks wait at DeepSpeed's init; a failure here ends the launch
+        verify_started = time.monotonic()
+        dataset.verify()
+        print(f"[data] verified {len(dataset.manifest['shards'])} shard(s) against the manifest hashes in "
+              f"{time.monotonic() - verify_started:.1f}s", flush=True)
     model_cfg = resolve_model_config(cfg)
     vocab_size = dataset_vocab_size(dataset)
     if vocab_size is not None and vocab_size > model_cfg.vocab_size:

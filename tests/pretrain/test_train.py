@@ -181,3 +181,17 @@ def test_time_limit_saves_and_exits_cleanly(unilm_shards: Path, tmp_path: Path) 
     assert "[exit] time limit" in process.stdout
     assert (tmp_path / "checkpoints" / "latest").read_text() == "global_step1"
     assert [r["step"] for r in metrics(tmp_path)] == [1]
+
+
+def test_a_corrupt_shard_stops_training_before_it_starts(unilm_shards: Path, tmp_path: Path) -> None:
+    corrupt = tmp_path / "shards"
+    shutil.copytree(unilm_shards, corrupt)
+    shard = sorted(corrupt.glob("shard-*.bin"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0xFF  # a flipped bit in the last sample's payload: sizes and header still look right
+    shard.write_bytes(bytes(data))
+    process = launch([f"data.shards={corrupt}", "model.overrides.vocab_size=4000", f"out_dir={tmp_path / 'run'}",
+                      "train.max_steps=8", "train.global_batch_size=8"], nproc=1)
+    assert process.returncode != 0
+    assert "sha256 mismatch" in process.stderr and shard.name in process.stderr
+    assert not (tmp_path / "run" / "checkpoints" / "latest").exists()
