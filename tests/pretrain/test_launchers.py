@@ -54,6 +54,13 @@ def test_deepspeed_launcher_with_the_localhost_hostfile_zero0(unilm_shards: Path
     assert_trained(tmp_path, zero_stage=0)
 
 
+@pytest.mark.skipif(shutil.which("numactl") is None, reason="needs numactl (make system-deps)")
+def test_deepspeed_launcher_on_one_node_with_core_binding(unilm_shards: Path, tmp_path: Path) -> None:
+    run([str(BIN / "deepspeed"), "--num_gpus", "2", "--bind_cores_to_rank", "--master_port", str(free_port()),
+         "pretrain/train.py", *train_args(unilm_shards, tmp_path, "ds_configs/zero2_fp32_cpu.json")])
+    assert_trained(tmp_path, zero_stage=2)
+
+
 def test_torchrun_zero1_with_held_out_eval(unilm_shards: Path, tmp_path: Path) -> None:
     run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "pretrain.train",
          *train_args(unilm_shards, tmp_path, "ds_configs/zero1_fp32_cpu.json", f"data.eval_shards={unilm_shards}",

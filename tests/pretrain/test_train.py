@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -195,3 +197,29 @@ def test_a_corrupt_shard_stops_training_before_it_starts(unilm_shards: Path, tmp
     assert process.returncode != 0
     assert "sha256 mismatch" in process.stderr and shard.name in process.stderr
     assert not (tmp_path / "run" / "checkpoints" / "latest").exists()
+
+
+def test_sigterm_saves_a_checkpoint_and_the_rerun_continues(unilm_shards: Path, tmp_path: Path) -> None:
+    """What a cluster scheduler's preemption does: SIGTERM mid-run, then the same command again."""
+    overrides = [f"data.shards={unilm_shards}", "model.overrides.vocab_size=4000", f"out_dir={tmp_path}",
+                 "train.max_steps=400", "train.save_interval=1000", "train.global_batch_size=8"]
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    process = subprocess.Popen([sys.executable, "-m", "pretrain.train", "--config", "pretrain/configs/tiny.yaml",
+                                *overrides], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and process.poll() is None:
+        if (tmp_path / "metrics.jsonl").exists() and len(metrics(tmp_path)) >= 2:
+            break
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 0, stderr[-3000:]
+    assert "[exit] time limit / SIGTERM" in stdout
+    stopped_at = metrics(tmp_path)[-1]["step"]
+    assert stopped_at < 400
+    assert (tmp_path / "checkpoints" / "latest").read_text() == f"global_step{stopped_at}"
+    rerun = check(launch([*overrides, f"train.exit_at_step={stopped_at + 2}"], nproc=1))
+    assert f"saved global_step{stopped_at + 2}" in rerun.stdout
+    steps = [record["step"] for record in metrics(tmp_path)]
+    assert steps == list(range(1, stopped_at + 3))  # nothing repeated, nothing skipped

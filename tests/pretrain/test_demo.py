@@ -1,0 +1,46 @@
+"""`make demo`'s orchestration: stage markers make reruns skip finished work, and the report renders from them."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from pretrain import demo as demo_module
+
+
+def make_demo(out: Path) -> demo_module.Demo:
+    return demo_module.Demo(argparse.Namespace(out=str(out), samples="data/samples", steps=40, vocab_size=8000))
+
+
+def test_finished_stages_are_skipped_and_from_redoes_the_rest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    for method in ("corpus", "vocab_stage", "shards_stage", "pretrain_stage", "resume", "plot", "export",
+                   "finetune", "report"):
+        monkeypatch.setattr(demo_module.Demo, method, lambda self, m=method: calls.append(m) or {"available": True})
+    argv = ["--out", str(tmp_path)]
+    demo_module.main(argv)
+    assert len(calls) == 9
+    assert json.loads((tmp_path / "stages" / "plot.json").read_text())["wall_s"] >= 0
+    calls.clear()
+    demo_module.main(argv)
+    assert calls == ["report"]  # the report is always rewritten
+    calls.clear()
+    demo_module.main(argv + ["--from", "export"])
+    assert calls == ["export", "finetune", "report"]
+
+
+def test_report_renders_before_anything_ran_and_names_a_missing_finetune_package(tmp_path: Path) -> None:
+    demo = make_demo(tmp_path)
+    assert "Not run yet" in demo_module.render_report(demo)
+    (tmp_path / "stages").mkdir()
+    (tmp_path / "stages" / "finetune.json").write_text(json.dumps(
+        {"available": False, "missing": ["finetune.demo"], "wall_s": 0.1}))
+    assert "**Not run**" in demo_module.render_report(demo) and "finetune.demo" in demo_module.render_report(demo)
+
+
+def test_the_pretraining_command_is_the_cluster_command_on_the_localhost_hostfile(tmp_path: Path) -> None:
+    command = make_demo(tmp_path).train_command("train.exit_at_step=20")
+    assert command[1:6] == ["--hostfile", "hostfiles/localhost", "--no_ssh_check", "--master_addr", "127.0.0.1"]
+    assert "pretrain/train.py" in command and "train.max_steps=40" in command and command[-1] == "train.exit_at_step=20"
