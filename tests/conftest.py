@@ -9,6 +9,20 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = Path(os.environ.get("UNILM_SAMPLES", ROOT / "data" / "samples"))
 
+# Set by a launcher, or by an in-process 1-rank DeepSpeed run of an earlier test (pretrain.trainer.init_distributed):
+# a child process that inherited them would think a launcher started it and reuse a port this process holds.
+DISTRIBUTED_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                         "CROSS_RANK", "CROSS_SIZE")
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """The environment for a test's child process: ours without distributed launch variables, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_VARIABLES}
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    env.update(extra)
+    return env
+
+
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
 

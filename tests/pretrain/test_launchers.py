@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -11,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -24,8 +24,7 @@ def free_port() -> int:
 
 
 def run(command: list[str], extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", **(extra_env or {}))
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache/torch_extensions"))
+    env = subprocess_env(**(extra_env or {}))
     process = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-5000:]
     return process

@@ -10,7 +10,6 @@ their outputs:
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -19,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import subprocess_env
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,8 +28,7 @@ pytestmark = pytest.mark.slow
 def launch(overrides: list[str], nproc: int = 2, config: str = "pretrain/configs/tiny.yaml",
            timeout: int = 300) -> subprocess.CompletedProcess:
     """Run pretrain.train with torchrun (2 ranks) or plain python (1 rank); returns the finished process."""
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
-               TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache/torch_extensions")))
+    env = subprocess_env()
     entry = ["-m", "pretrain.train", "--config", config, *overrides]
     if nproc == 1:
         command = [sys.executable, *entry]
@@ -203,7 +202,7 @@ def test_sigterm_saves_a_checkpoint_and_the_rerun_continues(unilm_shards: Path, 
     """What a cluster scheduler's preemption does: SIGTERM mid-run, then the same command again."""
     overrides = [f"data.shards={unilm_shards}", "model.overrides.vocab_size=4000", f"out_dir={tmp_path}",
                  "train.max_steps=400", "train.save_interval=1000", "train.global_batch_size=8"]
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    env = subprocess_env()
     process = subprocess.Popen([sys.executable, "-m", "pretrain.train", "--config", "pretrain/configs/tiny.yaml",
                                 *overrides], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True)
