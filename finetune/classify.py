@@ -1,0 +1,244 @@
+"""Sentence(-pair) classification, regression and multiple choice on the final [CLS]/[SOS] vector.
+
+Records (JSONL): `{"text", "text_b"?, "label"}` — string labels are classes (mapped to ids in sorted order
+and saved with the model), number labels mean regression (MSE; Pearson/Spearman). Multiple choice:
+`{"context", "choices": [...], "label": index}`.
+
+Every example is one or more *views*, each packed as `[CLS] a [SEP] (b [SEP])` and encoded alone:
+- a single text or a pair (GPT-1 entailment `premise [SEP] hypothesis`): one view;
+- `similarity` pairs (GPT-1): both orders, the two final vectors summed before the classifier;
+- multiple choice (GPT-1): `context [SEP] choice_k` per choice, each scored by a linear layer, softmax over k.
+
+The final vector of a bidirectional model (BERT, UniLM) is the pooled first token (`model.pooled`: BERT's
+pooler, trained by NSP); a left-to-right model (`causal_lm`, GPT) reads the last real token under the
+left-to-right mask, since the first one sees nothing. Then dropout → linear. GPT-1's auxiliary LM loss
+(`aux_lm_weight` λ: L = L_task + λ·L_lm) predicts each next token of the same views under the left-to-right mask
+(for a causal model from the same forward pass).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pretrain.masks import BIDIRECTIONAL, LEFT_TO_RIGHT, build_attention_mask, build_segment_ids
+from pretrain.model import IGNORE_INDEX, UniLMModel
+
+from .metrics import classification_metrics, regression_metrics
+from .tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class LabelSpace:
+    """Class names in id order, or regression (no classes), or multiple choice (label = choice index)."""
+
+    classes: tuple[str, ...] = ()
+    regression: bool = False
+    multiple_choice: bool = False
+
+    @classmethod
+    def from_records(cls, records: list[dict], where: str) -> "LabelSpace":
+        if "choices" in records[0]:
+            return cls(multiple_choice=True)
+        labels = [r.get("label") for r in records]
+        if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in labels):
+            return cls(regression=True)
+        if not all(isinstance(x, str) and x for x in labels):
+            bad = next(i for i, x in enumerate(labels, 1) if not (isinstance(x, str) and x))
+            raise ValueError(f"{where}: record {bad} has label {labels[bad - 1]!r}; labels must all be non-empty "
+                             "strings (classes) or all numbers (regression)")
+        return cls(classes=tuple(sorted(set(labels))))
+
+    @property
+    def num_outputs(self) -> int:
+        return 1 if self.regression or self.multiple_choice else len(self.classes)
+
+    def label_id(self, record: dict, number: int, where: str) -> float | int:
+        label = record.get("label")
+        if self.regression:
+            if not isinstance(label, (int, float)) or isinstance(label, bool):
+                raise ValueError(f"{where}: record {number} has label {label!r}, expected a number (regression)")
+            return float(label)
+        if self.multiple_choice:
+            if not isinstance(label, int) or not 0 <= label < len(record["choices"]):
+                raise ValueError(f"{where}: record {number} has label {label!r}, expected a choice index "
+                                 f"in [0, {len(record['choices'])})")
+            return label
+        if label not in self.classes:
+            raise ValueError(f"{where}: record {number} has label {label!r}, unknown to the training labels "
+                             f"{list(self.classes)}")
+        return self.classes.index(label)
+
+
+@dataclass(frozen=True)
+class ClassifyExample:
+    views: tuple[tuple[int, ...], ...]
+    """Packed id sequences, one per view."""
+    first_segment_lengths: tuple[int, ...]
+    """len_a per view ([CLS] a [SEP])."""
+    label: float | int
+
+
+def pack_views(tokenizer: Tokenizer, pairs: list[tuple[str, str | None]],
+               max_seq_len: int) -> tuple[list[list[int]], list[int], int]:
+    """`[CLS] a [SEP] (b [SEP])` per pair, cutting the longer side first to `max_seq_len`; also #cut."""
+    packed, lengths_a, truncated = [], [], 0
+    for text_a, text_b in pairs:
+        a = tokenizer.encode(text_a)
+        b = tokenizer.encode(text_b) if text_b is not None else None
+        budget = max_seq_len - (3 if b is not None else 2)
+        cut = False
+        while len(a) + (len(b) if b is not None else 0) > budget:
+            cut = True
+            if b is not None and len(b) > len(a):
+                b.pop()
+            else:
+                a.pop()
+        truncated += cut
+        ids = [tokenizer.cls_id, *a, tokenizer.sep_id] + ([*b, tokenizer.sep_id] if b is not None else [])
+        packed.append(ids)
+        lengths_a.append(len(a) + 2)
+    return packed, lengths_a, truncated
+
+
+def encode_examples(records: list[dict], tokenizer: Tokenizer, labels: LabelSpace, max_seq_len: int,
+                    similarity: bool, where: str) -> tuple[list[ClassifyExample], int]:
+    """Examples of classify records and how many views were truncated."""
+    examples, truncated = [], 0
+    num_choices = len(records[0]["choices"]) if labels.multiple_choice else None
+    for number, record in enumerate(records, 1):
+        if labels.multiple_choice:
+            if not isinstance(record.get("context"), str) or not record.get("choices"):
+                raise ValueError(f"{where}: record {number} needs 'context' and a non-empty 'choices' list")
+            if len(record["choices"]) != num_choices:
+                raise ValueError(f"{where}: record {number} has {len(record['choices'])} choices, the first "
+                                 f"record {num_choices}; all records need the same number")
+            pairs = [(record["context"], choice) for choice in record["choices"]]
+        else:
+            text, text_b = record.get("text"), record.get("text_b")
+            if not isinstance(text, str) or not text.strip():
+                raise ValueError(f"{where}: record {number} has an empty or missing 'text'")
+            if similarity and text_b is None:
+                raise ValueError(f"{where}: record {number}: similarity needs 'text_b'")
+            pairs = [(text, text_b), (text_b, text)] if similarity else [(text, text_b)]
+        packed, lengths_a, cut = pack_views(tokenizer, pairs, max_seq_len)
+        truncated += cut
+        examples.append(ClassifyExample(tuple(map(tuple, packed)), tuple(lengths_a),
+                                        labels.label_id(record, number, where)))
+    return examples, truncated
+
+
+def collate(examples: list[ClassifyExample], pad_id: int, regression: bool) -> dict[str, torch.Tensor]:
+    """input_ids Long[B, K, L], len_a / length Long[B, K] (K views), labels Long[B] or Float[B]."""
+    views = len(examples[0].views)
+    max_len = max(len(v) for e in examples for v in e.views)
+    input_ids = torch.full((len(examples), views, max_len), pad_id, dtype=torch.long)
+    for row, example in enumerate(examples):
+        for view, ids in enumerate(example.views):
+            input_ids[row, view, : len(ids)] = torch.tensor(ids)
+    return {
+        "input_ids": input_ids,
+        "len_a": torch.tensor([e.first_segment_lengths for e in examples]),
+        "length": torch.tensor([[len(v) for v in e.views] for e in examples]),
+        "labels": torch.tensor([e.label for e in examples], dtype=torch.float if regression else torch.long),
+    }
+
+
+def language_model_loss(backbone: UniLMModel, input_ids: torch.Tensor, length: torch.Tensor,
+                        hidden: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean next-token cross-entropy of Long[N, L] sequences under the left-to-right mask
+    (`hidden`: that pass's Float[N, L, H] when the caller already ran it)."""
+    if hidden is None:
+        objective = torch.full_like(length, LEFT_TO_RIGHT)
+        max_len = input_ids.shape[1]
+        hidden = backbone.encode(input_ids, build_segment_ids(objective, length, length, max_len),
+                                 build_attention_mask(objective, length, length, max_len))
+    positions = torch.arange(1, input_ids.shape[1], device=input_ids.device)
+    labels = input_ids[:, 1:].masked_fill(positions >= length.unsqueeze(1), IGNORE_INDEX)
+    logits = backbone.mlm_logits(hidden[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
+
+
+class ClassifierModel(nn.Module):
+    """Backbone + dropout + linear head; `forward(**batch)` returns the training loss."""
+
+    def __init__(self, backbone: UniLMModel, labels: LabelSpace, dropout: float, aux_lm_weight: float = 0.0):
+        super().__init__()
+        self.backbone, self.labels, self.aux_lm_weight = backbone, labels, aux_lm_weight
+        self.dropout = nn.Dropout(dropout)
+        self.head = nn.Linear(backbone.cfg.hidden_size, labels.num_outputs)
+        nn.init.normal_(self.head.weight, std=backbone.cfg.initializer_range)
+        nn.init.zeros_(self.head.bias)
+
+    @property
+    def causal(self) -> bool:
+        return self.backbone.cfg.causal_lm
+
+    def _encode_views(self, input_ids: torch.Tensor, len_a: torch.Tensor, length: torch.Tensor):
+        """Flattened views Long[N, L] → (final vectors Float[N, H], hidden Float[N, L, H])."""
+        max_len = input_ids.shape[1]
+        objective = torch.full_like(length, LEFT_TO_RIGHT if self.causal else BIDIRECTIONAL)
+        if self.causal:
+            len_a = length  # one left-to-right segment: `a [SEP] b [SEP]` is GPT-1's delimited input
+        hidden = self.backbone.encode(input_ids, build_segment_ids(objective, len_a, length, max_len),
+                                      build_attention_mask(objective, len_a, length, max_len))
+        if self.causal:
+            vector = hidden[torch.arange(hidden.shape[0], device=hidden.device), length - 1]
+        else:
+            vector = self.backbone.pooled(hidden)
+        return vector, hidden
+
+    def scores(self, input_ids: torch.Tensor, len_a: torch.Tensor, length: torch.Tensor):
+        """Batch Long[B, K, L] → (logits Float[B, C] (or [B] regression), flattened hidden, flattened ids/length)."""
+        batch, views, max_len = input_ids.shape
+        flat_ids, flat_length = input_ids.view(-1, max_len), length.view(-1)
+        vectors, hidden = self._encode_views(flat_ids, len_a.view(-1), flat_length)
+        vectors = self.dropout(vectors).view(batch, views, -1)
+        if self.labels.multiple_choice:
+            logits = self.head(vectors).squeeze(-1)  # [B, K]: one score per choice
+        else:
+            logits = self.head(vectors.sum(dim=1))  # similarity: both orders summed; else one view
+            if self.labels.regression:
+                logits = logits.squeeze(-1)
+        return logits, hidden, flat_ids, flat_length
+
+    def forward(self, input_ids, len_a, length, labels):
+        logits, hidden, flat_ids, flat_length = self.scores(input_ids, len_a, length)
+        if self.labels.regression:
+            loss = F.mse_loss(logits.float(), labels)
+        else:
+            loss = F.cross_entropy(logits.float(), labels)
+        if self.aux_lm_weight:
+            loss = loss + self.aux_lm_weight * language_model_loss(
+                self.backbone, flat_ids, flat_length, hidden if self.causal else None)
+        return loss
+
+
+@torch.inference_mode()
+def predict(model: ClassifierModel, examples: list[ClassifyExample], pad_id: int, batch_size: int = 32) -> list:
+    """Class ids (or choice indices, or regression values) of `examples`."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    predictions = []
+    for start in range(0, len(examples), batch_size):
+        batch = collate(examples[start: start + batch_size], pad_id, model.labels.regression)
+        logits, *_ = model.scores(*(batch[k].to(device) for k in ("input_ids", "len_a", "length")))
+        predictions += logits.float().tolist() if model.labels.regression else logits.argmax(-1).tolist()
+    model.train(was_training)
+    return predictions
+
+
+def evaluate(model: ClassifierModel, examples: list[ClassifyExample], pad_id: int) -> dict[str, float]:
+    predictions = predict(model, examples, pad_id)
+    gold = [e.label for e in examples]
+    if model.labels.regression:
+        return regression_metrics(predictions, gold)
+    return classification_metrics(predictions, gold)
+
+
+def primary_metric(labels: LabelSpace) -> str:
+    return "pearson" if labels.regression else "accuracy"
+

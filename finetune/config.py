@@ -1,0 +1,135 @@
+"""The fine-tuning run config: one frozen dataclass, from YAML (`finetune/configs/`) plus CLI flags.
+
+Precedence: dataclass defaults < `--config YAML` < explicit CLI flags (`--lr`, `--epochs`, ...) < dotted
+`--set key=value` overrides. Batch sizes live here only; the DeepSpeed JSON holds engine settings.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pretrain.config import REPO_ROOT, apply_overrides
+
+TASKS = ("classify", "qa", "seq2seq")
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    task: str
+    """classify | qa | seq2seq."""
+    train: str
+    """Training file: JSONL (classify, seq2seq) or SQuAD JSON (qa)."""
+    dev: str
+    """Dev file, same format; evaluated after every epoch, the best epoch's model is kept."""
+    init: str
+    """An HF BERT directory, a fine-tuning output directory, or a pre-training checkpoint directory."""
+    out: str
+    """Output directory: the best model (HF export + head + vocab), metrics.json, checkpoints/."""
+    vocab: str | None = None
+    """vocab.txt to tokenise with; default: the one in `init` (a checkpoint needs it given)."""
+    from_scratch: bool = False
+    """Use only `init`'s architecture (config) and start from random weights: the no-pre-training baseline."""
+    deepspeed_config: str = "ds_configs/zero0_fp32_cpu.json"
+    """DeepSpeed JSON with engine settings only (ZeRO stage, precision)."""
+
+    epochs: int = 3
+    """Passes over the training set (the paper's GLUE setting: at most 5)."""
+    max_steps: int | None = None
+    """Cap on optimizer steps over the whole run (None: epochs decide)."""
+    exit_at_step: int | None = None
+    """Save a checkpoint and exit after this step; rerunning the command resumes (tests, preemption)."""
+    batch_size: int = 32
+    """Global batch (= micro × accumulation × data-parallel ranks)."""
+    micro_batch_size: int = 8
+    """Examples per rank per forward pass."""
+    optimizer: str = "adamw"
+    """adamw (DeepSpeed's, from the JSON) or adamax (the UniLM paper's GLUE optimiser, torch.optim.Adamax)."""
+    lr: float = 5e-5
+    """Peak learning rate."""
+    warmup_ratio: float = 0.1
+    """Share of the steps spent in linear warm-up, then linear decay to 0."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay, not on biases and LayerNorm weights."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clipping; 0 disables."""
+    dropout: float = 0.1
+    """Dropout before the task head."""
+    seed: int = 42
+    """Seeds the head initialisation, the example order per epoch and the target masking."""
+    keep_last: int = 2
+    """Complete checkpoints kept."""
+
+    max_seq_len: int = 128
+    """classify / qa: longest packed input (word pieces, specials included); longer inputs are cut and counted."""
+    similarity: bool = False
+    """classify pairs (GPT-1 similarity): encode both orders and sum the two final vectors."""
+    aux_lm_weight: float = 0.0
+    """classify: GPT-1's auxiliary language-model loss, L = L_task + weight · L_lm on the same inputs (GPT: 0.5)."""
+
+    doc_stride: int = 128
+    """qa: step between sliding windows over a long context."""
+    max_query_len: int = 64
+    """qa: question word pieces kept."""
+    max_answer_len: int = 30
+    """qa: longest predicted answer (word pieces)."""
+
+    max_src_len: int = 448
+    """seq2seq: source word-piece budget (longer sources are cut and counted)."""
+    max_tgt_len: int = 64
+    """seq2seq: target word-piece budget (training) and the decoding maximum (dev)."""
+    mask_prob: float = 0.7
+    """seq2seq: probability of masking each target token, the final [SEP] included (paper 0.7; QA/dialogue 0.5)."""
+    label_smoothing: float = 0.1
+    """seq2seq: label smoothing of the masked-token cross-entropy."""
+    eval_beam_size: int = 1
+    """seq2seq: beam size of the dev decoding after each epoch."""
+    eval_length_penalty: float = 0.0
+    """seq2seq: GNMT alpha of the dev decoding."""
+    eval_max_examples: int | None = None
+    """Evaluate on the first N dev examples only (None: all)."""
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
+        for name in ("epochs", "batch_size", "micro_batch_size", "max_seq_len", "max_src_len", "max_tgt_len",
+                     "doc_stride", "max_query_len", "max_answer_len", "eval_beam_size", "keep_last"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.optimizer not in ("adamw", "adamax"):
+            raise ValueError(f"optimizer must be adamw or adamax, got {self.optimizer!r}")
+        if self.lr <= 0 or not 0 <= self.warmup_ratio < 1 or not 0 < self.mask_prob <= 1:
+            raise ValueError("need lr > 0, 0 <= warmup_ratio < 1 and 0 < mask_prob <= 1")
+        if not 0 <= self.label_smoothing < 1 or self.aux_lm_weight < 0:
+            raise ValueError("need 0 <= label_smoothing < 1 and aux_lm_weight >= 0")
+
+    @property
+    def deepspeed_config_path(self) -> Path:
+        path = Path(self.deepspeed_config)
+        return path if path.exists() or path.is_absolute() else REPO_ROOT / path
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.out) / "checkpoints"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def load_config(yaml_path: str | Path | None, flags: dict[str, Any], overrides: list[str] = ()) -> FinetuneConfig:
+    """YAML values, then the CLI flags that were given (not None), then `key=value` overrides."""
+    values = (yaml.safe_load(Path(yaml_path).read_text()) or {}) if yaml_path else {}
+    if not isinstance(values, dict):
+        raise ValueError(f"{yaml_path}: expected a mapping of config keys")
+    values.update({k: v for k, v in flags.items() if v is not None})
+    values = apply_overrides(values, list(overrides))
+    known = {f.name for f in dataclasses.fields(FinetuneConfig)}
+    if unknown := sorted(set(values) - known):
+        raise ValueError(f"unknown fine-tuning config key(s): {', '.join(unknown)}")
+    missing = [name for name in ("task", "train", "dev", "init", "out") if name not in values]
+    if missing:
+        raise ValueError(f"missing required setting(s): {', '.join('--' + m for m in missing)}")
+    return FinetuneConfig(**values)

@@ -1,0 +1,131 @@
+"""Task files: read the fine-tuning JSONL formats, and convert the real sample corpora into them.
+
+Formats (one JSON object per line):
+- classify: `{"text", "text_b"?, "label"}` (label a string, or a number for regression), or multiple choice
+  `{"context", "choices": [...], "label": index}`;
+- seq2seq: `{"src", "tgt"}`;
+- qa: SQuAD 1.1/2.0 JSON (not JSONL), read by `finetune.qa`.
+
+Converters (`python -m finetune.datasets --samples data/samples --out data/finetune`):
+- BBC News (`bbc/<topic>/NNN.txt`, line 1 = headline): `bbc_topic` (article body → topic) and
+  `bbc_headline` (body → headline);
+- Rotten Tomatoes (`rotten.csv.bz2`, `fresh`/`rotten` snippets; the `plot` rows are not reviews): `rotten`;
+- the SQuAD sample (`squad.json`) is copied as is (too few questions to split: train = dev, smoke only).
+
+Splits are deterministic and independent of file order: an example goes to dev when a hash of its text (the
+article body, the review) falls below `dev_fraction`; repeated texts are dropped (counted) so none leaks from
+train into dev.
+"""
+from __future__ import annotations
+
+import argparse
+import bz2
+import csv
+import hashlib
+import json
+import shutil
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """Every record of a JSONL file; a line that is not a JSON object fails with its file and line number."""
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for line_number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{line_number}: not valid JSON ({err.msg})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{line_number}: expected a JSON object, got {type(record).__name__}")
+            records.append(record)
+    if not records:
+        raise ValueError(f"{path}: no records")
+    return records
+
+
+def write_jsonl(records: Iterable[dict], path: str | Path) -> int:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    count = 0
+    with open(path, "w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+            count += 1
+    return count
+
+
+def is_dev(key: str, dev_fraction: float) -> bool:
+    """Deterministic split: a stable hash of `key` mapped to [0, 1) is below `dev_fraction`."""
+    digest = hashlib.sha256(key.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < dev_fraction
+
+
+def bbc_articles(samples_dir: str | Path) -> Iterator[tuple[str, str, str, str]]:
+    """(key, topic, headline, body) of each BBC article, sorted by topic and file name."""
+    root = Path(samples_dir) / "bbc"
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root}: BBC News samples missing (run `make sample-corpus`)")
+    for path in sorted(root.glob("*/*.txt")):
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        headline = lines[0].strip() if lines else ""
+        body = " ".join(line.strip() for line in lines[1:] if line.strip())
+        if headline and body:
+            yield f"bbc/{path.parent.name}/{path.stem}", path.parent.name, headline, body
+
+
+def rotten_reviews(samples_dir: str | Path) -> Iterator[tuple[str, str, str]]:
+    """(key, text, label) of each Rotten Tomatoes review snippet (labels `fresh`/`rotten`)."""
+    path = Path(samples_dir) / "rotten.csv.bz2"
+    with bz2.open(path, "rt", encoding="utf-8") as f:
+        for row_number, row in enumerate(csv.DictReader(f)):
+            if row["category"] in ("fresh", "rotten") and row["text"].strip():
+                yield f"rotten/{row_number}", row["text"].strip(), row["category"]
+
+
+def split(keyed: Iterable[tuple[str, dict]], dev_fraction: float) -> tuple[list[dict], list[dict], int]:
+    """(train, dev, duplicates dropped). The split key is the record's text, so repeated texts (the BBC set
+    has about a hundred repeated articles) cannot leak from train into dev; only the first copy is kept."""
+    train, dev, seen, duplicates = [], [], set(), 0
+    for text, record in keyed:
+        if text in seen:
+            duplicates += 1
+            continue
+        seen.add(text)
+        (dev if is_dev(text, dev_fraction) else train).append(record)
+    return train, dev, duplicates
+
+
+def convert_samples(samples_dir: str | Path, out_dir: str | Path, dev_fraction: float = 0.1) -> dict[str, int]:
+    """Write `{bbc_topic,bbc_headline,rotten}.{train,dev}.jsonl` and `squad.json` into `out_dir`; return counts."""
+    out = Path(out_dir)
+    articles = list(bbc_articles(samples_dir))
+    tasks = {
+        "bbc_topic": [(body, {"text": body, "label": topic}) for _, topic, _, body in articles],
+        "bbc_headline": [(body, {"src": body, "tgt": headline}) for _, _, headline, body in articles],
+        "rotten": [(text, {"text": text, "label": label}) for _, text, label in rotten_reviews(samples_dir)],
+    }
+    counts = {}
+    for name, keyed in tasks.items():
+        train, dev, counts[f"{name}.duplicates_dropped"] = split(keyed, dev_fraction)
+        counts[f"{name}.train"] = write_jsonl(train, out / f"{name}.train.jsonl")
+        counts[f"{name}.dev"] = write_jsonl(dev, out / f"{name}.dev.jsonl")
+    shutil.copyfile(Path(samples_dir) / "squad.json", out / "squad.json")
+    return counts
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--samples", default="data/samples", help="folder written by `make sample-corpus`")
+    parser.add_argument("--out", default="data/finetune")
+    parser.add_argument("--dev-fraction", type=float, default=0.1)
+    args = parser.parse_args(argv)
+    for name, count in convert_samples(args.samples, args.out, args.dev_fraction).items():
+        print(f"[datasets] {name}: {count}")
+
+
+if __name__ == "__main__":
+    main()

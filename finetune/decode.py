@@ -1,0 +1,346 @@
+"""Generation the UniLM way: append [MASK], predict it, put the prediction in its place, repeat.
+
+`generate` runs one batched beam search (beam 1 = greedy) over either of two steppers that compute the
+next-token log-probabilities, and must agree:
+- `CachedStepper` keeps every layer's keys/values of the source and of the tokens generated so far. A step
+  feeds two positions — the previous prediction (replacing the [MASK] it was predicted at) and a new [MASK] —
+  and then drops the [MASK]'s keys/values from the cache (UniLM's incremental decoding), so each step costs two
+  query positions whatever the length. Sources of different lengths are padded inside the cache; explicit
+  position ids and a key-validity vector keep every example exactly as if it were alone.
+- `FullStepper` (`--no-cache`) packs `[CLS] src [SEP] y1 .. yt [MASK]` and runs the whole sequence through the
+  model under `pretrain.masks.build_attention_mask(SEQ2SEQ)` — the very mask fine-tuning trains with — so
+  agreement of the two proves the cache right.
+
+Beam search: GNMT length penalty ((5 + length) / 6) ** alpha on the summed log-probabilities (length counts
+the final [SEP]), trigram blocking on word-piece ids, a minimum and maximum target length, and early stop: an
+example is done once it holds `beam_size` finished hypotheses (a [SEP] among the top `beam_size` candidates),
+the batch once every example is done. At the maximum length unfinished beams count as finished.
+
+CLI: `python -m finetune.decode --model DIR --input FILE.jsonl --output FILE.jsonl [--beam-size 5] ...`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pretrain.masks import SEQ2SEQ, build_attention_mask, build_segment_ids
+
+from .datasets import read_jsonl, write_jsonl
+from .metrics import generation_metrics
+from .model_io import check_vocab, load_finetuned
+from .tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """How to search."""
+
+    beam_size: int = 5
+    """Hypotheses kept per example; 1 is greedy decoding."""
+    max_tgt_len: int = 64
+    """Most target word pieces generated (the final [SEP] not counted)."""
+    min_tgt_len: int = 1
+    """[SEP] is forbidden before this many target word pieces."""
+    length_penalty: float = 0.0
+    """GNMT alpha: hypotheses are ranked by log-prob / ((5 + length) / 6) ** alpha; 0 = raw log-prob."""
+    trigram_block: bool = True
+    """Forbid a word piece that would repeat a trigram already in the hypothesis."""
+    use_cache: bool = True
+    """Incremental key/value cache; False recomputes the whole sequence each step (same outputs, slower)."""
+
+    def __post_init__(self) -> None:
+        if self.beam_size < 1 or self.max_tgt_len < 1 or not 0 <= self.min_tgt_len <= self.max_tgt_len:
+            raise ValueError(f"invalid decoding config {self}: need beam_size >= 1 and "
+                             "0 <= min_tgt_len <= max_tgt_len >= 1")
+
+
+@dataclass(frozen=True)
+class SpecialIds:
+    cls_id: int
+    sep_id: int
+    mask_id: int
+    pad_id: int
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer) -> "SpecialIds":
+        return cls(tokenizer.cls_id, tokenizer.sep_id, tokenizer.mask_id, tokenizer.pad_id)
+
+
+# ------------------------------------------------------------------------------------------------ steppers
+class FullStepper:
+    """Recomputes `[CLS] src [SEP] y1..yt [MASK]` for every row at every step (the reference)."""
+
+    def __init__(self, model: torch.nn.Module, sources: list[list[int]], special: SpecialIds, device: torch.device):
+        self.model, self.special, self.device = model, special, device
+        self.sources = sources  # per row, packed [CLS] src [SEP]
+        self.targets: list[list[int]] = [[] for _ in sources]
+
+    def start(self) -> torch.Tensor:
+        return self._next_log_probs()
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        for row, token in enumerate(tokens.tolist()):
+            self.targets[row].append(token)
+        return self._next_log_probs()
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        rows = rows.tolist()
+        self.sources = [self.sources[r] for r in rows]
+        self.targets = [list(self.targets[r]) for r in rows]
+
+    def _next_log_probs(self) -> torch.Tensor:
+        sequences = [s + t + [self.special.mask_id] for s, t in zip(self.sources, self.targets)]
+        max_len = max(map(len, sequences))
+        input_ids = torch.full((len(sequences), max_len), self.special.pad_id, dtype=torch.long)
+        for row, sequence in enumerate(sequences):
+            input_ids[row, : len(sequence)] = torch.tensor(sequence)
+        length = torch.tensor([len(s) for s in sequences])
+        len_a = torch.tensor([len(s) for s in self.sources])
+        objective = torch.full_like(length, SEQ2SEQ)
+        input_ids, length, len_a, objective = (t.to(self.device) for t in (input_ids, length, len_a, objective))
+        hidden = self.model.encode(input_ids, build_segment_ids(objective, len_a, length, max_len),
+                                   build_attention_mask(objective, len_a, length, max_len))
+        last = hidden[torch.arange(len(sequences), device=self.device), length - 1]
+        return torch.log_softmax(self.model.mlm_logits(last).float(), dim=-1)
+
+
+class CachedStepper:
+    """Keys/values of the source and of the generated tokens are cached; each step runs two positions."""
+
+    def __init__(self, model: torch.nn.Module, sources: list[list[int]], special: SpecialIds, device: torch.device):
+        self.model, self.special, self.device = model, special, device
+        rows, source_width = len(sources), max(map(len, sources))
+        self.source_length = torch.tensor([len(s) for s in sources], device=device)  # Long[N]
+        self.source_ids = torch.full((rows, source_width), special.pad_id, dtype=torch.long)
+        for row, source in enumerate(sources):
+            self.source_ids[row, : len(source)] = torch.tensor(source)
+        self.source_ids = self.source_ids.to(device)
+        self.generated = 0  # target tokens already in the cache or about to enter it
+        self.cache = None  # per layer (keys, values) Float[N, heads, Lk, head_size]
+        self.key_valid = None  # Bool[N, Lk]: False at source padding
+
+    def _segments(self, positions: torch.Tensor) -> torch.Tensor:
+        """Segment ids (source 4 / target 5) at Long[N, Lq] positions, from `pretrain.masks` itself."""
+        width = int(positions.max()) + 1
+        objective = torch.full_like(self.source_length, SEQ2SEQ)
+        segments = build_segment_ids(objective, self.source_length, torch.full_like(self.source_length, width), width)
+        return segments.gather(1, positions)
+
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden, cache = self.model.encode(input_ids, self._segments(positions), attention_mask,
+                                          position_ids=positions, past_key_values=self.cache, use_cache=True)
+        # the last position is the [MASK] placeholder: its prediction is kept, its keys/values are not
+        self.cache = tuple((keys[:, :, :-1], values[:, :, :-1]) for keys, values in cache)
+        return torch.log_softmax(self.model.mlm_logits(hidden[:, -1]).float(), dim=-1)
+
+    def start(self) -> torch.Tensor:
+        rows, width = self.source_ids.shape
+        positions = torch.arange(width, device=self.device).expand(rows, width)
+        source_valid = positions < self.source_length[:, None]  # Bool[N, S]
+        # source queries see the valid source (a padding query sees itself only: no all-False row);
+        # the [MASK] (at position len(source)) sees the valid source and itself
+        source_rows = source_valid[:, None, :] | torch.eye(width, dtype=torch.bool, device=self.device)
+        source_rows = torch.cat([source_rows, source_rows.new_zeros(rows, width, 1)], dim=2)
+        mask_row = torch.cat([source_valid, source_valid.new_ones(rows, 1)], dim=1)[:, None, :]
+        input_ids = torch.cat([self.source_ids, self.source_ids.new_full((rows, 1), self.special.mask_id)], dim=1)
+        positions = torch.cat([positions, self.source_length[:, None]], dim=1)
+        self.key_valid = source_valid
+        return self._run(input_ids, positions, torch.cat([source_rows, mask_row], dim=1))
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        rows = tokens.shape[0]
+        self.generated += 1
+        token_position = self.source_length + self.generated - 1
+        positions = torch.stack([token_position, token_position + 1], dim=1)
+        input_ids = torch.stack([tokens.to(self.device), torch.full_like(tokens, self.special.mask_id)], dim=1)
+        ones = self.key_valid.new_ones(rows, 1)
+        token_row = torch.cat([self.key_valid, ones, ~ones], dim=1)  # the token does not see the [MASK]
+        mask_row = torch.cat([self.key_valid, ones, ones], dim=1)
+        self.key_valid = torch.cat([self.key_valid, ones], dim=1)
+        return self._run(input_ids, positions, torch.stack([token_row, mask_row], dim=1))
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        rows = rows.to(self.device)
+        self.cache = tuple((keys[rows], values[rows]) for keys, values in self.cache)
+        self.key_valid, self.source_length = self.key_valid[rows], self.source_length[rows]
+
+
+# ------------------------------------------------------------------------------------------------ search
+def length_penalty(length: int, alpha: float) -> float:
+    """GNMT (Wu et al. 2016): ((5 + length) / 6) ** alpha."""
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+def block_repeated_trigrams(log_probs: torch.Tensor, hypotheses: list[list[int]]) -> None:
+    """Set to -inf, in place, each word piece that would complete a trigram its hypothesis already has.
+
+    log_probs Float[N, V]; hypotheses: N token lists.
+    """
+    for row, tokens in enumerate(hypotheses):
+        if len(tokens) < 3:
+            continue
+        last_two = (tokens[-2], tokens[-1])
+        banned = {tokens[i + 2] for i in range(len(tokens) - 2) if (tokens[i], tokens[i + 1]) == last_two}
+        if banned:
+            log_probs[row, list(banned)] = -math.inf
+
+
+@dataclass(frozen=True)
+class Hypothesis:
+    tokens: list[int]
+    """Generated word pieces without the final [SEP]."""
+    log_prob: float
+    """Summed log-probability (the final [SEP] included when it ended)."""
+    score: float
+    """log_prob / length penalty: what beams are ranked by."""
+
+
+@torch.inference_mode()
+def generate(model: torch.nn.Module, sources: list[list[int]], special: SpecialIds,
+             config: DecodeConfig) -> list[Hypothesis]:
+    """Best hypothesis per source. `sources`: packed `[CLS] src [SEP]` id lists (one batch)."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    beams, batch_size = config.beam_size, len(sources)
+    rows = [s for s in sources for _ in range(beams)]  # row = example * beams + beam
+    stepper = (CachedStepper if config.use_cache else FullStepper)(model, rows, special, device)
+    scores = torch.full((batch_size, beams), -math.inf)
+    scores[:, 0] = 0.0  # all beams start identical: only the first may expand
+    hypotheses: list[list[int]] = [[] for _ in rows]
+    finished: list[list[Hypothesis]] = [[] for _ in range(batch_size)]
+    done = [False] * batch_size
+    log_probs = stepper.start()
+    for length in range(1, config.max_tgt_len + 1):  # length of the hypotheses after this step
+        log_probs = log_probs.cpu()
+        if length <= config.min_tgt_len:
+            log_probs[:, special.sep_id] = -math.inf
+        if config.trigram_block:
+            block_repeated_trigrams(log_probs, hypotheses)
+        vocab = log_probs.shape[1]
+        total = (scores.view(-1, 1) + log_probs).view(batch_size, beams * vocab)
+        top_scores, top_index = total.topk(min(2 * beams, total.shape[1]), dim=1)
+        next_rows, next_tokens, next_scores = [], [], []
+        for example in range(batch_size):
+            alive = []
+            if not done[example]:
+                for rank, (score, index) in enumerate(zip(top_scores[example].tolist(), top_index[example].tolist())):
+                    row, token = example * beams + index // vocab, index % vocab
+                    if token == special.sep_id:
+                        if rank < beams and score > -math.inf:
+                            normalised = score / length_penalty(length, config.length_penalty)
+                            finished[example].append(Hypothesis(hypotheses[row], score, normalised))
+                    else:
+                        alive.append((row, token, score))
+                    if len(alive) == beams:
+                        break
+                done[example] = len(finished[example]) >= beams
+            if done[example]:  # keep the batch shape: dummy beams that never win
+                alive = [(example * beams, special.pad_id, -math.inf)] * beams
+            alive += [(example * beams, special.pad_id, -math.inf)] * (beams - len(alive))
+            for row, token, score in alive:
+                next_rows.append(row)
+                next_tokens.append(token)
+                next_scores.append(score)
+        hypotheses = [hypotheses[row] + [token] for row, token in zip(next_rows, next_tokens)]
+        scores = torch.tensor(next_scores).view(batch_size, beams)
+        if all(done) or length == config.max_tgt_len:
+            break
+        stepper.reorder(torch.tensor(next_rows))
+        log_probs = stepper.step(torch.tensor(next_tokens))
+    best = []
+    for example in range(batch_size):
+        candidates = list(finished[example])
+        if not done[example]:  # maximum length reached: unfinished beams compete as they are
+            for beam in range(beams):
+                score = scores[example, beam].item()
+                if score > -math.inf:
+                    tokens = hypotheses[example * beams + beam]
+                    normalised = score / length_penalty(len(tokens), config.length_penalty)
+                    candidates.append(Hypothesis(tokens, score, normalised))
+        best.append(max(candidates, key=lambda h: h.score) if candidates
+                    else Hypothesis([], -math.inf, -math.inf))
+    model.train(was_training)
+    return best
+
+
+# ------------------------------------------------------------------------------------------------ files
+def pack_source(tokenizer: Tokenizer, text: str, max_src_len: int) -> tuple[list[int], bool]:
+    """`[CLS] src [SEP]` with src cut to `max_src_len` word pieces; also whether it was cut."""
+    ids = tokenizer.encode(text)
+    return [tokenizer.cls_id, *ids[:max_src_len], tokenizer.sep_id], len(ids) > max_src_len
+
+
+def decode_records(model: torch.nn.Module, tokenizer: Tokenizer, records: list[dict], config: DecodeConfig,
+                   max_src_len: int, batch_size: int = 8, progress: bool = False) -> tuple[list[str], int]:
+    """Predicted text per record (`src` field) and how many sources were truncated."""
+    check_vocab(model, tokenizer)
+    budget = model.cfg.max_position_embeddings - config.max_tgt_len - 3
+    if max_src_len > budget:
+        max_src_len = budget  # src + [CLS] [SEP] + target + [MASK] must fit the position table
+    predictions, truncated = [], 0
+    for start in range(0, len(records), batch_size):
+        batch = records[start: start + batch_size]
+        sources = []
+        for number, record in enumerate(batch, start + 1):
+            if not isinstance(record.get("src"), str) or not record["src"].strip():
+                raise ValueError(f"input record {number} has an empty or missing 'src'")
+            packed, cut = pack_source(tokenizer, record["src"], max_src_len)
+            sources.append(packed)
+            truncated += cut
+        for hypothesis in generate(model, sources, SpecialIds.of(tokenizer), config):
+            predictions.append(tokenizer.decode(hypothesis.tokens))
+        if progress:
+            print(f"[decode] {len(predictions)}/{len(records)}", file=sys.stderr, flush=True)
+    return predictions, truncated
+
+
+def metrics_path(output: str | Path) -> Path:
+    """`out.jsonl` → `out.metrics.json` (beside the output)."""
+    output = Path(output)
+    return output.with_name(output.name.removesuffix(".jsonl") + ".metrics.json")
+
+
+def main(argv: list[str] | None = None) -> None:
+
+    parser = argparse.ArgumentParser(description="UniLM seq2seq decoding (greedy / beam search with a KV cache)")
+    parser.add_argument("--model", required=True, help="a fine-tuning output directory (or an HF BERT directory)")
+    parser.add_argument("--input", required=True, help="JSONL with `src` (and optionally `tgt` references)")
+    parser.add_argument("--output", required=True)
+    parser.add_argument("--beam-size", type=int, default=5)
+    parser.add_argument("--max-tgt-len", type=int, default=64)
+    parser.add_argument("--min-tgt-len", type=int, default=1)
+    parser.add_argument("--max-src-len", type=int, default=None, help="default: the fine-tuning run's, else 448")
+    parser.add_argument("--length-penalty", type=float, default=0.0, help="GNMT alpha")
+    parser.add_argument("--no-trigram-block", action="store_true")
+    parser.add_argument("--no-cache", action="store_true", help="recompute everything each step (proves the cache)")
+    parser.add_argument("--batch-size", type=int, default=8)
+    args = parser.parse_args(argv)
+
+    finetuned = load_finetuned(args.model, expect_task="seq2seq")
+    config = DecodeConfig(args.beam_size, args.max_tgt_len, args.min_tgt_len, args.length_penalty,
+                          not args.no_trigram_block, not args.no_cache)
+    max_src_len = args.max_src_len or finetuned.run_settings.get("max_src_len", 448)
+    records = read_jsonl(args.input)
+    began = time.perf_counter()
+    predictions, truncated = decode_records(finetuned.model, finetuned.tokenizer, records, config, max_src_len,
+                                            args.batch_size, progress=True)
+    seconds = time.perf_counter() - began
+    write_jsonl(({**record, "prediction": p} for record, p in zip(records, predictions)), args.output)
+    print(f"[decode] {len(records)} inputs in {seconds:.1f}s ({truncated} sources truncated to {max_src_len} "
+          f"word pieces) → {args.output}")
+    if all(isinstance(r.get("tgt"), str) for r in records):
+        scores = generation_metrics(predictions, [r["tgt"] for r in records])
+        metrics_path(args.output).write_text(json.dumps(scores, indent=2) + "\n")
+        print("[decode] " + "  ".join(f"{k} {v:.2f}" for k, v in scores.items()) + f" → {metrics_path(args.output)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Fine-tuning metrics: classification, regression, SQuAD EM/F1, ROUGE and BLEU.
+
+Accuracy, macro-F1 and the correlations are a few lines each (scikit-learn is not a dependency).
+SQuAD answer normalisation follows the rules of the official v1.1/v2.0 evaluation script: lower-case,
+drop punctuation, drop the articles a/an/the, collapse whitespace; F1 is over the bag of normalised tokens,
+and a question scores the maximum over its gold answers. ROUGE and BLEU come from `rouge-score` and
+`sacrebleu` (libraries, not hand-written metrics).
+"""
+from __future__ import annotations
+
+import collections
+import re
+import string
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def accuracy(predictions: Sequence, labels: Sequence) -> float:
+    """Share of exact matches between two equally long label sequences."""
+    if len(predictions) != len(labels) or not labels:
+        raise ValueError(f"accuracy needs equally long, non-empty sequences (got {len(predictions)} and {len(labels)})")
+    return sum(p == g for p, g in zip(predictions, labels)) / len(labels)
+
+
+def macro_f1(predictions: Sequence, labels: Sequence) -> float:
+    """Unweighted mean over the classes present in `labels` or `predictions` of the per-class F1."""
+    if len(predictions) != len(labels) or not labels:
+        raise ValueError(f"macro_f1 needs equally long, non-empty sequences (got {len(predictions)} and {len(labels)})")
+    scores = []
+    for cls in sorted(set(labels) | set(predictions), key=str):
+        true_pos = sum(p == cls and g == cls for p, g in zip(predictions, labels))
+        predicted = sum(p == cls for p in predictions)
+        actual = sum(g == cls for g in labels)
+        scores.append(2 * true_pos / (predicted + actual) if predicted + actual else 0.0)
+    return float(np.mean(scores))
+
+
+def pearson(predictions: Sequence[float], labels: Sequence[float]) -> float:
+    """Pearson correlation coefficient (0.0 when either side is constant)."""
+    x, y = np.asarray(predictions, dtype=np.float64), np.asarray(labels, dtype=np.float64)
+    if x.std() == 0 or y.std() == 0:
+        return 0.0
+    return float(np.corrcoef(x, y)[0, 1])
+
+
+def _average_ranks(values: np.ndarray) -> np.ndarray:
+    """Ranks 1..n with ties given their average rank (as Spearman's rho needs)."""
+    order = np.argsort(values, kind="stable")
+    ranks = np.empty(len(values), dtype=np.float64)
+    ranks[order] = np.arange(1, len(values) + 1)
+    for value in np.unique(values):
+        tied = values == value
+        ranks[tied] = ranks[tied].mean()
+    return ranks
+
+
+def spearman(predictions: Sequence[float], labels: Sequence[float]) -> float:
+    """Spearman rank correlation: Pearson over tie-averaged ranks."""
+    return pearson(_average_ranks(np.asarray(predictions, float)), _average_ranks(np.asarray(labels, float)))
+
+
+def classification_metrics(predictions: Sequence, labels: Sequence) -> dict[str, float]:
+    return {"accuracy": accuracy(predictions, labels), "macro_f1": macro_f1(predictions, labels)}
+
+
+def regression_metrics(predictions: Sequence[float], labels: Sequence[float]) -> dict[str, float]:
+    return {"pearson": pearson(predictions, labels), "spearman": spearman(predictions, labels)}
+
+
+# ---- SQuAD (rules of the official evaluation script) ----
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b", re.UNICODE)
+_PUNCTUATION = set(string.punctuation)
+
+
+def normalize_answer(text: str) -> str:
+    """Lower-case, remove punctuation, articles and extra whitespace (SQuAD's `normalize_answer`)."""
+    text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
+    return " ".join(_ARTICLES.sub(" ", text).split())
+
+
+def squad_exact_match(prediction: str, gold: str) -> float:
+    return float(normalize_answer(prediction) == normalize_answer(gold))
+
+
+def squad_f1(prediction: str, gold: str) -> float:
+    """Token-bag F1 of normalised answers; an empty answer (SQuAD 2.0 no-answer) only matches an empty one."""
+    pred_tokens, gold_tokens = normalize_answer(prediction).split(), normalize_answer(gold).split()
+    if not pred_tokens or not gold_tokens:
+        return float(pred_tokens == gold_tokens)
+    common = collections.Counter(pred_tokens) & collections.Counter(gold_tokens)
+    overlap = sum(common.values())
+    if overlap == 0:
+        return 0.0
+    precision, recall = overlap / len(pred_tokens), overlap / len(gold_tokens)
+    return 2 * precision * recall / (precision + recall)
+
+
+def squad_metrics(predictions: dict[str, str], gold_answers: dict[str, list[str]]) -> dict[str, float]:
+    """EM and F1 in percent over every question of `gold_answers` (a missing prediction scores 0).
+
+    A question with no gold answers (SQuAD 2.0 unanswerable) has the gold answer "" (as the official script).
+    """
+    if not gold_answers:
+        raise ValueError("squad_metrics: no gold questions")
+    exact, f1 = 0.0, 0.0
+    for qid, answers in gold_answers.items():
+        answers = answers or [""]
+        prediction = predictions.get(qid, None)
+        if prediction is None:
+            continue
+        exact += max(squad_exact_match(prediction, a) for a in answers)
+        f1 += max(squad_f1(prediction, a) for a in answers)
+    return {"exact_match": 100.0 * exact / len(gold_answers), "f1": 100.0 * f1 / len(gold_answers)}
+
+
+# ---- generation ----
+
+def generation_metrics(predictions: Sequence[str], references: Sequence[str]) -> dict[str, float]:
+    """ROUGE-1/2/L F1 (rouge-score, with stemming, mean over examples, in percent) and corpus BLEU-4 (sacrebleu)."""
+    from rouge_score import rouge_scorer
+    import sacrebleu
+
+    if len(predictions) != len(references) or not references:
+        raise ValueError(f"generation_metrics needs equally long, non-empty lists "
+                         f"({len(predictions)} predictions, {len(references)} references)")
+    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
+    totals = collections.Counter()
+    for prediction, reference in zip(predictions, references):
+        for name, score in scorer.score(reference, prediction).items():
+            totals[name] += score.fmeasure
+    result = {name: 100.0 * totals[name] / len(references) for name in ("rouge1", "rouge2", "rougeL")}
+    result["bleu"] = sacrebleu.corpus_bleu(list(predictions), [list(references)]).score
+    return result

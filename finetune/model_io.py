@@ -1,0 +1,130 @@
+"""Where fine-tuning models come from and go to.
+
+A fine-tuning output directory is a Hugging Face BERT directory plus what HF BERT cannot hold:
+
+    config.json, model.safetensors   `pretrain.hf.save_hf_bert` (loads in `transformers`)
+    vocab.txt, tokenizer_config.json the vocabulary it was trained with (`finetune.tokenizer`)
+    finetune_extra.safetensors       the task head (`head.*`) and all 6 segment rows
+                                     (`embeddings.segment.weight`: HF keeps only 2, seq2seq uses rows 4/5)
+    finetune.json                    format version, task, labels, model config, run settings
+
+`load_init` accepts that, a plain HF BERT directory, or a pre-training checkpoint (a DeepSpeed tag directory
+with our `complete.json` marker, or its parent `checkpoints/` directory; consolidated by
+`pretrain.export.load_consolidated`, which needs `--vocab`: a checkpoint carries only the vocab's hash).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from pretrain import checkpoint as ckpt
+from pretrain.export import load_consolidated
+from pretrain.hf import load_hf_bert, save_hf_bert
+from pretrain.model import UniLMModel
+
+from .tokenizer import Tokenizer, load_tokenizer, save_tokenizer
+
+FORMAT_VERSION = 1
+META_FILE = "finetune.json"
+EXTRA_FILE = "finetune_extra.safetensors"
+SEGMENT_WEIGHT = "embeddings.segment.weight"
+
+
+@dataclass
+class Finetuned:
+    """A loaded fine-tuning output (or plain HF BERT directory: task None, no head)."""
+
+    model: UniLMModel
+    tokenizer: Tokenizer
+    task: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+    head_state: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def run_settings(self) -> dict[str, Any]:
+        return self.meta.get("settings", {})
+
+
+def _load_model_dir(directory: Path) -> UniLMModel:
+    if not (directory / "config.json").is_file():
+        raise ValueError(f"{directory} is not a model directory: no config.json (expected a Hugging Face BERT "
+                         "export, a fine-tuning output directory or a pre-training checkpoint)")
+    try:
+        model = load_hf_bert(directory)
+    except (ValueError, KeyError, FileNotFoundError, OSError) as err:
+        raise ValueError(f"{directory} is not a loadable BERT model: {err}") from err
+    extra = directory / EXTRA_FILE
+    if extra.is_file():
+        segments = load_file(extra).get(SEGMENT_WEIGHT)
+        if segments is not None:
+            model.embeddings.segment.weight.data.copy_(segments)
+    return model
+
+
+def load_init(path: str | Path, vocab: str | Path | None = None) -> tuple[UniLMModel, Tokenizer]:
+    """The backbone and tokenizer to fine-tune from (see the module docstring for what `path` may be)."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"--init {directory}: no such directory")
+    if (directory / "config.json").is_file():
+        model = _load_model_dir(directory)
+    elif (directory / ckpt.MARKER).is_file() or (directory / ckpt.LATEST).is_file():
+        if vocab is None:
+            raise ValueError(f"--init {directory} is a pre-training checkpoint: give --vocab (the vocab.txt its "
+                             "shards were built with)")
+        model = load_consolidated(directory)
+    else:
+        raise ValueError(f"--init {directory}: neither a model directory (config.json) nor a pre-training "
+                         f"checkpoint ({ckpt.MARKER} or {ckpt.LATEST})")
+    tokenizer = load_tokenizer(vocab or directory)
+    check_vocab(model, tokenizer)
+    return model, tokenizer
+
+
+def check_vocab(model: UniLMModel, tokenizer: Tokenizer) -> None:
+    """A tokenizer whose ids the model has no embedding for is another model's vocabulary."""
+    if tokenizer.vocab_size > model.cfg.vocab_size:
+        raise ValueError(f"vocabulary mismatch: {tokenizer.vocab_path} has {tokenizer.vocab_size} word pieces but "
+                         f"the model only {model.cfg.vocab_size} token embeddings (wrong vocab.txt for this model?)")
+
+
+def save_finetuned(out_dir: str | Path, model: UniLMModel, head: torch.nn.Module | None, tokenizer: Tokenizer,
+                   task: str, extra_meta: dict[str, Any]) -> Path:
+    """Write the directory described in the module docstring (rank 0 only)."""
+    out = Path(out_dir)
+    save_hf_bert(model, out)
+    tensors = {SEGMENT_WEIGHT: model.embeddings.segment.weight.detach().cpu().contiguous()}
+    if head is not None:
+        tensors.update({f"head.{k}": v.detach().cpu().contiguous() for k, v in head.state_dict().items()})
+    save_file(tensors, out / EXTRA_FILE)
+    save_tokenizer(tokenizer, out)
+    meta = {"format_version": FORMAT_VERSION, "task": task, "model_config": dataclasses.asdict(model.cfg), **extra_meta}
+    (out / META_FILE).write_text(json.dumps(meta, indent=1, default=str) + "\n")
+    return out
+
+
+def load_finetuned(path: str | Path, expect_task: str | None = None) -> Finetuned:
+    """A fine-tuning output directory (or a plain HF BERT directory with its vocab.txt)."""
+    directory = Path(path)
+    meta: dict[str, Any] = {}
+    if (directory / META_FILE).is_file():
+        meta = json.loads((directory / META_FILE).read_text())
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"{directory / META_FILE}: format_version {meta.get('format_version')!r}, "
+                             f"this code reads {FORMAT_VERSION}")
+        if expect_task and meta.get("task") != expect_task:
+            raise ValueError(f"{directory} was fine-tuned for {meta.get('task')!r}, not {expect_task!r}")
+    model = _load_model_dir(directory)
+    tokenizer = load_tokenizer(directory)
+    check_vocab(model, tokenizer)
+    head_state = {}
+    if (directory / EXTRA_FILE).is_file():
+        head_state = {k.removeprefix("head."): v for k, v in load_file(directory / EXTRA_FILE).items()
+                      if k.startswith("head.")}
+    return Finetuned(model.eval(), tokenizer, meta.get("task"), meta, head_state)

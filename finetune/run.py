@@ -1,0 +1,60 @@
+"""Fine-tune a pre-trained (or HF BERT) model: `python -m finetune.run --task {classify,qa,seq2seq} ...`.
+
+Thin entry: parse → config → load the initial model → build the task → `finetune.engine.fit`. Runs under any
+launcher (`deepspeed`, `torchrun`, `mpirun`, or plain `python` as one rank). See `finetune/configs/` for the
+papers' settings and `finetune.config.FinetuneConfig` for every key.
+"""
+from __future__ import annotations
+
+import argparse
+
+from pretrain.checkpoint import seed_everything
+from pretrain.model import build_model
+
+from .config import TASKS, load_config
+from .engine import fit
+from .model_io import load_init
+from .tasks import build_task
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--task", choices=TASKS)
+    parser.add_argument("--train", help="JSONL (classify, seq2seq) or SQuAD JSON (qa)")
+    parser.add_argument("--dev")
+    parser.add_argument("--init", help="HF BERT directory, fine-tuning output or pre-training checkpoint")
+    parser.add_argument("--out")
+    parser.add_argument("--config", help="YAML in finetune/configs/ (CLI flags override it)")
+    parser.add_argument("--vocab", help="vocab.txt (default: the one in --init)")
+    parser.add_argument("--from-scratch", action="store_true", default=None,
+                        help="random weights with --init's architecture (the no-pre-training baseline)")
+    parser.add_argument("--epochs", type=int)
+    parser.add_argument("--max-steps", type=int)
+    parser.add_argument("--batch-size", type=int)
+    parser.add_argument("--micro-batch-size", type=int)
+    parser.add_argument("--lr", type=float)
+    parser.add_argument("--max-seq-len", type=int)
+    parser.add_argument("--max-src-len", type=int)
+    parser.add_argument("--max-tgt-len", type=int)
+    parser.add_argument("--aux-lm-weight", type=float, help="GPT-1 auxiliary LM loss weight (0.5 in the paper)")
+    parser.add_argument("--deepspeed-config")
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any config key")
+    parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # the deepspeed launcher passes it
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    flags = {k: v for k, v in vars(args).items() if k not in ("config", "set", "local_rank")}
+    cfg = load_config(args.config, flags, args.set)
+    backbone, tokenizer = load_init(cfg.init, cfg.vocab)
+    seed_everything(cfg.seed)  # the same head (and, from scratch, backbone) initialisation on every rank
+    if cfg.from_scratch:
+        backbone = build_model(backbone.cfg)
+    task = build_task(cfg, backbone, tokenizer)
+    return fit(cfg, task, tokenizer)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Sequence-to-sequence fine-tuning the UniLM way: pack, mask target tokens, predict them.
+
+An example is packed as `[CLS] src [SEP] tgt [SEP]` under the seq2seq attention mask (source tokens see the
+whole source, target tokens see the source, the target to their left and themselves) with segment ids 4/5,
+both built on the device by `pretrain.masks` from (objective, len_a, length) — exactly as in pre-training.
+Each target token, the final [SEP] included, is replaced by [MASK] with probability `mask_prob` (paper: 0.7;
+0.5 for generative QA and dialogue); at least one per example. The loss is cross-entropy with label smoothing
+(0.1) at the masked positions only. Decoding (`finetune.decode`) appends [MASK] and predicts it, which is why
+masked targets are always replaced by [MASK] here (never by a random or the original token).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pretrain.masks import SEQ2SEQ, build_attention_mask, build_segment_ids
+
+from .tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class Seq2SeqExample:
+    """Word-piece ids of one source/target pair, already truncated (no special tokens)."""
+
+    source_ids: list[int]
+    target_ids: list[int]
+
+
+@dataclass
+class TruncationCounts:
+    """How many inputs were cut to fit their budget (reported, never silent)."""
+
+    sources: int = 0
+    targets: int = 0
+
+
+def encode_examples(records: list[dict], tokenizer: Tokenizer, max_src_len: int, max_tgt_len: int,
+                    where: str = "input") -> tuple[list[Seq2SeqExample], TruncationCounts]:
+    """Tokenise `{"src", "tgt"}` records; sources are cut to `max_src_len` word pieces, targets to `max_tgt_len`.
+
+    An empty `src` or `tgt` fails with the record number; truncations are counted and returned.
+    """
+    for number, record in enumerate(records, 1):
+        for field in ("src", "tgt"):
+            if not isinstance(record.get(field), str) or not record[field].strip():
+                raise ValueError(f"{where}: record {number} has an empty or missing {field!r}")
+    sources = tokenizer.encode_batch([r["src"] for r in records])
+    targets = tokenizer.encode_batch([r["tgt"] for r in records])
+    counts = TruncationCounts(sum(len(s) > max_src_len for s in sources), sum(len(t) > max_tgt_len for t in targets))
+    examples = [Seq2SeqExample(s[:max_src_len], t[:max_tgt_len]) for s, t in zip(sources, targets)]
+    return examples, counts
+
+
+def pack_and_mask(example: Seq2SeqExample, tokenizer: Tokenizer, mask_prob: float,
+                  rng: np.random.Generator) -> dict[str, np.ndarray | int]:
+    """`[CLS] src [SEP] tgt [SEP]` with target tokens (final [SEP] included) replaced by [MASK].
+
+    Returns input_ids int64[length], len_a (= len(src) + 2), masked_positions int64[P] ascending and
+    masked_labels int64[P] (the original ids), P ≥ 1.
+    """
+    source = [tokenizer.cls_id, *example.source_ids, tokenizer.sep_id]
+    target = [*example.target_ids, tokenizer.sep_id]
+    input_ids = np.asarray(source + target, dtype=np.int64)
+    chosen = rng.random(len(target)) < mask_prob
+    if not chosen.any():
+        chosen[rng.integers(len(target))] = True
+    masked_positions = len(source) + np.flatnonzero(chosen)
+    masked_labels = input_ids[masked_positions].copy()
+    input_ids[masked_positions] = tokenizer.mask_id
+    return {"input_ids": input_ids, "len_a": len(source), "masked_positions": masked_positions,
+            "masked_labels": masked_labels}
+
+
+def collate(packed: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """Pad packed examples into a batch: input_ids Long[B, L], len_a/length Long[B],
+    masked_positions Long[B, P] (padded with 0), masked_labels Long[B, P] (padded with -100 = ignore)."""
+    max_len = max(len(p["input_ids"]) for p in packed)
+    max_masked = max(len(p["masked_positions"]) for p in packed)
+    batch_size = len(packed)
+    input_ids = torch.full((batch_size, max_len), pad_id, dtype=torch.long)
+    masked_positions = torch.zeros((batch_size, max_masked), dtype=torch.long)
+    masked_labels = torch.full((batch_size, max_masked), -100, dtype=torch.long)
+    for row, p in enumerate(packed):
+        input_ids[row, : len(p["input_ids"])] = torch.from_numpy(p["input_ids"])
+        masked_positions[row, : len(p["masked_positions"])] = torch.from_numpy(p["masked_positions"])
+        masked_labels[row, : len(p["masked_labels"])] = torch.from_numpy(p["masked_labels"])
+    return {
+        "input_ids": input_ids,
+        "len_a": torch.tensor([p["len_a"] for p in packed]),
+        "length": torch.tensor([len(p["input_ids"]) for p in packed]),
+        "masked_positions": masked_positions,
+        "masked_labels": masked_labels,
+    }
+
+
+def seq2seq_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], label_smoothing: float = 0.1) -> torch.Tensor:
+    """Mean label-smoothed cross-entropy over the masked target positions of a `collate` batch."""
+    input_ids = batch["input_ids"]
+    batch_size, max_len = input_ids.shape
+    objective = torch.full((batch_size,), SEQ2SEQ, dtype=torch.long, device=input_ids.device)
+    attention_mask = build_attention_mask(objective, batch["len_a"], batch["length"], max_len)
+    segment_ids = build_segment_ids(objective, batch["len_a"], batch["length"], max_len)
+    hidden = model.encode(input_ids, segment_ids, attention_mask)
+    positions = batch["masked_positions"]
+    picked = hidden.gather(1, positions.unsqueeze(-1).expand(-1, -1, hidden.size(-1)))  # [B, P, H]
+    logits = model.mlm_logits(picked)
+    return F.cross_entropy(logits.flatten(0, 1).float(), batch["masked_labels"].flatten(),
+                           ignore_index=-100, label_smoothing=label_smoothing)
+
+
+class Seq2SeqModel(torch.nn.Module):
+    """The backbone alone (its tied MLM head predicts the masked targets); `forward(**batch)` → loss."""
+
+    def __init__(self, backbone: torch.nn.Module, label_smoothing: float = 0.1):
+        super().__init__()
+        self.backbone, self.label_smoothing = backbone, label_smoothing
+
+    def forward(self, **batch: torch.Tensor) -> torch.Tensor:
+        return seq2seq_loss(self.backbone, batch, self.label_smoothing)

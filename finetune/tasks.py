@@ -1,0 +1,129 @@
+"""Assemble a fine-tuning task: read and encode the data, wrap the backbone with its head, say how to batch
+and how to evaluate. `finetune.engine.fit` trains whatever `build_task` returns."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from pretrain.model import UniLMModel
+
+from . import classify, qa, seq2seq
+from .config import FinetuneConfig
+from .datasets import read_jsonl
+from .decode import DecodeConfig, decode_records
+from .metrics import generation_metrics
+from .tokenizer import Tokenizer
+
+
+DEV_MASKING = 1_000_000  # the "epoch" of the fixed dev masking (no run has that many epochs)
+
+
+@dataclass
+class TaskSetup:
+    module: torch.nn.Module
+    """Backbone + head; `module(**batch)` returns the scalar training loss. `module.backbone` is the encoder."""
+    head: torch.nn.Module | None
+    """The task layer saved beside the HF export (None for seq2seq: the MLM head is the backbone's)."""
+    train_size: int
+    """Training items (examples, or QA windows) the epoch order runs over."""
+    make_batch: Callable[[list[int], int], dict[str, torch.Tensor]]
+    """(item indices, epoch) → a batch for `module`."""
+    evaluate: Callable[[torch.nn.Module], dict[str, float]]
+    """The dev metrics of `module` (higher is better for `primary_metric`)."""
+    primary_metric: str
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Saved into finetune.json: labels, counts of truncated inputs, ..."""
+
+
+def _limit(items: list, count: int | None) -> list:
+    return items if count is None else items[:count]
+
+
+def build_classify(cfg: FinetuneConfig, backbone: UniLMModel, tokenizer: Tokenizer) -> TaskSetup:
+    train_records, dev_records = read_jsonl(cfg.train), _limit(read_jsonl(cfg.dev), cfg.eval_max_examples)
+    labels = classify.LabelSpace.from_records(train_records, cfg.train)
+    settings = (tokenizer, labels, cfg.max_seq_len, cfg.similarity)
+    train, train_cut = classify.encode_examples(train_records, *settings, where=cfg.train)
+    dev, dev_cut = classify.encode_examples(dev_records, *settings, where=cfg.dev)
+    module = classify.ClassifierModel(backbone, labels, cfg.dropout, cfg.aux_lm_weight)
+    return TaskSetup(
+        module=module, head=module.head, train_size=len(train),
+        make_batch=lambda indices, epoch: classify.collate([train[i] for i in indices], tokenizer.pad_id,
+                                                           labels.regression),
+        evaluate=lambda m: classify.evaluate(m, dev, tokenizer.pad_id),
+        primary_metric=classify.primary_metric(labels),
+        meta={"labels": list(labels.classes), "regression": labels.regression,
+              "multiple_choice": labels.multiple_choice, "truncated": {"train": train_cut, "dev": dev_cut}},
+    )
+
+
+def build_qa(cfg: FinetuneConfig, backbone: UniLMModel, tokenizer: Tokenizer) -> TaskSetup:
+    train_questions, _ = qa.read_squad(cfg.train)
+    dev_questions, version_2 = qa.read_squad(cfg.dev)
+    dev_questions = _limit(dev_questions, cfg.eval_max_examples)
+    settings = (tokenizer, cfg.max_seq_len, cfg.doc_stride, cfg.max_query_len)
+    train, dev = qa.make_windows(train_questions, *settings), qa.make_windows(dev_questions, *settings)
+    module = qa.SpanModel(backbone)
+    return TaskSetup(
+        module=module, head=module.head, train_size=len(train),
+        make_batch=lambda indices, epoch: qa.collate([train[i] for i in indices], tokenizer.pad_id),
+        evaluate=lambda m: qa.evaluate(m, dev_questions, dev, tokenizer.pad_id, cfg.max_answer_len, version_2),
+        primary_metric="f1",
+        meta={"version_2": version_2, "windows": {"train": len(train), "dev": len(dev)}},
+    )
+
+
+def build_seq2seq(cfg: FinetuneConfig, backbone: UniLMModel, tokenizer: Tokenizer) -> TaskSetup:
+    train_records, dev_records = read_jsonl(cfg.train), _limit(read_jsonl(cfg.dev), cfg.eval_max_examples)
+    train, cut = seq2seq.encode_examples(train_records, tokenizer, cfg.max_src_len, cfg.max_tgt_len, cfg.train)
+    dev, _ = seq2seq.encode_examples(dev_records, tokenizer, cfg.max_src_len, cfg.max_tgt_len, cfg.dev)
+    budget = cfg.max_src_len + cfg.max_tgt_len + 3
+    if budget > backbone.cfg.max_position_embeddings:
+        raise ValueError(f"max_src_len + max_tgt_len + 3 = {budget} exceeds the model's "
+                         f"{backbone.cfg.max_position_embeddings} positions")
+    module = seq2seq.Seq2SeqModel(backbone, cfg.label_smoothing)
+    decoding = DecodeConfig(beam_size=cfg.eval_beam_size, max_tgt_len=cfg.max_tgt_len,
+                            length_penalty=cfg.eval_length_penalty)
+
+    def make_batch(indices: list[int], epoch: int) -> dict[str, torch.Tensor]:
+        # the masking of example i in epoch e depends on (seed, e, i) only: resume and world size keep it
+        packed = [seq2seq.pack_and_mask(train[i], tokenizer, cfg.mask_prob, np.random.default_rng([cfg.seed, epoch, i]))
+                  for i in indices]
+        return seq2seq.collate(packed, tokenizer.pad_id)
+
+    def evaluate(m: torch.nn.Module) -> dict[str, float]:
+        predictions, _ = decode_records(m.backbone, tokenizer, dev_records, decoding, cfg.max_src_len)
+        scores = generation_metrics(predictions, [r["tgt"] for r in dev_records])
+        return {**scores, "dev_loss": dev_loss(m.backbone)}
+
+    @torch.inference_mode()
+    def dev_loss(backbone: torch.nn.Module) -> float:
+        """Masked-target cross-entropy (no smoothing) on dev with a fixed masking: a smooth signal while the
+        generated text is still poor."""
+        was_training = backbone.training
+        backbone.eval()
+        total, count = 0.0, 0
+        for begin in range(0, len(dev), cfg.micro_batch_size):
+            chunk = range(begin, min(begin + cfg.micro_batch_size, len(dev)))
+            packed = [seq2seq.pack_and_mask(dev[i], tokenizer, cfg.mask_prob,
+                                            np.random.default_rng([cfg.seed, DEV_MASKING, i])) for i in chunk]
+            device = next(backbone.parameters()).device
+            batch = {k: v.to(device) for k, v in seq2seq.collate(packed, tokenizer.pad_id).items()}
+            masked = int((batch["masked_labels"] != -100).sum())
+            total += seq2seq.seq2seq_loss(backbone, batch, label_smoothing=0.0).item() * masked
+            count += masked
+        backbone.train(was_training)
+        return total / count
+
+    return TaskSetup(module=module, head=None, train_size=len(train), make_batch=make_batch, evaluate=evaluate,
+                     primary_metric="rougeL",
+                     meta={"truncated": {"sources": cut.sources, "targets": cut.targets}})
+
+
+def build_task(cfg: FinetuneConfig, backbone: UniLMModel, tokenizer: Tokenizer) -> TaskSetup:
+    builders = {"classify": build_classify, "qa": build_qa, "seq2seq": build_seq2seq}
+    return builders[cfg.task](cfg, backbone, tokenizer)

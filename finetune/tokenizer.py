@@ -1,0 +1,93 @@
+"""WordPiece tokenisation for fine-tuning: the pre-training encoder (`data_prep.vocab`) on a model's `vocab.txt`.
+
+The vocabulary is validated and encoded exactly as the shard builder does (HF `tokenizers` WordPiece with
+BERT's normaliser and pre-tokeniser), so fine-tuning text is split the way pre-training text was. Casing comes
+from `tokenizer_config.json` (`do_lower_case`) when the directory has one (Hugging Face BERT directories do),
+otherwise from the vocabulary itself: a vocabulary without upper-case word pieces is uncased.
+`save_tokenizer` writes both files next to an exported model so `finetune.decode --model DIR` finds them.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer as WordPieceEncoder
+from tokenizers import decoders
+
+from data_prep.vocab import Vocab, load_tokenizer as load_encoder, load_vocab
+
+VOCAB_FILE = "vocab.txt"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+_DECODER = decoders.WordPiece(prefix="##", cleanup=True)
+
+
+@dataclass(frozen=True)
+class Tokenizer:
+    """The WordPiece encoder of one vocabulary plus the special-token ids fine-tuning needs."""
+
+    vocab: Vocab
+    encoder: WordPieceEncoder
+    lowercase: bool
+
+    @property
+    def vocab_path(self) -> Path:
+        return self.vocab.path
+
+    @property
+    def vocab_size(self) -> int:
+        return self.vocab.size
+
+    pad_id = property(lambda self: self.vocab.special_ids["pad"])
+    unk_id = property(lambda self: self.vocab.special_ids["unk"])
+    cls_id = property(lambda self: self.vocab.special_ids["cls"])
+    sep_id = property(lambda self: self.vocab.special_ids["sep"])
+    mask_id = property(lambda self: self.vocab.special_ids["mask"])
+
+    def encode(self, text: str) -> list[int]:
+        """Word-piece ids of `text` (no [CLS]/[SEP] added)."""
+        return self.encoder.encode(text).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [encoding.ids for encoding in self.encoder.encode_batch(texts)]
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids and (start, end) character offsets into `text` of each word piece."""
+        encoding = self.encoder.encode(text)
+        return encoding.ids, encoding.offsets
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of `ids`: special tokens dropped, `##` pieces joined to their word."""
+        special = set(self.vocab.special_ids.values())
+        return _DECODER.decode([self.vocab.tokens[i] for i in ids if i not in special])
+
+
+def _vocab_is_uncased(vocab: Vocab) -> bool:
+    return not any(ch.isupper() for token in vocab.tokens if not token.startswith("[") for ch in token)
+
+
+def load_tokenizer(model_dir: str | Path) -> Tokenizer:
+    """The tokenizer of a model directory (or of a `vocab.txt` path)."""
+    path = Path(model_dir)
+    vocab_path = path if path.suffix == ".txt" else path / VOCAB_FILE
+    if not vocab_path.is_file():
+        raise FileNotFoundError(f"{path}: no {VOCAB_FILE}; a model directory must carry the vocabulary it was "
+                                "trained with (or pass --vocab)")
+    vocab = load_vocab(vocab_path)
+    config_path = vocab_path.parent / TOKENIZER_CONFIG
+    if config_path.is_file():
+        lowercase = bool(json.loads(config_path.read_text()).get("do_lower_case", True))
+    else:
+        lowercase = _vocab_is_uncased(vocab)
+    return Tokenizer(vocab, load_encoder(str(vocab_path), vocab.sha256, lowercase), lowercase)
+
+
+def save_tokenizer(tokenizer: Tokenizer, out_dir: str | Path) -> None:
+    """Copy `vocab.txt` and write `tokenizer_config.json` (casing) into `out_dir`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if tokenizer.vocab_path.resolve() != (out / VOCAB_FILE).resolve():
+        shutil.copyfile(tokenizer.vocab_path, out / VOCAB_FILE)
+    (out / TOKENIZER_CONFIG).write_text(json.dumps({"do_lower_case": tokenizer.lowercase,
+                                                    "tokenizer_class": "BertTokenizer"}))

@@ -1,0 +1,115 @@
+"""Data converters (real samples → task files), tokenizer loading, seq2seq packing and target masking."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from finetune.datasets import bbc_articles, convert_samples, is_dev, read_jsonl
+from finetune.seq2seq import Seq2SeqExample, collate, encode_examples, pack_and_mask, seq2seq_loss
+from finetune.tokenizer import load_tokenizer
+from pretrain.hf import load_hf_bert
+
+
+def test_converters_write_the_task_formats_with_disjoint_deterministic_splits(task_files, samples_dir, tmp_path):
+    topic_train = read_jsonl(task_files / "bbc_topic.train.jsonl")
+    topic_dev = read_jsonl(task_files / "bbc_topic.dev.jsonl")
+    assert {r["label"] for r in topic_train} == {"business", "entertainment", "politics", "sports", "tech"}
+    assert 0.05 < len(topic_dev) / (len(topic_train) + len(topic_dev)) < 0.15
+    assert not {r["text"] for r in topic_train} & {r["text"] for r in topic_dev}
+    headline = read_jsonl(task_files / "bbc_headline.dev.jsonl")[0]
+    assert set(headline) == {"src", "tgt"} and len(headline["tgt"]) < len(headline["src"])
+    rotten = read_jsonl(task_files / "rotten.train.jsonl")
+    assert {r["label"] for r in rotten} == {"fresh", "rotten"}
+    assert json.loads((task_files / "squad.json").read_text())["data"]
+    convert_samples(samples_dir, tmp_path)  # the same split again
+    assert (tmp_path / "bbc_topic.dev.jsonl").read_bytes() == (task_files / "bbc_topic.dev.jsonl").read_bytes()
+    key, topic, title, body = next(bbc_articles(samples_dir))
+    assert key.startswith(f"bbc/{topic}/") and title and body and is_dev(key, 1.0) and not is_dev(key, 0.0)
+
+
+def test_read_jsonl_names_the_bad_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "ok", "label": "a"}\nnot json\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2"):
+        read_jsonl(path)
+
+
+def test_tokenizer_casing_from_the_model_directory(minilm_dir, tiny_init):
+    uncased = load_tokenizer(minilm_dir)
+    assert uncased.lowercase and uncased.decode(uncased.encode("Hello World")) == "hello world"
+    assert load_tokenizer(tiny_init).mask_id == 4
+    with pytest.raises(FileNotFoundError, match="vocab.txt"):
+        load_tokenizer(tiny_init / "nowhere")
+
+
+def test_seq2seq_packing_masks_targets_only_and_sometimes_the_final_sep(tiny_init):
+    tokenizer = load_tokenizer(tiny_init)
+    example = Seq2SeqExample(source_ids=[10, 11, 12], target_ids=[20, 21])
+    final_sep_masked = 0
+    for seed in range(50):
+        packed = pack_and_mask(example, tokenizer, 0.7, np.random.default_rng(seed))
+        assert packed["len_a"] == 5 and len(packed["input_ids"]) == 8
+        assert list(packed["input_ids"][:5]) == [tokenizer.cls_id, 10, 11, 12, tokenizer.sep_id]
+        positions = packed["masked_positions"]
+        assert len(positions) >= 1 and all(5 <= p < 8 for p in positions)
+        assert all(packed["input_ids"][p] == tokenizer.mask_id for p in positions)
+        original = [tokenizer.cls_id, 10, 11, 12, tokenizer.sep_id, 20, 21, tokenizer.sep_id]
+        assert list(packed["masked_labels"]) == [original[p] for p in positions]
+        final_sep_masked += 7 in positions
+    assert 20 < final_sep_masked < 50  # about 70% of the time
+
+
+def test_seq2seq_encoding_truncates_and_counts_and_rejects_empty_fields(tiny_init):
+    tokenizer = load_tokenizer(tiny_init)
+    records = [{"src": "the market rose sharply " * 20, "tgt": "shares up"}, {"src": "short", "tgt": "x " * 30}]
+    examples, counts = encode_examples(records, tokenizer, max_src_len=16, max_tgt_len=8)
+    assert (counts.sources, counts.targets) == (1, 1)
+    assert len(examples[0].source_ids) == 16 and len(examples[1].target_ids) == 8
+    with pytest.raises(ValueError, match="record 2 has an empty or missing 'tgt'"):
+        encode_examples([records[0], {"src": "a", "tgt": " "}], tokenizer, 16, 8, where="train.jsonl")
+
+
+def test_seq2seq_loss_is_label_smoothed_cross_entropy_at_masked_positions(tiny_init):
+    tokenizer = load_tokenizer(tiny_init)
+    model = load_hf_bert(tiny_init)
+    examples, _ = encode_examples([{"src": "shares in the firm rose", "tgt": "firm shares rise"},
+                                   {"src": "the match ended in a draw today", "tgt": "draw"}], tokenizer, 32, 8)
+    batch = collate([pack_and_mask(e, tokenizer, 0.7, np.random.default_rng(i)) for i, e in enumerate(examples)],
+                    tokenizer.pad_id)
+    loss = seq2seq_loss(model, batch, label_smoothing=0.1)
+    assert torch.isfinite(loss) and loss.item() > 0
+    loss.backward()
+    assert model.embeddings.segment.weight.grad[5].abs().sum() > 0  # the target segment (5) is trained
+    assert model.embeddings.segment.weight.grad[0].abs().sum() == 0  # no bidirectional segment in seq2seq
+    no_smoothing = seq2seq_loss(model, batch, label_smoothing=0.0)
+    assert not torch.allclose(no_smoothing, loss)
+
+
+def test_seq2seq_fine_tuning_then_decoding_reproduces_memorised_targets(tiny_init):
+    """The whole generation path end to end: pack → mask → loss → train, then UniLM decoding (cache and no cache)."""
+    from finetune.decode import DecodeConfig, SpecialIds, generate, pack_source
+    from finetune.seq2seq import Seq2SeqModel
+
+    torch.manual_seed(0)
+    tokenizer, backbone = load_tokenizer(tiny_init), load_hf_bert(tiny_init)
+    records = [{"src": "shares in the bank rose after profits beat forecasts", "tgt": "bank profits beat forecasts"},
+               {"src": "the team won the cup final after extra time", "tgt": "team wins cup"},
+               {"src": "the new phone will go on sale next month in europe", "tgt": "phone on sale next month"}]
+    examples, _ = encode_examples(records, tokenizer, 64, 16)
+    model = Seq2SeqModel(backbone, label_smoothing=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for step in range(200):
+        batch = collate([pack_and_mask(e, tokenizer, 0.7, np.random.default_rng([step, i]))
+                         for i, e in enumerate(examples)], tokenizer.pad_id)
+        loss = model(**batch)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    sources = [pack_source(tokenizer, r["src"], 64)[0] for r in records]
+    for use_cache in (True, False):
+        config = DecodeConfig(beam_size=2, max_tgt_len=10, use_cache=use_cache)
+        decoded = [tokenizer.decode(h.tokens) for h in generate(backbone, sources, SpecialIds.of(tokenizer), config)]
+        assert decoded == [r["tgt"] for r in records]

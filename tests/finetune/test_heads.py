@@ -1,0 +1,175 @@
+"""Task heads and losses on tiny models: classification (single, pair, similarity, multiple choice, regression,
+GPT-1 auxiliary LM), extractive QA windows / targets / predictions, and bad-input messages."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from finetune import classify, qa
+from finetune.tokenizer import load_tokenizer
+from pretrain.hf import load_hf_bert
+from pretrain.model import build_model
+
+
+@pytest.fixture()
+def backbone(tiny_init):
+    return load_hf_bert(tiny_init)
+
+
+@pytest.fixture()
+def tokenizer(tiny_init):
+    return load_tokenizer(tiny_init)
+
+
+def train_a_little(model, batch, steps=30, lr=3e-3) -> list[float]:
+    torch.manual_seed(0)  # dropout masks: the same run every time
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss = model(**batch)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+RECORDS = [{"text": "shares fell on the stock market", "label": "business"},
+           {"text": "the striker scored twice in the final", "label": "sport"},
+           {"text": "profits rose at the bank", "label": "business"},
+           {"text": "the team won the cup", "label": "sport"}]
+
+
+def test_classification_learns_and_predicts_label_ids(backbone, tokenizer):
+    labels = classify.LabelSpace.from_records(RECORDS, "train")
+    assert labels.classes == ("business", "sport")
+    examples, cut = classify.encode_examples(RECORDS, tokenizer, labels, 64, similarity=False, where="train")
+    model = classify.ClassifierModel(backbone, labels, dropout=0.0)
+    losses = train_a_little(model, classify.collate(examples, tokenizer.pad_id, False))
+    assert losses[-1] < 0.5 * losses[0]
+    assert classify.evaluate(model, examples, tokenizer.pad_id)["accuracy"] == 1.0
+
+
+def test_pairs_are_truncated_longest_first_and_counted(tokenizer):
+    packed, lengths_a, cut = classify.pack_views(tokenizer, [("a b c d e f g h", "x y")], max_seq_len=8)
+    assert cut == 1 and len(packed[0]) == 8 and lengths_a[0] == 2 + 3  # a keeps 3 pieces, b keeps 2
+    assert packed[0].count(tokenizer.sep_id) == 2
+
+
+def test_unknown_dev_label_and_mixed_labels_are_refused(tokenizer):
+    labels = classify.LabelSpace.from_records(RECORDS, "train")
+    with pytest.raises(ValueError, match=r"dev.jsonl: record 1 has label 'weather', unknown"):
+        classify.encode_examples([{"text": "rain", "label": "weather"}], tokenizer, labels, 64, False, "dev.jsonl")
+    with pytest.raises(ValueError, match="must all be non-empty strings"):
+        classify.LabelSpace.from_records([{"text": "a", "label": "x"}, {"text": "b", "label": 1}], "train")
+
+
+def test_similarity_sums_both_orders(backbone, tokenizer):
+    records = [{"text": "the cat sat", "text_b": "a dog ran", "label": "no"},
+               {"text": "a dog ran", "text_b": "the cat sat", "label": "no"}]
+    labels = classify.LabelSpace.from_records(records, "train")
+    examples, _ = classify.encode_examples(records, tokenizer, labels, 32, similarity=True, where="train")
+    assert len(examples[0].views) == 2 and examples[0].views == examples[1].views[::-1]
+    model = classify.ClassifierModel(backbone, labels, dropout=0.0).eval()
+    batch = classify.collate(examples, tokenizer.pad_id, False)
+    logits, *_ = model.scores(batch["input_ids"], batch["len_a"], batch["length"])
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)  # symmetric in the pair order
+
+
+def test_multiple_choice_scores_each_choice_and_softmaxes_over_them(backbone, tokenizer):
+    # the right choice is the same text at different indices: learnable only by scoring each choice's content
+    records = [{"context": "the market", "choices": ["shares fell", "goal scored", "new phone"], "label": 0},
+               {"context": "the match", "choices": ["goal scored", "shares fell", "new phone"], "label": 1}]
+    labels = classify.LabelSpace.from_records(records, "train")
+    assert labels.multiple_choice and labels.num_outputs == 1
+    examples, _ = classify.encode_examples(records, tokenizer, labels, 32, False, "train")
+    model = classify.ClassifierModel(backbone, labels, dropout=0.0)
+    batch = classify.collate(examples, tokenizer.pad_id, False)
+    logits, *_ = model.scores(batch["input_ids"], batch["len_a"], batch["length"])
+    assert logits.shape == (2, 3)
+    losses = train_a_little(model, batch, steps=40)
+    assert losses[-1] < 0.5 * losses[0]
+    assert classify.predict(model, examples, tokenizer.pad_id) == [0, 1]
+    with pytest.raises(ValueError, match="expected a choice index"):
+        classify.encode_examples([dict(records[0], label=3)], tokenizer, labels, 32, False, "train")
+
+
+def test_regression_uses_mse_and_correlations(backbone, tokenizer):
+    records = [{"text": "good", "label": 1.0}, {"text": "bad", "label": -1.0}, {"text": "fine", "label": 0.5}]
+    labels = classify.LabelSpace.from_records(records, "train")
+    assert labels.regression
+    examples, _ = classify.encode_examples(records, tokenizer, labels, 16, False, "train")
+    model = classify.ClassifierModel(backbone, labels, dropout=0.0)
+    train_a_little(model, classify.collate(examples, tokenizer.pad_id, True), steps=60)
+    assert set(classify.evaluate(model, examples, tokenizer.pad_id)) == {"pearson", "spearman"}
+    assert classify.evaluate(model, examples, tokenizer.pad_id)["pearson"] > 0.9
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_auxiliary_lm_loss_adds_weighted_next_token_loss(backbone, tokenizer, causal):
+    if causal:  # a GPT-style model: final vector = last real token, one forward for both losses
+        backbone = build_model(dataclasses.replace(backbone.cfg, causal_lm=True))
+    labels = classify.LabelSpace.from_records(RECORDS, "train")
+    examples, _ = classify.encode_examples(RECORDS, tokenizer, labels, 64, False, "train")
+    batch = classify.collate(examples, tokenizer.pad_id, False)
+    plain = classify.ClassifierModel(backbone, labels, dropout=0.0, aux_lm_weight=0.0)
+    torch.manual_seed(0)
+    with_lm = classify.ClassifierModel(backbone, labels, dropout=0.0, aux_lm_weight=0.5)
+    with_lm.head.load_state_dict(plain.head.state_dict())
+    plain.eval(), with_lm.eval()  # no dropout: the two forwards must see the same network
+    flat_ids, flat_length = batch["input_ids"][:, 0], batch["length"][:, 0]
+    lm = classify.language_model_loss(backbone, flat_ids, flat_length)
+    torch.testing.assert_close(with_lm(**batch), plain(**batch) + 0.5 * lm)
+    assert 0.5 * lm.item() > 1.0  # the LM term is really there (≈ ln(vocab) on a random model)
+
+
+def test_qa_windows_targets_and_predictions_round_trip(samples_dir, backbone, tokenizer):
+    questions, version_2 = qa.read_squad(samples_dir / "squad.json")
+    assert not version_2 and len(questions) >= 3
+    windows = qa.make_windows(questions, tokenizer, max_seq_len=96, doc_stride=48, max_query_len=16)
+    assert len(windows) > len(questions)  # long contexts became several overlapping windows
+    for window in windows:
+        assert len(window.input_ids) <= 96
+        if window.start_position:  # the target span covers the gold answer (whole word pieces: the fixture's
+            # "Father Julius Nieuwl" becomes "Father Julius Nieuwland")
+            q = questions[window.question_index]
+            first = window.len_a
+            s, e = window.offsets[window.start_position - first][0], window.offsets[window.end_position - first][1]
+            assert q.answers[0].lower() in q.context[s:e].lower() and e - s < len(q.answers[0]) + 8
+    answered = {w.question_index for w in windows if w.start_position}
+    assert answered == set(range(len(questions)))
+    model = qa.SpanModel(backbone)
+    batch = qa.collate(windows, tokenizer.pad_id)
+    losses = train_a_little(model, batch, steps=40, lr=2e-3)
+    assert losses[-1] < 0.5 * losses[0]
+    predictions = qa.predict(model, questions, windows, tokenizer.pad_id, max_answer_len=30, version_2=False)
+    assert all(predictions[q.qid] and predictions[q.qid] in q.context for q in questions)
+    # a 2-layer random model learns where answers sit in each context, not yet which question asks for which
+    scores = qa.evaluate(model, questions, windows, tokenizer.pad_id, max_answer_len=30, version_2=False)
+    assert scores["exact_match"] >= 20.0 and scores["f1"] >= scores["exact_match"], scores
+
+
+def test_qa_answer_not_in_context_and_squad2_no_answer(tmp_path, backbone, tokenizer):
+    bad = {"data": [{"paragraphs": [{"context": "Paris is in France.", "qas": [
+        {"id": "q1", "question": "Where?", "answers": [{"text": "Berlin", "answer_start": 0}]}]}]}]}
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="question q1: answer 'Berlin' is not in its context"):
+        qa.read_squad(tmp_path / "bad.json")
+    v2 = {"data": [{"paragraphs": [{"context": "Paris is in France.", "qas": [
+        {"id": "q2", "question": "Who?", "answers": [], "is_impossible": True}]}]}]}
+    (tmp_path / "v2.json").write_text(json.dumps(v2))
+    questions, version_2 = qa.read_squad(tmp_path / "v2.json")
+    assert version_2 and questions[0].answers == ()
+    windows = qa.make_windows(questions, tokenizer, 32, 16, 8)
+    assert (windows[0].start_position, windows[0].end_position) == (0, 0)  # [CLS] = no answer
+    model = qa.SpanModel(backbone)
+    with torch.no_grad():  # make [CLS] win: the null answer must be predicted as ""
+        model.head.bias.fill_(0.0)
+        model.head.weight.zero_()
+    predictions = qa.predict(model, questions, windows, tokenizer.pad_id, 30, version_2=True)
+    assert predictions == {"q2": ""} or predictions["q2"] != ""  # ties allowed; exercised below
+    model.span_logits = lambda ids, len_a, length: (torch.tensor([[5.0] + [0.0] * (ids.shape[1] - 1)]),) * 2
+    assert qa.predict(model, questions, windows, tokenizer.pad_id, 30, version_2=True) == {"q2": ""}

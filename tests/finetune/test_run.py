@@ -1,0 +1,102 @@
+"""`python -m finetune.run` end to end on DeepSpeed (1 rank, in process): classify and seq2seq on real BBC
+slices, the HF export + metrics.json, exact resume after a stop, `finetune.decode` on the result, bad inputs."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from finetune import decode, run
+from finetune.model_io import load_finetuned, load_init
+
+COMMON = ["--batch-size", "8", "--micro-batch-size", "4", "--lr", "1e-3", "--seed", "3"]
+
+
+def classify_args(small_tasks, tiny_init, out, *extra):
+    return ["--task", "classify", "--train", str(small_tasks["bbc_topic.train"]), "--dev",
+            str(small_tasks["bbc_topic.dev"]), "--init", str(tiny_init), "--out", str(out), "--max-seq-len", "64",
+            *COMMON, *extra]
+
+
+def losses(out) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+def test_classify_run_exports_the_best_model_and_metrics(small_tasks, tiny_init, tmp_path):
+    summary = run.main(classify_args(small_tasks, tiny_init, tmp_path, "--epochs", "2"))
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["finished"] and len(metrics["epochs"]) == 2 and metrics["primary_metric"] == "accuracy"
+    assert {"accuracy", "macro_f1", "train_loss"} <= set(metrics["best"])
+    assert summary["best"] == metrics["best"]
+    finetuned = load_finetuned(tmp_path)
+    assert finetuned.task == "classify" and finetuned.meta["labels"] == sorted(
+        {"business", "entertainment", "politics", "sports", "tech"})
+    assert set(finetuned.head_state) == {"weight", "bias"} and finetuned.head_state["weight"].shape == (5, 32)
+    assert (tmp_path / "vocab.txt").read_bytes() == (tiny_init / "vocab.txt").read_bytes()
+
+
+def test_a_stopped_run_resumes_to_the_same_losses(small_tasks, tiny_init, tmp_path):
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    run.main(classify_args(small_tasks, tiny_init, straight, "--epochs", "2"))
+    run.main(classify_args(small_tasks, tiny_init, stopped, "--epochs", "2", "--set", "exit_at_step=3"))
+    assert len(losses(stopped)) == 3 and not json.loads((stopped / "metrics.json").read_text())["finished"]
+    run.main(classify_args(small_tasks, tiny_init, stopped, "--epochs", "2", "--set", "exit_at_step=3"))
+    assert losses(stopped) == losses(straight)  # dropout on: RNG states travel in the checkpoint
+    epochs = [json.loads((d / "metrics.json").read_text())["epochs"] for d in (straight, stopped)]
+    assert epochs[0] == epochs[1]  # per-epoch train loss and dev scores too
+    a, b = load_finetuned(straight), load_finetuned(stopped)
+    for (name, x), (_, y) in zip(a.model.state_dict().items(), b.model.state_dict().items()):
+        torch.testing.assert_close(x, y, msg=name)
+
+
+def test_a_changed_run_is_refused_on_resume(small_tasks, tiny_init, tmp_path):
+    run.main(classify_args(small_tasks, tiny_init, tmp_path, "--epochs", "1", "--set", "exit_at_step=1"))
+    with pytest.raises(ValueError, match="seed"):
+        run.main(classify_args(small_tasks, tiny_init, tmp_path, "--epochs", "1", "--seed", "4"))
+
+
+def test_seq2seq_run_then_decode_with_and_without_cache(small_tasks, tiny_init, tmp_path):
+    out = tmp_path / "model"
+    run.main(["--task", "seq2seq", "--train", str(small_tasks["bbc_headline.train"]), "--dev",
+              str(small_tasks["bbc_headline.dev"]), "--init", str(tiny_init), "--out", str(out), "--epochs", "1",
+              "--max-src-len", "96", "--max-tgt-len", "16", *COMMON])
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert {"rouge1", "rouge2", "rougeL", "bleu"} <= set(metrics["best"])
+    assert metrics["truncated"]["sources"] > 0  # BBC articles are longer than 96 word pieces: counted
+    finetuned = load_finetuned(out, expect_task="seq2seq")
+    trained_segments = finetuned.model.embeddings.segment.weight
+    assert not torch.equal(trained_segments[4], trained_segments[0])  # rows 4/5 survive the HF export
+    predictions = {}
+    for flag in ([], ["--no-cache"]):
+        output = tmp_path / f"pred{len(flag)}.jsonl"
+        decode.main(["--model", str(out), "--input", str(small_tasks["bbc_headline.dev"]), "--output", str(output),
+                     "--beam-size", "3", "--max-tgt-len", "12", "--batch-size", "4", *flag])
+        records = [json.loads(line) for line in output.read_text().splitlines()]
+        assert all({"src", "tgt", "prediction"} <= set(r) for r in records)
+        predictions[bool(flag)] = [r["prediction"] for r in records]
+        assert "rougeL" in json.loads(decode.metrics_path(output).read_text())
+    assert predictions[False] == predictions[True]
+    with pytest.raises(ValueError, match="fine-tuned for 'seq2seq', not 'classify'"):
+        load_finetuned(out, expect_task="classify")
+
+
+def test_bad_inputs_get_clear_messages(tiny_init, minilm_dir, tmp_path):
+    with pytest.raises(ValueError, match="not a model directory"):
+        load_finetuned(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="is not a loadable BERT model"):
+        load_init(tmp_path, vocab=tiny_init / "vocab.txt")
+    with pytest.raises(ValueError, match="vocabulary mismatch"):
+        load_init(tiny_init, vocab=minilm_dir / "vocab.txt")  # 30,522 pieces for a 1,500-row model
+
+
+def test_qa_run_on_the_squad_sample(small_tasks, tiny_init, tmp_path):
+    squad = str(small_tasks["squad"])  # five real questions: a smoke run (train = dev)
+    run.main(["--task", "qa", "--train", squad, "--dev", squad, "--init", str(tiny_init), "--out", str(tmp_path),
+              "--max-seq-len", "96", "--set", "doc_stride=48", "--batch-size", "4", "--micro-batch-size", "2",
+              "--epochs", "1"])
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["primary_metric"] == "f1" and {"exact_match", "f1"} <= set(metrics["best"])
+    assert metrics["windows"]["train"] > 5 and not metrics["version_2"]
+    assert load_finetuned(tmp_path).head_state["weight"].shape == (2, 32)
