@@ -26,8 +26,8 @@ BUILD_ARGS ?=
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
 
-system-deps:  ## Debian packages for MPI and core binding (only those missing)
-	@missing=""; for p in libopenmpi-dev openmpi-bin numactl; do \
+system-deps:  ## Debian packages for MPI, core binding and the two-host test (only those missing)
+	@missing=""; for p in libopenmpi-dev openmpi-bin numactl iproute2 openssh-client openssh-server pdsh; do \
 	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "[setup] installing Debian packages:$$missing"; \

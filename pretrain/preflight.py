@@ -12,7 +12,9 @@ For the run config and hostfile it verifies, before any rank starts:
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
+import re
 import shlex
 import shutil
 import socket
@@ -27,19 +29,39 @@ from pretrain.config import REPO_ROOT, RunConfig, load_config
 
 CHECKPOINT_BYTES_PER_PARAMETER = 16  # fp32 weights + Adam moments (12) + low-precision copy / slack
 LOCAL_NAMES = {"localhost", "127.0.0.1", socket.gethostname(), socket.getfqdn()}
+# RFC 1123 host names: dot-separated labels of letters, digits and inner hyphens (so never an ssh option "-o...")
+_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                       r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+_SLOTS = re.compile(r"^slots=([1-9][0-9]{0,3})$")
+
+
+def valid_host(host: str) -> bool:
+    """A host name or an IPv4/IPv6 address: nothing ssh or a shell could read as an option or a command."""
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return bool(_HOSTNAME.match(host))
 
 
 def read_hostfile(path: str | Path) -> dict[str, int]:
-    """``host slots=N`` lines (DeepSpeed's hostfile format; # comments allowed) → {host: slots}."""
+    """``host slots=N`` lines (DeepSpeed's hostfile format; # comments allowed) → {host: slots}.
+
+    Every entry is validated before any host name reaches ssh (here, or DeepSpeed's launcher after ``make
+    preflight``): a host name or IP address, 1 ≤ N ≤ 9999, each host once."""
     hosts: dict[str, int] = {}
     for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
         parts = line.split()
-        if len(parts) != 2 or not parts[1].startswith("slots=") or not parts[1][6:].isdigit():
-            raise ValueError(f"{path}:{number}: expected 'HOST slots=N', got {line!r}")
-        hosts[parts[0]] = int(parts[1][6:])
+        if len(parts) != 2 or not _SLOTS.match(parts[1]):
+            raise ValueError(f"{path}:{number}: expected 'HOST slots=N' (N ≥ 1), got {line!r}")
+        if not valid_host(parts[0]):
+            raise ValueError(f"{path}:{number}: {parts[0]!r} is not a host name or IP address")
+        if parts[0] in hosts:
+            raise ValueError(f"{path}:{number}: host {parts[0]!r} listed twice")
+        hosts[parts[0]] = int(_SLOTS.match(parts[1]).group(1))
     if not hosts:
         raise ValueError(f"{path}: no hosts")
     return hosts

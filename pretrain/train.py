@@ -19,7 +19,7 @@ if __package__ in (None, ""):  # `deepspeed pretrain/train.py` runs this file as
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pretrain.config import load_config  # noqa: E402
-from pretrain.trainer import NonFiniteLossError, train  # noqa: E402
+from pretrain.trainer import CheckpointWriteError, NonFiniteLossError, train  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -30,9 +30,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         train(load_config(args.config, args.overrides))
-    except NonFiniteLossError as error:  # a diagnosis, not a crash: no traceback
+    except (NonFiniteLossError, CheckpointWriteError) as error:  # a diagnosis, not a crash: no traceback
         print(f"[stop] {error}", file=sys.stderr, flush=True)
-        sys.exit(3)
+        sys.exit(error.exit_code)
 
 
 if __name__ == "__main__":

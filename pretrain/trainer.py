@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import errno
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -39,7 +41,13 @@ _INJECTED_SCHEDULER = ("total_num_steps", "warmup_num_steps", "warmup_max_lr", "
 
 
 class NonFiniteLossError(RuntimeError):
-    """A NaN/inf loss: the run stops before the optimizer step, leaving the last checkpoint intact."""
+    """A NaN/inf loss or gradient (fp32/bf16): the run stops without saving, leaving the last checkpoint intact."""
+    exit_code = 3
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (disk full, I/O error); the previous complete one is intact."""
+    exit_code = 4
 
 
 # ------------------------------------------------------------------------------------------ building blocks
@@ -173,15 +181,15 @@ def find_resume_point(cfg: RunConfig, identity: dict[str, Any], world_size: int,
         return None
     if cfg.train.resume == "auto":
         directory = cfg.checkpoint_dir
-        tag = ckpt.newest_complete_tag(directory)
+        tag = ckpt.newest_complete_tag(directory, hashes=True, report=print if rank == 0 else None)
         if tag is None:
             return None
     else:
         path = Path(cfg.train.resume)
         directory, tag = path.parent, path.name
-    meta = ckpt.read_marker(directory / tag)
+    meta, problem = ckpt.verify_tag(directory / tag, hashes=True)
     if meta is None:
-        raise FileNotFoundError(f"{directory / tag} is not a complete checkpoint (no valid {ckpt.MARKER})")
+        raise FileNotFoundError(f"{directory / tag} is not a complete checkpoint: {problem}")
     ckpt.check_compatible(meta, identity, str(directory / tag))
     load_tag = tag
     if (meta["world_size"] != world_size or meta["zero_stage"] != zero_stage) and meta["zero_stage"] > 0:
@@ -248,12 +256,15 @@ def _reduce_step_stats(loss_sum: float, micro_steps: int, tokens: int, objective
 
 
 def nonfinite_diagnostic(step: int, consumed_samples: int, stats: dict[str, Any], lr: float,
-                         loss_scale: float | None, last_checkpoint: str | None) -> str:
+                         loss_scale: float | None, last_checkpoint: str | None, grad_norm: float | None = None) -> str:
+    """``grad_norm`` given: the loss was finite but the gradient was not (the step was not saved)."""
     objectives = ", ".join(f"{k}={v:.4g}" for k, v in stats["objectives"].items()) or "none reported"
-    return (f"non-finite loss {stats['loss']} at step {step} (its global batch starts at consumed_samples="
-            f"{consumed_samples}), per-objective losses: {objectives}; lr={lr:.3g}"
+    what = f"non-finite loss {stats['loss']}" if grad_norm is None else f"non-finite gradient norm {grad_norm}"
+    stopped = "before the optimizer step" if grad_norm is None else "without saving this step"
+    return (f"{what} at step {step} (its global batch starts at consumed_samples={consumed_samples}), "
+            f"objectives of the batch with their losses: {objectives}; lr={lr:.3g}"
             + (f", loss_scale={loss_scale}" if loss_scale is not None else "")
-            + f". Stopped before the optimizer step; the last complete checkpoint ({last_checkpoint or 'none'}) "
+            + f". Stopped {stopped}; the last complete checkpoint ({last_checkpoint or 'none'}) "
             "is intact. Check the learning rate / warm-up, fp16 loss scaling (try bf16), and the samples of "
             "this step (pretrain.data.SampleOrder.indices(consumed_samples, global_batch_size)).")
 
@@ -326,15 +337,42 @@ def train(cfg: RunConfig) -> dict[str, Any]:
                        world_size=world_size, zero_stage=zero_stage,
                        precision="fp16" if fp16 else "bf16" if engine.bfloat16_enabled() else "fp32")
 
+    if ckpt.FAULT_ENV in os.environ:  # test hook: a kill point after each file DeepSpeed writes
+        write_file = engine.checkpoint_engine.save
+
+        def write_file_then_fault(state_dict: Any, path: str) -> None:
+            write_file(state_dict, path)
+            ckpt.fault_point(f"after:{Path(path).name}", step, rank)
+        engine.checkpoint_engine.save = write_file_then_fault
+
     def save() -> None:
         nonlocal last_saved
         tag = ckpt.tag_for_step(step)
+        tag_dir = cfg.checkpoint_dir / tag
         client_state = dict(meta_common, step=step, consumed_samples=consumed,
                             rng_states=gather_objects(portable_rng_state()))
-        engine.save_checkpoint(str(cfg.checkpoint_dir), tag=tag, client_state=client_state, save_latest=False)
+        ckpt.fault_point("save_begin", step, rank)
+        if rank == 0:  # a marker left from an earlier save of this tag must not vouch for the files now rewritten
+            (tag_dir / ckpt.MARKER).unlink(missing_ok=True)
+        try:
+            engine.save_checkpoint(str(cfg.checkpoint_dir), tag=tag, client_state=client_state, save_latest=False)
+            ckpt.fsync_tree(tag_dir)  # this rank's files are on disk before they count
+        except (OSError, RuntimeError) as error:  # a full disk surfaces as OSError or as torch's RuntimeError
+            free = shutil.disk_usage(cfg.checkpoint_dir).free
+            full = getattr(error, "errno", None) == errno.ENOSPC or free < 2**20  # torch hides the errno
+            if not (full or isinstance(error, OSError)):
+                raise  # not the disk (e.g. a peer died in DeepSpeed's barrier): a crash, not a diagnosis
+            shutil.rmtree(tag_dir, ignore_errors=True)  # never resumed from; frees what it took
+            raise CheckpointWriteError(
+                f"rank {rank} could not write checkpoint {tag_dir}: "
+                f"{'No space left on device' if full else 'I/O error'} ({free / 2**20:.1f} MiB free there; {error}). "
+                f"The last complete checkpoint ({last_saved or 'none'}) is intact: free disk space (make preflight "
+                "estimates what a run needs) and rerun the same command to continue from it") from error
         torch_dist.barrier()  # every rank's files are written before the marker
         if rank == 0:
-            ckpt.write_marker(cfg.checkpoint_dir / tag, dict(meta_common, step=step, consumed_samples=consumed))
+            ckpt.fault_point("before_marker", step, rank)
+            ckpt.write_marker(tag_dir, dict(meta_common, step=step, consumed_samples=consumed))
+            ckpt.fault_point("before_latest", step, rank)
             ckpt.update_latest(cfg.checkpoint_dir, tag)
             ckpt.prune(cfg.checkpoint_dir, cfg.train.keep_last)
         torch_dist.barrier()
@@ -345,6 +383,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         if cfg.train.exit_at_step is not None and step >= cfg.train.exit_at_step and rank == 0:
             print(f"[exit] exit_at_step: already at step {step}", flush=True)
         while step < min(cfg.train.max_steps, cfg.train.exit_at_step or cfg.train.max_steps):
+            ckpt.fault_point("step", step + 1, rank)
             step_started = time.perf_counter()
             wait_before = loader.wait_seconds
             micro_batches = loader.next_step()
@@ -352,6 +391,10 @@ def train(cfg: RunConfig) -> dict[str, Any]:
             objective_sums: dict[str, float] = {}
             objective_counts: dict[str, float] = {}
             skipped_before = engine.skipped_steps
+            inf_grad = None
+            if ckpt.fault_injected("inf_grad", step + 1, rank):  # test hook: one gradient becomes inf
+                inf_grad = engine.module.embeddings.token.weight.register_hook(
+                    lambda grad: torch.full_like(grad, math.inf))
             for index, batch in enumerate(micro_batches):
                 output = engine(**batch)
                 engine.backward(output.loss)
@@ -376,13 +419,23 @@ def train(cfg: RunConfig) -> dict[str, Any]:
                         metrics.write({"step": step + 1, "event": "nonfinite_loss", "message": message})
                         raise NonFiniteLossError(message)
                 engine.step()
+            if inf_grad is not None:
+                inf_grad.remove()
             step += 1
             consumed = loader.consumed_samples
             elapsed = time.perf_counter() - step_started
             overflow = engine.skipped_steps > skipped_before
+            grad_norm = engine.get_global_grad_norm()
+            if not fp16 and grad_norm is not None and not math.isfinite(float(grad_norm)):
+                # fp16's loss scaler skips and logs such steps. Under fp32/bf16 DeepSpeed skips or applies the update
+                # depending on the ZeRO stage, with at most a log line, and training would go on: stop, never save
+                message = nonfinite_diagnostic(step, consumed - plan.global_batch_size, stats, lr, None, last_saved,
+                                               grad_norm=float(grad_norm))
+                metrics.write({"step": step, "event": "nonfinite_gradient", "message": message})
+                raise NonFiniteLossError(message)
             record = {
                 "step": step, "consumed_samples": consumed, "loss": stats["loss"],
-                "lr": lr, "grad_norm": _maybe_float(engine.get_global_grad_norm()),
+                "lr": lr, "grad_norm": _maybe_float(grad_norm),
                 **{f"loss_{name}": value for name, value in stats["objectives"].items()},
                 "samples_per_s": plan.global_batch_size / elapsed, "tokens_per_s": stats["tokens"] / elapsed,
                 "tflops": 6.0 * num_parameters * stats["tokens"] / elapsed / 1e12,
