@@ -37,33 +37,28 @@ def _timed(function) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m data_prep.bench", description=__doc__.split("\n")[0])
-    p.add_argument("--input", nargs="+", default=DEFAULT_INPUTS)
-    p.add_argument("--vocab", type=Path, help="vocab.txt (default: train a cased 8,000-entry one on the input)")
-    p.add_argument("--recipe", default="unilm")
-    p.add_argument("--max-seq-len", type=int, default=128)
-    p.add_argument("--chunk-chars", type=int, default=500_000)
-    p.add_argument("--repeat", type=int, default=3)
-    args = p.parse_args(argv)
+def measure(inputs: list[str] = DEFAULT_INPUTS, vocab: Path | None = None, recipe: str = "unilm",
+            max_seq_len: int = 128, chunk_chars: int = 500_000, repeat: int = 3) -> dict:
+    """Time raw tokenization and the shard build on the same corpus; returns the measurements (``main`` prints
+    them, ``pretrain.bench_all`` tabulates them)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # before the first encode: one thread, like one worker
 
     with tempfile.TemporaryDirectory(prefix="bench_data_") as tmp:
         work = Path(tmp)
         corpus = work / "corpus.jsonl"
         with open(corpus, "w", encoding="utf-8") as f:
-            for spec in args.input:
+            for spec in inputs:
                 for record in read_documents(spec):
                     if isinstance(record, str):
                         f.write(json.dumps({"text": record}, ensure_ascii=False) + "\n")
-        vocab_path = args.vocab or work / "vocab.txt"
-        if args.vocab is None:
+        vocab_path = vocab or work / "vocab.txt"
+        if vocab is None:
             train_vocab((clean_document(json.loads(line)["text"]) for line in open(corpus, encoding="utf-8")),
                         8000, vocab_path, uncased=False)
-        vocab = load_vocab(vocab_path)
-        tokenizer = load_tokenizer(str(vocab_path), vocab.sha256, False)
+        vocab_file = load_vocab(vocab_path)
+        tokenizer = load_tokenizer(str(vocab_path), vocab_file.sha256, False)
         batches = [[s for text in chunk.records for s in split_sentences(clean_document(text[0]))]
-                   for chunk in iter_chunks([str(corpus)], args.chunk_chars)]
+                   for chunk in iter_chunks([str(corpus)], chunk_chars)]
         num_tokens = sum(len(e.ids) for batch in batches for e in tokenizer.encode_batch(batch, add_special_tokens=False))
 
         def raw() -> None:
@@ -74,19 +69,40 @@ def main(argv: list[str] | None = None) -> None:
             for batch in batches:
                 [e.ids for e in tokenizer.encode_batch_fast(batch, add_special_tokens=False)]
 
-        cfg = BuildConfig(inputs=(str(corpus),), vocab_path=str(vocab_path), vocab_sha256=vocab.sha256,
-                          instances=InstanceConfig(recipe=args.recipe, max_seq_len=args.max_seq_len),
-                          chunk_chars=args.chunk_chars)
+        cfg = BuildConfig(inputs=(str(corpus),), vocab_path=str(vocab_path), vocab_sha256=vocab_file.sha256,
+                          instances=InstanceConfig(recipe=recipe, max_seq_len=max_seq_len),
+                          chunk_chars=chunk_chars)
         runs = {"raw": raw, "raw_fast": raw_fast,
                 "build_1": lambda: build(cfg, work / "shards1", workers=1, overwrite=True, progress=False),
                 "build_2": lambda: build(cfg, work / "shards2", workers=2, overwrite=True, progress=False)}
         times = {name: float("inf") for name in runs}
         cpu = {name: float("inf") for name in runs}
-        for _ in range(args.repeat):  # interleaved, so load from other processes hits all alike
+        for _ in range(repeat):  # interleaved, so load from other processes hits all alike
             for name, run in runs.items():
                 wall, used = _timed(run)
                 times[name], cpu[name] = min(times[name], wall), min(cpu[name], used)
         same = (work / "shards1/shard-00000.bin").read_bytes() == (work / "shards2/shard-00000.bin").read_bytes()
+    return {"inputs": list(inputs), "num_tokens": num_tokens, "recipe": recipe, "max_seq_len": max_seq_len,
+            "repeat": repeat, "wall_s": times, "cpu_s": cpu, "identical_bytes_1_vs_2_workers": same,
+            "tokens_per_s": {name: num_tokens / seconds for name, seconds in times.items()},
+            "ratio_build_vs_raw": times["raw"] / times["build_1"],
+            "ratio_build_vs_raw_cpu": cpu["raw"] / cpu["build_1"],
+            "ratio_build_vs_raw_fast": times["raw_fast"] / times["build_1"],
+            "speedup_2_workers": times["build_1"] / times["build_2"]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m data_prep.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--input", nargs="+", default=DEFAULT_INPUTS)
+    p.add_argument("--vocab", type=Path, help="vocab.txt (default: train a cased 8,000-entry one on the input)")
+    p.add_argument("--recipe", default="unilm")
+    p.add_argument("--max-seq-len", type=int, default=128)
+    p.add_argument("--chunk-chars", type=int, default=500_000)
+    p.add_argument("--repeat", type=int, default=3)
+    args = p.parse_args(argv)
+    result = measure(args.input, args.vocab, args.recipe, args.max_seq_len, args.chunk_chars, args.repeat)
+    times, cpu, num_tokens, same = result["wall_s"], result["cpu_s"], result["num_tokens"], \
+        result["identical_bytes_1_vs_2_workers"]
 
     raw_rate, build_rate, build2_rate = (num_tokens / times[k] for k in ("raw", "build_1", "build_2"))
     print(f"[bench-data] corpus: {len(args.input)} inputs, {num_tokens:,} tokens, recipe {args.recipe}, "

@@ -127,10 +127,18 @@ def zero_memory(preset_name: str, out: Path) -> list[dict[str, float]]:
     rows = []
     for stage in (1, 2, 3):
         result = out / f"memory_zero{stage}.json"
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-                        "pretrain.bench_train", "--memory-worker", str(stage), "--preset", preset_name,
-                        "--result", str(result)], cwd=REPO_ROOT, check=True, capture_output=True,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                   "pretrain.bench_train", "--memory-worker", str(stage), "--preset", preset_name,
+                   "--result", str(result)]
+        for attempt in (1, 2):  # once more on failure: on a shared machine a 2-rank launch can lose its rendezvous
+            done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True,
+                                  env=dict(os.environ, OMP_NUM_THREADS="1"))
+            if done.returncode == 0:
+                break
+            print(f"[bench-train] ZeRO-{stage} memory run failed (attempt {attempt}):\n{done.stderr[-3000:]}",
+                  file=sys.stderr, flush=True)
+        if done.returncode:
+            raise RuntimeError(f"ZeRO-{stage} memory measurement failed twice (exit {done.returncode}); see above")
         data = json.loads(result.read_text())
         p, n = data["parameters"], 2
         rows.append({"stage": stage, "parameters": p, "measured_gb_per_rank": max(data["bytes_per_rank"]) / 1e9,

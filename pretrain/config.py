@@ -303,8 +303,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("config", nargs="?", help="run YAML to resolve and print (with overrides)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     parser.add_argument("--reference", action="store_true", help="print the Markdown reference of every key")
+    parser.add_argument("--update-readme", action="store_true",
+                        help="rewrite README.md's configuration reference section with the generated one")
     args = parser.parse_args(argv)
-    if args.reference:
+    if args.update_readme:
+        import re
+        readme = REPO_ROOT / "README.md"
+        start, end = "<!-- config-reference:start -->\n", "<!-- config-reference:end -->"
+        text, count = re.subn(re.escape(start) + ".*?" + re.escape(end),
+                              lambda _: start + reference_markdown() + "\n" + end, readme.read_text(), flags=re.S)
+        if count != 1:
+            parser.error(f"{readme} has no single config-reference section")
+        readme.write_text(text)
+        print(f"updated {readme}")
+    elif args.reference:
         print(reference_markdown(), end="")
     elif args.config:
         print(yaml.safe_dump(load_config(args.config, args.overrides).to_dict(), sort_keys=False), end="")

@@ -115,7 +115,8 @@ class Demo:
     # ------------------------------------------------------------------------------------------- stages
     def corpus(self) -> dict[str, Any]:
         self.command([self.python, "-m", "data_prep.samples", "--out", str(self.samples)])
-        return {"inputs": {p: os.path.getsize(p) for p in self.train_inputs + self.heldout_inputs}}
+        return {"inputs": {p: os.path.getsize(p) for p in self.train_inputs},
+                "heldout_inputs": {p: os.path.getsize(p) for p in self.heldout_inputs}}
 
     def vocab_stage(self) -> dict[str, Any]:
         self.command([self.python, "-m", "data_prep.build", "--input", *self.train_inputs,
@@ -154,6 +155,11 @@ class Demo:
             "next_step_consumed_samples": first.get("consumed_samples") == (self.half + 1) * global_batch,
             "reached_max_steps": max(records, default=0) == self.steps,
         }
+        lr = {row["step"]: row["lr"] for row in before["losses_before"]} | {s: r["lr"] for s, r in records.items()}
+        if all(s in lr for s in (self.half - 1, self.half, self.half + 1)) and self.half > self.warmup + 1:
+            # in the linear decay every step lowers the lr by the same amount, across the restart too
+            checks["lr_schedule_continues"] = abs((lr[self.half + 1] - lr[self.half])
+                                                  - (lr[self.half] - lr[self.half - 1])) < 1e-9
         print(f"[demo]   resume check: {checks}", flush=True)
         if not all(checks.values()):
             raise SystemExit(f"[demo] resume check failed: {checks} (see {log})")
@@ -167,7 +173,11 @@ class Demo:
     def export(self) -> dict[str, Any]:
         self.command([self.python, "-m", "pretrain.export", str(self.run_dir / "checkpoints"), str(self.hf_dir)])
         shutil.copy(self.vocab, self.hf_dir / "vocab.txt")  # the export holds weights + config only
-        return {"files": sorted(p.name for p in self.hf_dir.iterdir())}
+        import transformers  # the proof that the export is a Hugging Face checkpoint: transformers loads it whole
+        _, info = transformers.BertForPreTraining.from_pretrained(self.hf_dir, output_loading_info=True)
+        loading = {k: sorted(v) for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+        print(f"[demo]   transformers.BertForPreTraining.from_pretrained: {loading}", flush=True)
+        return {"files": sorted(p.name for p in self.hf_dir.iterdir()), "transformers_loading": loading}
 
     def finetune(self) -> dict[str, Any]:
         missing = [m for m in ("finetune.datasets", "finetune.demo") if importlib.util.find_spec(m) is None]
@@ -216,7 +226,9 @@ def render_report(demo: Demo) -> str:
 
     lines += ["## Corpus and shards", "",
               "Training inputs: " + ", ".join(f"`{p}` ({s / 1e6:.1f} MB)" for p, s in
-                                              stages["corpus"].get("inputs", {}).items()) + ".", "",
+                                              stages["corpus"].get("inputs", {}).items())
+              + "; held-out: " + ", ".join(f"`{p}` ({s / 1e6:.1f} MB)" for p, s in
+                                         stages["corpus"].get("heldout_inputs", {}).items()) + ".", "",
               "| | training shards | held-out shards |", "|---|---:|---:|"]
     rows = [("documents read", lambda s: s["documents"]["read"]),
             ("documents skipped", lambda s: f"{s['documents']['skipped']} ({_reasons(s)})"),
@@ -226,7 +238,8 @@ def render_report(demo: Demo) -> str:
                                   for k in ("bidirectional", "left_to_right", "right_to_left", "seq2seq"))),
             ("NSP random next / true next", lambda s: f"{s['nsp']['random_next']} / {s['nsp']['true_next']}"),
             ("masked fraction of maskable tokens", lambda s: f"{s['masked_fraction']:.3f}"),
-            ("[MASK] / random / kept", lambda s: " / ".join(f"{s['replacement'][k]:.3f}" for k in ("mask", "random", "keep"))),
+            ("[MASK] / random / kept",
+             lambda s: " / ".join(f"{s['replacement'][k]:.3f}" for k in ("mask", "random", "keep"))),
             ("masked spans of 1 / 2 / 3 tokens", lambda s: " / ".join(str(s["span_lengths"].get(k, 0)) for k in "123")),
             ("padding fraction", lambda s: f"{s['padding_fraction']:.3f}")]
     for label, get in rows:
@@ -255,13 +268,19 @@ def render_report(demo: Demo) -> str:
                   "|---|---:|---:|---:|---:|" + "---:|" * len(OBJECTIVE_COLUMNS)]
         for label, rows_ in (("before exit", pre["losses_before"]), ("after resume", res["losses_after"])):
             for row in rows_:
-                lines.append(f"| {label} | {row['step']} | {row['consumed_samples']} | {row['lr']:.3g} | "
-                             f"{row['loss']:.4f} | " + " | ".join(_fmt(row.get(f'loss_{k}')) for k in OBJECTIVE_COLUMNS) + " |")
+                lines.append(f"| {label} | {row['step']} | {row['consumed_samples']} | {row['lr']:.6g} | "
+                             f"{row['loss']:.4f} | "
+                             + " | ".join(_fmt(row.get(f"loss_{k}")) for k in OBJECTIVE_COLUMNS) + " |")
         lines.append("")
-    if stages["export"]:
-        lines += ["## Export", "", f"`{demo.hf_dir}`: " + ", ".join(f"`{f}`" for f in stages["export"]["files"])
-                  + " — loads with `transformers.BertForPreTraining.from_pretrained`. (A Hugging Face BERT has 2 "
-                  "segment types; the left-to-right, right-to-left and seq2seq segment rows stay in the checkpoint.)", ""]
+    export = stages["export"]
+    if export:
+        loading = export.get("transformers_loading", {})
+        problems = "; ".join(f"{k.replace('_', ' ')}: {', '.join(v)}" for k, v in loading.items() if v)
+        lines += ["## Export", "", f"`{demo.hf_dir}`: " + ", ".join(f"`{f}`" for f in export["files"])
+                  + ". `transformers.BertForPreTraining.from_pretrained` loads it "
+                  + (f"with problems ({problems})" if problems else "with no missing, unexpected or mismatched keys")
+                  + ". A Hugging Face BERT has 2 segment types: the left-to-right, right-to-left and seq2seq segment "
+                  "rows stay in the pre-training checkpoint, which is what fine-tuning for generation starts from.", ""]
 
     lines += ["## Fine-tuning: pre-trained vs from scratch", ""]
     finetune = stages["finetune"]
