@@ -77,13 +77,18 @@ bench-model: $(STAMP)  ## training step of our model vs transformers.BertForPreT
 # Pre-training (override: make pretrain CONFIG=pretrain/configs/unilm-large.yaml HOSTFILE=hostfiles/FILE OVERRIDES="k=v ...")
 PRETRAIN_CONFIG = $(or $(CONFIG),pretrain/configs/tiny.yaml)
 HOSTFILE    ?= hostfiles/localhost
-MASTER_ADDR ?= 127.0.0.1
 OVERRIDES   ?=
 RUN         ?= runs/tiny
+# Hosts of HOSTFILE in file order. One local host: no ssh, rendezvous on 127.0.0.1. Several: the first host is
+# the master (override MASTER_ADDR when the other nodes reach it under another name).
+HOSTFILE_HOSTS = $(shell awk '$$1 !~ /^\#/ && NF && !seen[$$1]++ {print $$1}' $(HOSTFILE) 2>/dev/null)
+REMOTE_HOSTS   = $(filter-out localhost 127.0.0.1,$(HOSTFILE_HOSTS))
+MASTER_ADDR   ?= $(if $(REMOTE_HOSTS),$(firstword $(HOSTFILE_HOSTS)),127.0.0.1)
+LAUNCH_FLAGS   = $(if $(REMOTE_HOSTS),,--no_ssh_check) --master_addr $(MASTER_ADDR)
 
 pretrain: $(STAMP)  ## DeepSpeed pre-training: CONFIG, HOSTFILE, OVERRIDES (resumes automatically)
 	$(PY) -m pretrain.preflight --config $(PRETRAIN_CONFIG) --hostfile $(HOSTFILE) $(OVERRIDES)
-	$(VENV)/bin/deepspeed --hostfile $(HOSTFILE) --no_ssh_check --master_addr $(MASTER_ADDR) \
+	$(VENV)/bin/deepspeed --hostfile $(HOSTFILE) $(LAUNCH_FLAGS) \
 	  pretrain/train.py --config $(PRETRAIN_CONFIG) $(OVERRIDES)
 
 preflight: $(STAMP)  ## check HOSTFILE's hosts before a long run: reachable, same code, shards, disk, batch plan
