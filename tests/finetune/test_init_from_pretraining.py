@@ -1,0 +1,76 @@
+"""Issue 5 ("does pre-training help?"): fine-tuning must start from *all* the pre-trained weights and see its
+inputs exactly as pre-training did. A silent re-initialisation (segment rows 4/5, the MLM head's bias) or a
+different packing would make the pre-trained and the from-scratch run start alike, which is what a flat
+"pre-trained vs scratch" headline row looks like; these tests rule both out."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from finetune import seq2seq
+from finetune.model_io import load_init
+from finetune.tokenizer import load_tokenizer
+from pretrain import checkpoint as ckpt
+from pretrain.masks import SEQ2SEQ
+from pretrain.model import ModelConfig, build_model
+
+
+def _pretraining_checkpoint(model: torch.nn.Module, out: Path) -> Path:
+    """A ZeRO-0 pre-training checkpoint as `pretrain.trainer` lays it out (module state + marker + latest)."""
+    tag_dir = out / "checkpoints" / ckpt.tag_for_step(7)
+    tag_dir.mkdir(parents=True)
+    torch.save({"module": model.state_dict()}, tag_dir / "mp_rank_00_model_states.pt")
+    ckpt.write_marker(tag_dir, {"step": 7, "zero_stage": 0, "model_config": dataclasses.asdict(model.cfg)})
+    ckpt.update_latest(out / "checkpoints", tag_dir.name)
+    return out / "checkpoints"
+
+
+def _trained_looking_model(vocab_size: int) -> torch.nn.Module:
+    """A tiny model whose every tensor differs from a fresh init (so a re-initialised one cannot pass)."""
+    torch.manual_seed(1)
+    model = build_model(ModelConfig(vocab_size=vocab_size, hidden_size=32, num_layers=2, num_heads=4,
+                                    intermediate_size=64, max_position_embeddings=256))
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.3)
+    return model
+
+
+def test_every_pretrained_tensor_reaches_fine_tuning(tiny_init, tmp_path):
+    tokenizer = load_tokenizer(tiny_init)
+    pretrained = _trained_looking_model(tokenizer.vocab_size)
+    loaded, _ = load_init(_pretraining_checkpoint(pretrained, tmp_path), vocab=tiny_init / "vocab.txt")
+    expected, got = pretrained.state_dict(), loaded.state_dict()
+    assert set(got) == set(expected)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=0, msg=name)
+    # the rows seq2seq uses and the MLM bias explicitly (HF BERT keeps 2 segment rows; ours has 6)
+    torch.testing.assert_close(loaded.embeddings.segment.weight[4:6], pretrained.embeddings.segment.weight[4:6])
+    torch.testing.assert_close(loaded.mlm_head.decoder.bias, pretrained.mlm_head.decoder.bias)
+    assert loaded.mlm_head.decoder.weight is loaded.embeddings.token.weight  # still tied after loading
+
+
+def test_fine_tuning_loss_is_the_pretraining_seq2seq_loss_on_the_same_input(tiny_init):
+    """[CLS] src [SEP] tgt [SEP], segments 4/5 via len_a, default positions: the fine-tuning loss (no smoothing)
+    equals the pre-training forward's loss for objective SEQ2SEQ on the same tokens, masks and labels."""
+    tokenizer = load_tokenizer(tiny_init)
+    model = _trained_looking_model(tokenizer.vocab_size).eval()
+    records = [{"src": "Shares in the airline rose after record profits.", "tgt": "Airline profits soar"},
+               {"src": "The central bank kept interest rates on hold on Thursday.", "tgt": "Rates held"}]
+    examples, _ = seq2seq.encode_examples(records, tokenizer, 64, 16)
+    packed = [seq2seq.pack_and_mask(e, tokenizer, 0.7, np.random.default_rng([3, i])) for i, e in enumerate(examples)]
+    batch = seq2seq.collate(packed, tokenizer.pad_id)
+    with torch.no_grad():
+        finetune_loss = seq2seq.seq2seq_loss(model, batch, label_smoothing=0.0)
+        pretrain_out = model(input_ids=batch["input_ids"], objective=torch.full((2,), SEQ2SEQ),
+                             len_a=batch["len_a"], length=batch["length"],
+                             masked_positions=batch["masked_positions"], masked_labels=batch["masked_labels"])
+    torch.testing.assert_close(finetune_loss, pretrain_out.objective_losses["seq2seq"])
+    torch.testing.assert_close(finetune_loss, pretrain_out.loss)  # no NSP term for seq2seq samples
+    # targets only, originals as labels, [MASK] in the input
+    for row, p in enumerate(packed):
+        assert (p["masked_positions"] >= p["len_a"]).all()
+        assert (batch["input_ids"][row, p["masked_positions"]] == tokenizer.mask_id).all()
