@@ -100,3 +100,22 @@ def test_qa_run_on_the_squad_sample(small_tasks, tiny_init, tmp_path):
     assert metrics["primary_metric"] == "f1" and {"exact_match", "f1"} <= set(metrics["best"])
     assert metrics["windows"]["train"] > 5 and not metrics["version_2"]
     assert load_finetuned(tmp_path).head_state["weight"].shape == (2, 32)
+
+
+def test_two_ranks_train_stop_and_resume_under_torchrun(small_tasks, tiny_init, tmp_path):
+    """The same command on 2 data-parallel ranks (gloo): stops at a step, resumes, finishes every step once."""
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "-m", "finetune.run", *classify_args(small_tasks, tiny_init, tmp_path, "--epochs", "2")]
+    for extra in (["--set", "exit_at_step=3"], []):
+        process = subprocess.run(command + extra, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+        assert process.returncode == 0, process.stdout[-2000:] + process.stderr[-4000:]
+    steps = [json.loads(line)["step"] for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) == 10  # 2 epochs × 40 examples / batch 8
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["finished"] and len(metrics["epochs"]) == 2
+    assert load_finetuned(tmp_path).task == "classify"
