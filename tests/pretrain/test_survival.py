@@ -14,12 +14,12 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from conftest import subprocess_env
+from training_runs import check, launch, losses, metrics, train_command
 
 from pretrain import checkpoint as ckpt
 
@@ -27,32 +27,10 @@ ROOT = Path(__file__).resolve().parents[2]
 MODEL_FILE, OPTIM_FILE = "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"
 
 
-def train_command(overrides: list[str], nproc: int = 1) -> list[str]:
-    """pretrain.train on 1 rank (plain python) or ``nproc`` ranks (torchrun)."""
-    entry = ["-m", "pretrain.train", "--config", "pretrain/configs/tiny.yaml", *overrides]
-    return [sys.executable, *entry] if nproc == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *entry]
-
-
 def train(overrides: list[str], fault: str | None = None, nproc: int = 1,
           timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run ``train_command`` to the end, optionally with a fault injected (``UNILM_TEST_FAULT``)."""
-    env = subprocess_env(**({ckpt.FAULT_ENV: fault} if fault else {}))
-    return subprocess.run(train_command(overrides, nproc), cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-
-
-def check(process: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-6000:]
-    return process
-
-
-def metrics(out_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
-def losses(out_dir: Path) -> dict[int, float]:
-    return {record["step"]: record["loss"] for record in metrics(out_dir) if "loss" in record}
+    """Run the tiny training to its end, optionally with a fault injected (``UNILM_TEST_FAULT``)."""
+    return launch(overrides, nproc, timeout=timeout, extra_env={ckpt.FAULT_ENV: fault} if fault else None)
 
 
 @pytest.fixture(scope="module")

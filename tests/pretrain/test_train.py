@@ -13,42 +13,16 @@ import json
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from conftest import subprocess_env
+from training_runs import check, launch, losses, metrics, train_command
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
-
-
-def launch(overrides: list[str], nproc: int = 2, config: str = "pretrain/configs/tiny.yaml",
-           timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run pretrain.train with torchrun (2 ranks) or plain python (1 rank); returns the finished process."""
-    env = subprocess_env()
-    entry = ["-m", "pretrain.train", "--config", config, *overrides]
-    if nproc == 1:
-        command = [sys.executable, *entry]
-    else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                   *entry]
-    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def check(process: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-6000:]
-    return process
-
-
-def metrics(out_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
-def losses(out_dir: Path) -> dict[int, float]:
-    return {record["step"]: record["loss"] for record in metrics(out_dir) if "loss" in record}
 
 
 @pytest.fixture(scope="module")
@@ -59,11 +33,11 @@ def runs(unilm_shards: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     out: dict = {"base": base, "common": common}
 
     out["full"] = base / "full"
-    out["full_log"] = check(launch(common + [f"out_dir={out['full']}"]))
+    out["full_log"] = check(launch(common + [f"out_dir={out['full']}"], nproc=2))
 
     stopped = base / "stopped"
     out["stopped"] = stopped
-    out["stop_log"] = check(launch(common + [f"out_dir={stopped}", "train.exit_at_step=10"]))
+    out["stop_log"] = check(launch(common + [f"out_dir={stopped}", "train.exit_at_step=10"], nproc=2))
     checkpoints = stopped / "checkpoints"
     out["tags_after_stop"] = sorted(p.name for p in checkpoints.iterdir() if p.is_dir())
     out["latest_after_stop"] = (checkpoints / "latest").read_text()
@@ -73,12 +47,12 @@ def runs(unilm_shards: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     shutil.copytree(checkpoints / "global_step10", checkpoints / "global_step11")
     with open(checkpoints / "global_step11" / "mp_rank_00_model_states.pt", "r+b") as handle:
         handle.truncate(100)
-    out["resume_log"] = check(launch(common + [f"out_dir={stopped}"]))
+    out["resume_log"] = check(launch(common + [f"out_dir={stopped}"], nproc=2))
 
     nodrop = common[:2] + ["train.max_steps=12", "train.save_interval=4", "train.keep_last=5",
                            "model.overrides.hidden_dropout=0.0", "model.overrides.attention_dropout=0.0"]
     out["nodrop"] = base / "nodrop"
-    check(launch(nodrop + [f"out_dir={out['nodrop']}"]))
+    check(launch(nodrop + [f"out_dir={out['nodrop']}"], nproc=2))
     out["one_rank"] = base / "one_rank"
     out["one_rank_log"] = check(launch(
         nodrop + [f"out_dir={out['one_rank']}", f"train.resume={out['nodrop'] / 'checkpoints' / 'global_step8'}"],
@@ -202,10 +176,8 @@ def test_sigterm_saves_a_checkpoint_and_the_rerun_continues(unilm_shards: Path, 
     """What a cluster scheduler's preemption does: SIGTERM mid-run, then the same command again."""
     overrides = [f"data.shards={unilm_shards}", "model.overrides.vocab_size=4000", f"out_dir={tmp_path}",
                  "train.max_steps=400", "train.save_interval=1000", "train.global_batch_size=8"]
-    env = subprocess_env()
-    process = subprocess.Popen([sys.executable, "-m", "pretrain.train", "--config", "pretrain/configs/tiny.yaml",
-                                *overrides], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True)
+    process = subprocess.Popen(train_command(overrides), cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and process.poll() is None:
         if (tmp_path / "metrics.jsonl").exists() and len(metrics(tmp_path)) >= 2:

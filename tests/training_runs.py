@@ -1,0 +1,38 @@
+"""Launching `pretrain.train` from tests: the command, its child environment, and reading what a run wrote."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import ROOT, subprocess_env
+
+TINY_CONFIG = "pretrain/configs/tiny.yaml"
+
+
+def train_command(overrides: list[str], nproc: int = 1, config: str = TINY_CONFIG) -> list[str]:
+    """pretrain.train on 1 rank (plain python) or ``nproc`` ranks (torchrun)."""
+    entry = ["-m", "pretrain.train", "--config", config, *overrides]
+    return [sys.executable, *entry] if nproc == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *entry]
+
+
+def launch(overrides: list[str], nproc: int = 1, config: str = TINY_CONFIG, timeout: int = 300,
+           extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``train_command`` to its end; returns the finished process."""
+    return subprocess.run(train_command(overrides, nproc, config), cwd=ROOT, env=subprocess_env(**(extra_env or {})),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def check(process: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-6000:]
+    return process
+
+
+def metrics(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def losses(out_dir: Path) -> dict[int, float]:
+    return {record["step"]: record["loss"] for record in metrics(out_dir) if "loss" in record}
