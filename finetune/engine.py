@@ -17,7 +17,6 @@ pre-training (not wired in here: it takes a pre-training RunConfig).
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import hashlib
 import json
@@ -31,7 +30,8 @@ import torch.distributed as torch_dist
 
 from pretrain import checkpoint as ckpt
 from pretrain.batch_plan import plan_batch
-from pretrain.trainer import gather_objects, init_distributed, parameter_groups, portable_rng_state, restore_rng_state
+from pretrain.trainer import (gather_objects, init_distributed, inject_engine_values, parameter_groups,
+                              portable_rng_state, restore_rng_state)
 
 from .config import FinetuneConfig
 from .model_io import save_finetuned
@@ -52,19 +52,10 @@ def schedule(cfg: FinetuneConfig, train_size: int) -> tuple[int, int, int]:
 
 def deepspeed_config(cfg: FinetuneConfig, plan, total_steps: int, warmup_steps: int) -> dict[str, Any]:
     """The engine JSON with batch sizes, optimizer values and the warm-up/decay schedule injected."""
-    engine = copy.deepcopy(json.loads(cfg.deepspeed_config_path.read_text()))
-    engine.update(plan.deepspeed_fields())
-    engine["gradient_clipping"] = cfg.grad_clip
-    engine.setdefault("steps_per_print", 10**9)
-    if cfg.optimizer == "adamax":
-        engine.pop("optimizer", None)  # a client torch.optim.Adamax (DeepSpeed has no Adamax block)
-    else:
-        engine.setdefault("optimizer", {"type": "AdamW", "params": {}})
-        engine["optimizer"].setdefault("params", {}).update(lr=cfg.lr, weight_decay=cfg.weight_decay)
-    engine["scheduler"] = {"type": "WarmupDecayLR", "params": {
-        "warmup_type": "linear", "warmup_min_lr": 0.0, "warmup_max_lr": cfg.lr,
-        "warmup_num_steps": warmup_steps, "total_num_steps": max(total_steps, warmup_steps + 1)}}
-    return engine
+    adamw = None if cfg.optimizer == "adamax" else dict(lr=cfg.lr, weight_decay=cfg.weight_decay)  # Adamax: client
+    return inject_engine_values(json.loads(cfg.deepspeed_config_path.read_text()), plan, grad_clip=cfg.grad_clip,
+                                optimizer_params=adamw, lr=cfg.lr, min_lr=0.0, warmup_steps=warmup_steps,
+                                total_steps=max(total_steps, warmup_steps + 1))
 
 
 def _identity(cfg: FinetuneConfig, model_config: dict, tokenizer: Tokenizer) -> dict[str, Any]:

@@ -81,6 +81,28 @@ def resolve_model_config(cfg: RunConfig) -> ModelConfig:
     return dataclasses.replace(base, **cfg.model.overrides)
 
 
+def inject_engine_values(engine: dict[str, Any], plan: BatchPlan, grad_clip: float,
+                         optimizer_params: dict[str, Any] | None, lr: float, min_lr: float, warmup_steps: int,
+                         total_steps: int) -> dict[str, Any]:
+    """A copy of the DeepSpeed JSON ``engine`` with the values that come from a run config: batch sizes, clipping,
+    the AdamW block's params (``optimizer_params=None`` drops the block for a client optimizer) and the linear
+    warm-up/decay schedule (DeepSpeed's WarmupDecayLR unless the JSON names another scheduler)."""
+    engine = copy.deepcopy(engine)
+    engine.update(plan.deepspeed_fields())
+    engine["gradient_clipping"] = grad_clip
+    engine.setdefault("steps_per_print", 10**9)
+    if optimizer_params is None:
+        engine.pop("optimizer", None)
+    else:
+        engine.setdefault("optimizer", {"type": "AdamW", "params": {}})
+        engine["optimizer"].setdefault("params", {}).update(optimizer_params)
+    engine.setdefault("scheduler", {"type": "WarmupDecayLR", "params": {}})
+    engine["scheduler"].setdefault("params", {}).update(
+        total_num_steps=total_steps, warmup_num_steps=warmup_steps, warmup_max_lr=lr, warmup_min_lr=min_lr)
+    engine["scheduler"]["params"].setdefault("warmup_type", "linear")
+    return engine
+
+
 def build_deepspeed_config(cfg: RunConfig, plan: BatchPlan, load_universal: bool) -> dict[str, Any]:
     """The DeepSpeed JSON (engine settings) with batch sizes, optimizer and schedule values injected."""
     path = cfg.deepspeed_config_path
@@ -91,18 +113,12 @@ def build_deepspeed_config(cfg: RunConfig, plan: BatchPlan, load_universal: bool
     if clashes:
         raise ValueError(f"{path} sets {', '.join(clashes)}: these come from the run config (train.*, optim.*) "
                          "and are injected; remove them from the DeepSpeed JSON")
-    engine = copy.deepcopy(engine)
-    engine.update(plan.deepspeed_fields())
-    engine["gradient_clipping"] = cfg.optim.grad_clip
-    engine.setdefault("steps_per_print", 10**9)
-    engine.setdefault("optimizer", {"type": "AdamW", "params": {}})
-    engine["optimizer"].setdefault("params", {}).update(
-        lr=cfg.optim.lr, betas=list(cfg.optim.betas), eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
-    engine.setdefault("scheduler", {"type": "WarmupDecayLR", "params": {}})
-    engine["scheduler"].setdefault("params", {}).update(
-        total_num_steps=cfg.train.max_steps, warmup_num_steps=cfg.optim.warmup_steps,
-        warmup_max_lr=cfg.optim.lr, warmup_min_lr=cfg.optim.min_lr)
-    engine["scheduler"]["params"].setdefault("warmup_type", "linear")
+    engine = inject_engine_values(
+        engine, plan, grad_clip=cfg.optim.grad_clip,
+        optimizer_params=dict(lr=cfg.optim.lr, betas=list(cfg.optim.betas), eps=cfg.optim.eps,
+                              weight_decay=cfg.optim.weight_decay),
+        lr=cfg.optim.lr, min_lr=cfg.optim.min_lr, warmup_steps=cfg.optim.warmup_steps,
+        total_steps=cfg.train.max_steps)
     monitor_dir = str(Path(cfg.out_dir) / "monitor")
     engine.setdefault("csv_monitor", {"enabled": True, "output_path": monitor_dir, "job_name": "train"})
     try:
