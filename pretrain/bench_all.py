@@ -72,8 +72,10 @@ def bench_model(args: argparse.Namespace) -> dict[str, Any]:
     peak = re.search(r"matmul peak: ([\d.]+) GFLOP per wall-second, ([\d.]+) GFLOP per CPU-second", output)
     if len(rows) != 4 or peak is None:
         raise RuntimeError(f"could not read pretrain.bench_model's output:\n{output[-2000:]}")
+    backends = {name: {"wall": float(wall), "cpu": float(cpu)} for name, wall, cpu in re.findall(
+        r"(torch\.matmul|oneDNN) ([\d.]+) GFLOP per wall-second, ([\d.]+) per CPU-second", output)}
     return {"rows": rows, "matmul_peak_gflops": {"wall": float(peak.group(1)), "cpu": float(peak.group(2))},
-            "setup": output.splitlines()[0] if output else ""}
+            "matmul_peak_gflops_per_backend": backends, "setup": output.splitlines()[0] if output else ""}
 
 
 def bench_train(args: argparse.Namespace) -> dict[str, Any]:
@@ -196,7 +198,8 @@ def table_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
             row(f"train step ours vs transformers BertForPreTraining (bert-base fp32), tokens/s, {clock} clock",
                 f"{ours['tokens_per_s']:,.0f}", f"{theirs['tokens_per_s']:,.0f}",
                 theirs["step_s"] / ours["step_s"], ">= 1.3", theirs["step_s"] / ours["step_s"] >= 1.3)
-            row(f"useful FLOP/s vs torch fp32 matmul peak, {clock} clock", f"{ours['useful_gflops']:.1f} GFLOP/s",
+            row(f"useful FLOP/s vs best fp32 GEMM peak (oneDNN or torch.matmul), {clock} clock",
+                f"{ours['useful_gflops']:.1f} GFLOP/s",
                 f"{model['matmul_peak_gflops'][clock]:.1f} GFLOP/s", ours["percent_of_peak"] / 100, ">= 0.80",
                 ours["percent_of_peak"] >= 80)
     train = results.get("train", {})

@@ -19,7 +19,9 @@ Differences from vanilla BERT (Devlin et al. 2019, google-research/bert `modelin
   6. `encode` takes an optional per-layer key/value cache (`past_key_values`) for UniLM-style incremental
      decoding: several query positions at once, keys = cached positions + new ones.
   7. Optional speed-ups, same numerics: apex's FusedLayerNorm when importable (torch LayerNorm otherwise);
-     activation checkpointing of each block (`torch.utils.checkpoint`, non-reentrant) when configured.
+     activation checkpointing of each block (`torch.utils.checkpoint`, non-reentrant) when configured; on the
+     CPU in fp32, `pretrain.kernels`: linears on oneDNN and a cheaper dropout mask fused with the residual add
+     (same parameters, same distribution; GPUs and other dtypes take torch's own ops).
 Unchanged: post-LayerNorm blocks, exact (erf) gelu, learned absolute positions, dropout 0.1, LayerNorm eps
 1e-12, N(0, 0.02) init, the pooler (dense + tanh on the first token) under the NSP head, the MLM head (dense +
 gelu + LayerNorm + decoder tied to the token embeddings + bias). Parameter names map one-to-one onto Hugging
@@ -34,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from pretrain.kernels import Linear, dropout_add
 from pretrain.masks import (
     BIDIRECTIONAL, LEFT_TO_RIGHT, NUM_OBJECTIVES, NUM_SEGMENT_TYPES, RIGHT_TO_LEFT, SEQ2SEQ,
     build_attention_mask, build_segment_ids,
@@ -135,12 +138,12 @@ class Embeddings(nn.Module):
         self.position = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
         self.segment = nn.Embedding(cfg.num_segment_types, cfg.hidden_size)
         self.norm = LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.dropout = nn.Dropout(cfg.hidden_dropout)
+        self.dropout = cfg.hidden_dropout
 
     def forward(self, input_ids: torch.Tensor, segment_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Long[B, L] ×3 → Float[B, L, H]."""
         x = self.token(input_ids) + self.position(position_ids) + self.segment(segment_ids)
-        return self.dropout(self.norm(x))
+        return dropout_add(self.norm(x), self.dropout, self.training)
 
 
 class SelfAttention(nn.Module):
@@ -149,10 +152,10 @@ class SelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.head_size = cfg.num_heads, cfg.head_size
-        self.query = nn.Linear(cfg.hidden_size, cfg.hidden_size)
-        self.key = nn.Linear(cfg.hidden_size, cfg.hidden_size)
-        self.value = nn.Linear(cfg.hidden_size, cfg.hidden_size)
-        self.output = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.query = Linear(cfg.hidden_size, cfg.hidden_size)
+        self.key = Linear(cfg.hidden_size, cfg.hidden_size)
+        self.value = Linear(cfg.hidden_size, cfg.hidden_size)
+        self.output = Linear(cfg.hidden_size, cfg.hidden_size)
         self.attention_dropout = cfg.attention_dropout
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:  # [B, L, H] → [B, heads, L, head_size]
@@ -181,17 +184,17 @@ class Block(nn.Module):
         super().__init__()
         self.attention = SelfAttention(cfg)
         self.attention_norm = LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.ffn_in = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.ffn_out = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.ffn_in = Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.ffn_out = Linear(cfg.intermediate_size, cfg.hidden_size)
         self.ffn_norm = LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.dropout = nn.Dropout(cfg.hidden_dropout)
+        self.dropout = cfg.hidden_dropout
 
     def forward(
         self, x: torch.Tensor, mask: torch.Tensor, past: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         attended, cache = self.attention(x, mask, past)
-        x = self.attention_norm(x + self.dropout(attended))
-        x = self.ffn_norm(x + self.dropout(self.ffn_out(F.gelu(self.ffn_in(x)))))
+        x = self.attention_norm(dropout_add(attended, self.dropout, self.training, residual=x))
+        x = self.ffn_norm(dropout_add(self.ffn_out(F.gelu(self.ffn_in(x))), self.dropout, self.training, residual=x))
         return x, cache
 
 
@@ -201,9 +204,9 @@ class MLMHead(nn.Module):
 
     def __init__(self, cfg: ModelConfig, token_embedding: nn.Embedding):
         super().__init__()
-        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.dense = Linear(cfg.hidden_size, cfg.hidden_size)
         self.norm = LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.decoder = nn.Linear(cfg.hidden_size, cfg.vocab_size)
+        self.decoder = Linear(cfg.hidden_size, cfg.vocab_size)
         self.decoder.weight = token_embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -237,9 +240,9 @@ class UniLMModel(nn.Module):
         self.cfg = cfg
         self.embeddings = Embeddings(cfg)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
-        self.pooler = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.pooler = Linear(cfg.hidden_size, cfg.hidden_size)
         self.mlm_head = MLMHead(cfg, self.embeddings.token)
-        self.nsp_head = nn.Linear(cfg.hidden_size, 2)
+        self.nsp_head = Linear(cfg.hidden_size, 2)
         self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:

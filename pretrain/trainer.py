@@ -30,6 +30,7 @@ from pretrain import checkpoint as ckpt
 from pretrain.batch_plan import BatchPlan, plan_batch
 from pretrain.config import RunConfig
 from pretrain.data import PretrainLoader, SampleOrder, collate, sample_objectives
+from pretrain.kernels import retain_freed_memory
 from pretrain.model import ModelConfig, build_model, preset
 
 REPORTED_OBJECTIVES = ("bidirectional_mlm", "nsp", "left_to_right", "right_to_left", "seq2seq", "causal_lm")
@@ -52,8 +53,13 @@ class CheckpointWriteError(RuntimeError):
 
 # ------------------------------------------------------------------------------------------ building blocks
 def init_distributed() -> tuple[int, int]:
-    """Join the process group of whichever launcher started us; plain ``python`` becomes a 1-rank group."""
+    """Join the process group of whichever launcher started us; plain ``python`` becomes a 1-rank group.
+    On a CPU-only machine also keeps freed memory in the process (`pretrain.kernels.retain_freed_memory`)."""
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() == "cpu":
+        retain_freed_memory()
 
     launched = all(k in os.environ for k in ("RANK", "WORLD_SIZE")) or "OMPI_COMM_WORLD_SIZE" in os.environ \
         or "PMI_SIZE" in os.environ

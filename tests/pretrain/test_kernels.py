@@ -1,0 +1,180 @@
+"""pretrain.kernels: the CPU fast paths compute what torch's own ops compute, and the allocator setting holds."""
+from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.testing import assert_close
+from torch.utils.checkpoint import checkpoint
+
+from conftest import ROOT, subprocess_env
+from pretrain.kernels import Linear, _scaled_keep_mask, dropout_add, onednn_linear_available
+
+
+# ------------------------------------------------------------------------------------------------ Linear
+def test_onednn_is_used_where_torch_has_it():
+    assert onednn_linear_available() == torch.backends.mkldnn.is_available()
+
+
+def test_linear_keeps_nn_linear_parameters_and_names():
+    layer = Linear(6, 4)
+    assert isinstance(layer, nn.Linear)
+    assert list(layer.state_dict()) == ["weight", "bias"]
+    assert list(Linear(6, 4, bias=False).state_dict()) == ["weight"]
+
+
+@pytest.mark.parametrize("shape, bias", [((7, 24), True), ((3, 5, 24), False), ((2, 3, 4, 24), True)])
+def test_linear_matches_torch_forward_and_backward(shape, bias):
+    torch.manual_seed(0)
+    ours, reference = Linear(24, 40, bias=bias), nn.Linear(24, 40, bias=bias)
+    reference.load_state_dict(ours.state_dict())
+    x = torch.randn(shape, requires_grad=True)
+    x_reference = x.detach().clone().requires_grad_()
+    grad = torch.randn(*shape[:-1], 40)
+    out, out_reference = ours(x), reference(x_reference)
+    out.backward(grad)
+    out_reference.backward(grad)
+    assert out.shape == out_reference.shape
+    assert_close(out, out_reference, rtol=1e-5, atol=1e-5)
+    assert_close(x.grad, x_reference.grad, rtol=1e-5, atol=1e-5)
+    assert_close(ours.weight.grad, reference.weight.grad, rtol=1e-5, atol=1e-5)
+    assert ours.weight.grad.is_contiguous()  # same layout as the parameter: accumulation needs no copy
+    if bias:
+        assert_close(ours.bias.grad, reference.bias.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_is_as_accurate_as_torch_against_float64():
+    torch.manual_seed(1)
+    layer = Linear(768, 3072)
+    x = torch.randn(64, 768)
+    exact = F.linear(x.double(), layer.weight.double(), layer.bias.double())
+    ours_error = (layer(x).double() - exact).abs().max().item()
+    torch_error = (F.linear(x, layer.weight, layer.bias).double() - exact).abs().max().item()
+    assert ours_error <= 4 * torch_error + 1e-6
+
+
+def test_linear_without_grad_frozen_weight_strided_input_and_empty_batch():
+    torch.manual_seed(2)
+    layer = Linear(8, 5)
+    x = torch.randn(8, 6).t()  # non-contiguous [6, 8]
+    with torch.no_grad():
+        assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    layer.weight.requires_grad_(False)
+    x = torch.randn(3, 8, requires_grad=True)
+    layer(x).sum().backward()
+    assert layer.weight.grad is None and layer.bias.grad is not None
+    assert_close(x.grad, layer.weight.sum(0).expand(3, 8), rtol=1e-5, atol=1e-5)
+    assert layer(torch.zeros(0, 8)).shape == (0, 5)
+
+
+def test_linear_in_bfloat16_is_torchs_linear():
+    layer = Linear(8, 5).to(torch.bfloat16)
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+# ------------------------------------------------------------------------------------------------ dropout
+def _effective_p(p: float) -> float:
+    return round(p * 32768) / 32768
+
+
+@pytest.mark.parametrize("p", [0.01, 0.1, 0.5, 0.9])
+def test_dropout_mask_drops_p_of_elements_in_every_lane_with_exact_scale(p):
+    torch.manual_seed(3)
+    n = 2_000_003  # not a multiple of 4: the last word is only partly used
+    mask = _scaled_keep_mask(torch.empty(n), p)
+    q = _effective_p(p)
+    kept = mask != 0
+    assert torch.equal(mask[kept], torch.full((int(kept.sum()),), 1 / (1 - q)))
+    # each element's 16 bits come from one of four lanes of a 64-bit word: all four must drop p of their elements
+    for lane in range(4):
+        dropped = (~kept[lane::4]).double()
+        sigma = (q * (1 - q) / dropped.numel()) ** 0.5
+        assert abs(dropped.mean().item() - q) < 5 * sigma, (lane, dropped.mean().item(), q)
+    assert abs(mask.double().mean().item() - 1.0) < 5 * (q / (1 - q) / n) ** 0.5  # the expectation is kept
+    # neighbours are independent: the lag-1 correlation of the keep indicators is noise
+    a, b = kept[:-1].double(), kept[1:].double()
+    correlation = ((a - a.mean()) * (b - b.mean())).mean() / (a.std() * b.std())
+    assert abs(correlation.item()) < 5 / n ** 0.5
+
+
+def test_dropout_add_forward_and_backward_use_one_mask():
+    torch.manual_seed(4)
+    x = (torch.rand(5, 7, 33) + 0.5).requires_grad_()
+    residual = torch.randn(5, 7, 33, requires_grad=True)
+    out = dropout_add(x, 0.3, training=True, residual=residual)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    applied = (out - residual).detach() / x.detach()  # the scaled mask the forward used
+    q = _effective_p(0.3)
+    assert torch.allclose(applied[applied > 0.5], torch.tensor(1 / (1 - q)), rtol=1e-5)
+    assert torch.allclose(applied[applied <= 0.5], torch.tensor(0.0), atol=1e-5)
+    assert_close(x.grad, grad * applied, rtol=1e-5, atol=1e-5)
+    assert torch.equal(residual.grad, grad)
+
+
+def test_dropout_add_is_seeded_identity_when_off_and_torch_on_other_dtypes():
+    x, residual = torch.randn(4, 9), torch.randn(4, 9)
+    torch.manual_seed(5)
+    first = dropout_add(x, 0.1, training=True)
+    torch.manual_seed(5)
+    assert torch.equal(dropout_add(x, 0.1, training=True), first)
+    assert not torch.equal(dropout_add(x, 0.1, training=True), first)  # the generator moved on
+    assert torch.equal(dropout_add(x, 0.1, training=False, residual=residual), residual + x)
+    assert torch.equal(dropout_add(x, 0.0, training=True), x)
+    torch.manual_seed(6)
+    half = dropout_add(x.bfloat16(), 0.5, training=True)
+    torch.manual_seed(6)
+    assert torch.equal(half, F.dropout(x.bfloat16(), 0.5, training=True))
+    assert dropout_add(torch.ones(1), 0.5, training=True).shape == (1,)
+
+
+def test_dropout_add_replays_under_activation_checkpointing():
+    torch.manual_seed(7)
+    weight = torch.randn(16, 16, requires_grad=True)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        return dropout_add(torch.tanh(x @ weight), 0.2, training=True, residual=x)
+
+    x = torch.randn(6, 16)
+    grads = []
+    for recompute in (False, True):
+        torch.manual_seed(8)
+        out = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
+        (out ** 2).sum().backward()
+        grads.append((out.detach(), weight.grad.clone()))
+        weight.grad = None
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+# ------------------------------------------------------------------------------------------------ allocator
+_FAULTS = textwrap.dedent("""
+    import resource, sys, torch
+    from pretrain.kernels import retain_freed_memory
+    if sys.argv[1] == "retain":
+        assert retain_freed_memory()
+    faults = []
+    for _ in range(10):  # like training steps: activations of several sizes, made and freed again
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        blocks = [torch.ones(mib * 2**20 // 4) for mib in (3, 12, 3, 6, 12, 40, 3)]
+        del blocks
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    print(sum(faults[-3:]))  # once the heap has settled
+""")
+
+
+@pytest.mark.skipif(sys.platform != "linux" or platform.libc_ver()[0] != "glibc", reason="glibc malloc only")
+def test_retained_memory_is_reused_without_page_faults():
+    env = {k: v for k, v in subprocess_env().items() if not k.startswith("MALLOC_")}
+    faults = {mode: int(subprocess.run([sys.executable, "-c", _FAULTS, mode], env=env, cwd=ROOT, capture_output=True,
+                                       text=True, check=True).stdout.split()[-1])
+              for mode in ("default", "retain")}
+    pages = 3 * 79 * 2**20 // 4096  # three rounds of 79 MiB
+    assert faults["default"] > pages // 10  # glibc returned the 40 MiB block (at least) and faulted it in again
+    assert faults["retain"] < pages // 100
