@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
         utilisation = flops / best["ours"] / peak[clock_name]
         mkl = backend_peaks["torch.matmul"][clock_name]
         verdicts.append(f"{clock_name:<5} tokens/s ours / transformers {ratio:.2f}x (target >= 1.3x: "
-                        f"{'met' if ratio >= 1.3 else 'NOT met'}); ours useful FLOP/s = {100 * utilisation:.0f}% "
+                        f"{'met' if ratio >= 1.3 else 'NOT met'}); ours useful FLOP/s = {100 * utilisation:.1f}% "
                         f"of the best matmul peak (target >= 80%: {'met' if utilisation >= 0.8 else 'NOT met'}), "
                         f"{100 * flops / best['ours'] / mkl:.0f}% of torch.matmul's own; transformers "
                         f"{100 * flops / best['transformers'] / peak[clock_name]:.0f}% "
