@@ -5,11 +5,11 @@ defaults leave speed on the table for both (numbers: BERT-base, micro-batch 8 ×
 
 - `Linear`: an `nn.Linear` (same `weight`/`bias` names, so checkpoints and Hugging Face export do not change)
   whose fp32 CPU forward and input-gradient GEMMs run through oneDNN (`torch.ops.mkldnn._linear_pointwise`, the
-  kernel torch's own compiler uses for CPU linears) instead of MKL's sgemm, which `F.linear` calls. On AMD
-  CPUs MKL does not take its AVX-512 code path; oneDNN's JIT kernels do, and run the model's shapes at
-  190–215 GFLOP/s where MKL gets 80–190 (worst: the MLM decoder, few rows × 30k columns). Results agree with
-  `F.linear` to fp32 rounding (a different summation order). Anything else — GPU tensors, bf16/fp16,
-  ZeRO-3-partitioned weights (DeepSpeed gathers those around `F.linear`), a torch without the op — takes
+  kernel torch's own compiler uses for CPU linears) instead of MKL's sgemm, which `F.linear` calls. On the
+  benchmark machine (AMD EPYC, AVX-512) oneDNN's JIT kernels run the model's shapes at 190–215 GFLOP/s where
+  MKL gets 80–190 (worst: the MLM decoder, few rows × 30k columns). Results agree with
+  `F.linear` to fp32 rounding (a different summation order). Anything else — GPU tensors, bf16/fp16, CPU
+  autocast, ZeRO-3-partitioned weights (DeepSpeed gathers those around `F.linear`), a torch without the op — takes
   `F.linear`. The op is checked once against `F.linear` before first use; on any disagreement it is not used.
 - `dropout_add`: torch's CPU dropout draws each element's mask through a serial double-precision Bernoulli
   sampler (about 6 ns per element, 6 % of a step). This draws one 63-bit random word per *four* elements from
@@ -106,7 +106,8 @@ class Linear(nn.Linear):
         """Float[..., in_features] → Float[..., out_features]."""
         weight, bias = self.weight, self.bias
         if (x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32
-                or x.numel() == 0 or hasattr(weight, "ds_id") or not onednn_linear_available()):
+                or x.numel() == 0 or hasattr(weight, "ds_id") or torch.is_autocast_enabled("cpu")
+                or not onednn_linear_available()):
             return F.linear(x, weight, bias)
         flat = x.reshape(-1, x.shape[-1])
         if not flat.is_contiguous():

@@ -73,10 +73,14 @@ def test_linear_without_grad_frozen_weight_strided_input_and_empty_batch():
     assert layer(torch.zeros(0, 8)).shape == (0, 5)
 
 
-def test_linear_in_bfloat16_is_torchs_linear():
+def test_linear_in_bfloat16_or_under_autocast_is_torchs_linear():
     layer = Linear(8, 5).to(torch.bfloat16)
     x = torch.randn(4, 8, dtype=torch.bfloat16)
     assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    layer, x = Linear(8, 5), torch.randn(4, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x)
+        assert out.dtype == torch.bfloat16 and torch.equal(out, F.linear(x, layer.weight, layer.bias))
 
 
 # ------------------------------------------------------------------------------------------------ dropout
