@@ -286,9 +286,10 @@ def render_report(demo: Demo) -> str:
     finetune = stages["finetune"]
     if finetune.get("available"):
         table = (demo.finetune_dir / "table.md").read_text().strip()
-        lines += ["The same `tiny` architecture, tokenizer, data, seed and settings (`finetune/configs/demo-*.yaml`), "
+        lines += ["The same `tiny` architecture, tokenizer, data, seeds and settings (`finetune/configs/demo-*.yaml`), "
                   "initialised from the pre-training checkpoint above or randomly (`python -m finetune.demo`); "
-                  "BBC News topic classification (5 classes) and article → headline generation; best dev epoch.", "",
+                  "BBC News topic classification (5 classes) and article → headline generation; best dev epoch, "
+                  "three seeds per init.", "",
                   table, ""]
     elif finetune:
         lines += [f"**Not run**: the fine-tuning package is not available in this tree yet "
@@ -308,7 +309,7 @@ STAGE_SUMMARY = {
     "resume": "the same command again (auto-resume to `train.max_steps`)",
     "plot": "`python -m pretrain.plot`",
     "export": "`python -m pretrain.export`",
-    "finetune": "`python -m finetune.datasets`, `python -m finetune.demo` (4 fine-tuning runs + beam search)",
+    "finetune": "`python -m finetune.datasets`, `python -m finetune.demo` (2 tasks × 2 inits × 3 seeds, then beam search)",
 }
 
 

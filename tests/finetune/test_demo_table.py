@@ -1,0 +1,34 @@
+"""finetune.demo's table: best dev epoch per run, mean ± sd over seeds, per-seed paired differences."""
+from __future__ import annotations
+
+from finetune.demo import best_over_epochs, table
+
+
+def run(accuracy: list[float], dev_loss: list[float] | None = None) -> dict:
+    """A metrics.json with one entry per epoch (both tasks' metrics, so one helper serves the whole table)."""
+    dev_loss = dev_loss or [7.0] * len(accuracy)
+    return {"epochs": [{"accuracy": a, "macro_f1": a / 2, "rouge1": 1.0, "rouge2": 0.0, "rougeL": 1.0,
+                        "dev_loss": loss} for a, loss in zip(accuracy, dev_loss)]}
+
+
+def test_best_epoch_is_the_highest_score_or_the_lowest_loss() -> None:
+    metrics = run([0.5, 0.7, 0.6], [6.9, 6.5, 6.7])
+    assert best_over_epochs(metrics, "accuracy") == 0.7
+    assert best_over_epochs(metrics, "dev_loss") == 6.5
+
+
+def test_rows_give_mean_sd_and_per_seed_differences() -> None:
+    results = {
+        ("topic", "pretrained"): [run([0.5, 0.6]), run([0.7]), run([0.8])],  # best 0.6, 0.7, 0.8
+        ("topic", "scratch"): [run([0.5]), run([0.75]), run([0.4, 0.7])],  # best 0.5, 0.75, 0.7
+        ("headline", "pretrained"): [run([0.0], [6.4]), run([0.0], [6.6]), run([0.0], [6.5])],
+        ("headline", "scratch"): [run([0.0], [6.5]), run([0.0], [6.5]), run([0.0], [6.5])],
+    }
+    rows = {line.split(" | ")[1]: line for line in table(results).splitlines()[2:]}
+    assert rows["accuracy"] == "| BBC topic | accuracy | 70.00 ± 10.00 | 65.00 ± 13.23 | +5.00 (+10.00, -5.00, +10.00) |"
+    assert rows["dev loss (lower is better)"].endswith("| 6.50 ± 0.10 | 6.50 ± 0.00 | +0.00 (-0.10, +0.10, +0.00) |")
+
+
+def test_one_seed_gives_plain_values() -> None:
+    results = {(task, init): [run([0.6])] for task in ("topic", "headline") for init in ("pretrained", "scratch")}
+    assert "| BBC topic | accuracy | 60.00 | 60.00 | +0.00 |" in table(results)
