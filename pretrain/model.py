@@ -138,12 +138,12 @@ class Embeddings(nn.Module):
         self.position = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
         self.segment = nn.Embedding(cfg.num_segment_types, cfg.hidden_size)
         self.norm = LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.dropout = cfg.hidden_dropout
+        self.hidden_dropout = cfg.hidden_dropout
 
     def forward(self, input_ids: torch.Tensor, segment_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Long[B, L] ×3 → Float[B, L, H]."""
         x = self.token(input_ids) + self.position(position_ids) + self.segment(segment_ids)
-        return dropout_add(self.norm(x), self.dropout, self.training)
+        return dropout_add(self.norm(x), self.hidden_dropout, self.training)
 
 
 class SelfAttention(nn.Module):
@@ -187,14 +187,15 @@ class Block(nn.Module):
         self.ffn_in = Linear(cfg.hidden_size, cfg.intermediate_size)
         self.ffn_out = Linear(cfg.intermediate_size, cfg.hidden_size)
         self.ffn_norm = LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.dropout = cfg.hidden_dropout
+        self.hidden_dropout = cfg.hidden_dropout
 
     def forward(
         self, x: torch.Tensor, mask: torch.Tensor, past: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         attended, cache = self.attention(x, mask, past)
-        x = self.attention_norm(dropout_add(attended, self.dropout, self.training, residual=x))
-        x = self.ffn_norm(dropout_add(self.ffn_out(F.gelu(self.ffn_in(x))), self.dropout, self.training, residual=x))
+        x = self.attention_norm(dropout_add(attended, self.hidden_dropout, self.training, residual=x))
+        transformed = self.ffn_out(F.gelu(self.ffn_in(x)))
+        x = self.ffn_norm(dropout_add(transformed, self.hidden_dropout, self.training, residual=x))
         return x, cache
 
 
