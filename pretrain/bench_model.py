@@ -8,7 +8,7 @@ time (robust when other processes share the cores). Prints:
   - tokens/s of each model and the ratio (target >= 1.3x);
   - useful FLOP/s of each vs the torch matmul peak measured in the same run (target >= 80% for ours). The
     peak is the best of torch's fp32 GEMM backends here (`torch.matmul` = MKL, and oneDNN, which our model's
-    linears use on the CPU: on AMD CPUs it is the faster one), so using the faster backend raises no one's
+    linears use on the CPU, and the faster one on the benchmark machine), so using the faster backend raises no one's
     percentage by itself; both backends' peaks are printed.
 Useful FLOPs of one step = 6 x encoder-block parameters x tokens (forward 2, backward 4 per multiply-add)
 + attention scores and context (3 x 4 x L^2 x hidden per layer and sample) + 6 x MLM-head and NSP parameters
@@ -83,11 +83,11 @@ def matmul_peak(seconds: float = 1.5) -> dict[str, tuple[float, float]]:
     """Best fp32 FLOP per wall-second and per CPU-second of plain matrix multiplies over shapes like the model's,
     for each GEMM backend torch has here: `torch.matmul` (MKL on x86) and, when present, oneDNN (the kernel
     our model's `pretrain.kernels.Linear` uses). The peak a model is measured against is the best of them."""
-    from pretrain.kernels import onednn_linear_available
+    from pretrain.kernels import onednn_linear, onednn_linear_available
 
     backends = {"torch.matmul": lambda a, b_t: a @ b_t.t()}
     if onednn_linear_available():
-        backends["oneDNN"] = lambda a, b_t: torch.ops.mkldnn._linear_pointwise(a, b_t, None, "none", [], "")
+        backends["oneDNN"] = onednn_linear
     peaks = {}
     shapes = [(1024, 768, 3072), (1024, 3072, 768), (2048, 2048, 2048)]
     for name, multiply in backends.items():

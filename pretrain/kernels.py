@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Linear", "dropout_add", "onednn_linear_available", "retain_freed_memory"]
+__all__ = ["Linear", "dropout_add", "onednn_linear", "onednn_linear_available", "retain_freed_memory"]
 
 
 # ------------------------------------------------------------------------------------------------ Linear
@@ -54,8 +54,9 @@ def _onednn_op():
 _ONEDNN = _onednn_op()
 
 
-def _onednn(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """a @ bᵀ (+ bias) through oneDNN; a: Float[M, K], b: Float[N, K] (b may be a transposed view)."""
+def onednn_linear(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """a @ bᵀ (+ bias) through oneDNN, where `onednn_linear_available()`; a: Float[M, K], b: Float[N, K]
+    (b may be a transposed view)."""
     return _ONEDNN(a, b, bias, "none", [], "")
 
 
@@ -68,7 +69,7 @@ def onednn_linear_available() -> bool:
     x, w, b = (torch.randn(shape, generator=generator) for shape in ((37, 24), (19, 24), (19,)))
     g = torch.randn(37, 19, generator=generator)
     try:
-        pairs = [(_onednn(x, w, b), F.linear(x, w, b)), (_onednn(g, w.t()), g @ w)]
+        pairs = [(onednn_linear(x, w, b), F.linear(x, w, b)), (onednn_linear(g, w.t()), g @ w)]
     except RuntimeError as error:
         warnings.warn(f"oneDNN linear unavailable ({error}); using torch.nn.functional.linear")
         return False
@@ -86,13 +87,13 @@ class _OneDNNLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias):  # x: Float[M, in]
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return _onednn(x, weight, bias)
+        return onednn_linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):  # grad: Float[M, out]
         x, weight = ctx.saved_tensors
         need_x, need_weight, need_bias = ctx.needs_input_grad
-        grad_x = _onednn(grad, weight.t()) if need_x else None  # grad @ weight
+        grad_x = onednn_linear(grad, weight.t()) if need_x else None  # grad @ weight
         # gradᵀ @ x on MKL: oneDNN would first copy both transposed operands, and gains nothing on this shape
         grad_weight = grad.t().mm(x) if need_weight else None  # contiguous [out, in], like the weight
         grad_bias = grad.sum(0) if ctx.has_bias and need_bias else None
@@ -116,7 +117,7 @@ class Linear(nn.Linear):
                                         or (bias is not None and bias.requires_grad)):
             out = _OneDNNLinear.apply(flat, weight, bias)
         else:
-            out = _onednn(flat, weight, bias)
+            out = onednn_linear(flat, weight, bias)
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
