@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pretrain.masks import BIDIRECTIONAL, LEFT_TO_RIGHT, build_attention_mask, build_segment_ids
-from pretrain.model import IGNORE_INDEX, UniLMModel
+from pretrain.masks import BIDIRECTIONAL, LEFT_TO_RIGHT
+from pretrain.model import UniLMModel
 
 from .metrics import classification_metrics, regression_metrics
 from .tokenizer import Tokenizer
@@ -146,21 +146,6 @@ def collate(examples: list[ClassifyExample], pad_id: int, regression: bool) -> d
     }
 
 
-def language_model_loss(backbone: UniLMModel, input_ids: torch.Tensor, length: torch.Tensor,
-                        hidden: torch.Tensor | None = None) -> torch.Tensor:
-    """Mean next-token cross-entropy of Long[N, L] sequences under the left-to-right mask
-    (`hidden`: that pass's Float[N, L, H] when the caller already ran it)."""
-    if hidden is None:
-        objective = torch.full_like(length, LEFT_TO_RIGHT)
-        max_len = input_ids.shape[1]
-        hidden = backbone.encode(input_ids, build_segment_ids(objective, length, length, max_len),
-                                 build_attention_mask(objective, length, length, max_len))
-    positions = torch.arange(1, input_ids.shape[1], device=input_ids.device)
-    labels = input_ids[:, 1:].masked_fill(positions >= length.unsqueeze(1), IGNORE_INDEX)
-    logits = backbone.mlm_logits(hidden[:, :-1])
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
-
-
 class ClassifierModel(nn.Module):
     """Backbone + dropout + linear head; `forward(**batch)` returns the training loss."""
 
@@ -178,12 +163,10 @@ class ClassifierModel(nn.Module):
 
     def _encode_views(self, input_ids: torch.Tensor, len_a: torch.Tensor, length: torch.Tensor):
         """Flattened views Long[N, L] → (final vectors Float[N, H], hidden Float[N, L, H])."""
-        max_len = input_ids.shape[1]
-        objective = torch.full_like(length, LEFT_TO_RIGHT if self.causal else BIDIRECTIONAL)
         if self.causal:
             len_a = length  # one left-to-right segment: `a [SEP] b [SEP]` is GPT-1's delimited input
-        hidden = self.backbone.encode(input_ids, build_segment_ids(objective, len_a, length, max_len),
-                                      build_attention_mask(objective, len_a, length, max_len))
+        hidden = self.backbone.encode_objective(input_ids, LEFT_TO_RIGHT if self.causal else BIDIRECTIONAL,
+                                                len_a, length)
         if self.causal:
             vector = hidden[torch.arange(hidden.shape[0], device=hidden.device), length - 1]
         else:
@@ -211,8 +194,8 @@ class ClassifierModel(nn.Module):
         else:
             loss = F.cross_entropy(logits.float(), labels)
         if self.aux_lm_weight:
-            loss = loss + self.aux_lm_weight * language_model_loss(
-                self.backbone, flat_ids, flat_length, hidden if self.causal else None)
+            loss = loss + self.aux_lm_weight * self.backbone.causal_lm_loss(
+                flat_ids, flat_length, hidden if self.causal else None)
         return loss
 
 

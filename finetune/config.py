@@ -1,7 +1,9 @@
 """The fine-tuning run config: one frozen dataclass, from YAML (`finetune/configs/`) plus CLI flags.
 
 Precedence: dataclass defaults < `--config YAML` < explicit CLI flags (`--lr`, `--epochs`, ...) < dotted
-`--set key=value` overrides. Batch sizes live here only; the DeepSpeed JSON holds engine settings.
+`--set key=value` overrides. Loaded by the loader pre-training uses (`pretrain.config.load_dataclass`): values
+are coerced to the field types (`--set lr=3e-5` is a float) and unknown keys are refused. Batch sizes live here
+only; the DeepSpeed JSON holds engine settings.
 """
 from __future__ import annotations
 
@@ -10,9 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from pretrain.config import REPO_ROOT, apply_overrides
+from pretrain.config import REPO_ROOT, load_dataclass
 
 TASKS = ("classify", "qa", "seq2seq")
 
@@ -28,7 +28,7 @@ class FinetuneConfig:
     init: str
     """An HF BERT directory, a fine-tuning output directory, or a pre-training checkpoint directory."""
     out: str
-    """Output directory: the best model (HF export + head + vocab), metrics.json, checkpoints/."""
+    """Output directory: the best model (HF export + head + vocab), metrics.jsonl (per step), summary.json, checkpoints/."""
     vocab: str | None = None
     """vocab.txt to tokenise with; default: the one in `init` (a checkpoint needs it given)."""
     from_scratch: bool = False
@@ -121,15 +121,11 @@ class FinetuneConfig:
 
 def load_config(yaml_path: str | Path | None, flags: dict[str, Any], overrides: list[str] = ()) -> FinetuneConfig:
     """YAML values, then the CLI flags that were given (not None), then `key=value` overrides."""
-    values = (yaml.safe_load(Path(yaml_path).read_text()) or {}) if yaml_path else {}
-    if not isinstance(values, dict):
-        raise ValueError(f"{yaml_path}: expected a mapping of config keys")
-    values.update({k: v for k, v in flags.items() if v is not None})
-    values = apply_overrides(values, list(overrides))
-    known = {f.name for f in dataclasses.fields(FinetuneConfig)}
-    if unknown := sorted(set(values) - known):
-        raise ValueError(f"unknown fine-tuning config key(s): {', '.join(unknown)}")
-    missing = [name for name in ("task", "train", "dev", "init", "out") if name not in values]
-    if missing:
-        raise ValueError(f"missing required setting(s): {', '.join('--' + m for m in missing)}")
-    return FinetuneConfig(**values)
+    given = {k: v for k, v in flags.items() if v is not None}
+    try:
+        return load_dataclass(FinetuneConfig, yaml_path, overrides, given)
+    except ValueError as error:
+        if str(error).startswith("missing required config key"):
+            names = str(error).split(": ", 1)[1].split(", ")
+            raise ValueError(f"missing required setting(s): {', '.join('--' + n for n in names)}") from None
+        raise

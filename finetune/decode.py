@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from pretrain.masks import SEQ2SEQ, build_attention_mask, build_segment_ids
+from pretrain.masks import SEQ2SEQ, build_segment_ids
 
 from .datasets import read_jsonl, write_jsonl
 from .metrics import generation_metrics
@@ -103,10 +103,8 @@ class FullStepper:
             input_ids[row, : len(sequence)] = torch.tensor(sequence)
         length = torch.tensor([len(s) for s in sequences])
         len_a = torch.tensor([len(s) for s in self.sources])
-        objective = torch.full_like(length, SEQ2SEQ)
-        input_ids, length, len_a, objective = (t.to(self.device) for t in (input_ids, length, len_a, objective))
-        hidden = self.model.encode(input_ids, build_segment_ids(objective, len_a, length, max_len),
-                                   build_attention_mask(objective, len_a, length, max_len))
+        input_ids, length, len_a = (t.to(self.device) for t in (input_ids, length, len_a))
+        hidden = self.model.encode_objective(input_ids, SEQ2SEQ, len_a, length)
         last = hidden[torch.arange(len(sequences), device=self.device), length - 1]
         return torch.log_softmax(self.model.mlm_logits(last).float(), dim=-1)
 

@@ -1,42 +1,49 @@
-"""The fine-tuning loop on a DeepSpeed engine: plan → (resume) → epochs of steps → dev eval → keep the best.
+"""The fine-tuning loop: plan → (resume) → epochs of steps → dev eval → keep the best.
 
-Reused from pre-training (one copy of each): process-group start-up (`pretrain.trainer.init_distributed`),
-batch arithmetic (`pretrain.batch_plan.plan_batch`), AdamW parameter groups, RNG state capture/restore, and
-the checkpoint bookkeeping of `pretrain.checkpoint` (completeness marker, atomic `latest`, pruning,
-compatibility check). The run is defined by (config, seed): the order of training items in epoch e is a seeded
+Built on what pre-training runs on (one copy of each): `pretrain.engine` (process group, DeepSpeed JSON with the
+injected values and its clash check, parameter groups, RNG capture/restore, the optimizer step over
+micro-batches, the non-finite checks) and `pretrain.checkpoint` (save with stale-marker removal, fsync, marker,
+atomic `latest` and pruning; a full disk stops with `CheckpointWriteError`; resume from the newest
+hash-verified complete checkpoint, converted to a universal checkpoint and re-seeded when the world size
+changes). The run is defined by (config, seed): the order of training items in epoch e is a seeded
 permutation, rank r takes its slice of each global batch, so a stopped run resumed from its newest complete
-checkpoint (automatic: rerun the same command) continues with exactly the next batch.
+checkpoint (automatic: rerun the same command) continues with exactly the next batch. A non-finite loss or
+gradient stops the run with `pretrain.engine.NonFiniteLossError` (exit code 3), as in pre-training.
 
 Only fine-tuning's own parts live here: epochs and per-epoch evaluation, keeping the best model (written as a
-Hugging Face export into `out`), `metrics.json` and `train_log.jsonl`. Evaluation runs on every rank (same
-result; needed under ZeRO-3's partitioned parameters) and rank 0 writes. Export of the best model reads the
-full module, so ZeRO stages 0-2 (the CPU configs) are supported; a ZeRO-3 fine-tuning run needs a
-consolidation step first (not done here). Resuming on another world size works with ZeRO-0 (whole states);
-ZeRO-1/2 would need the universal-checkpoint conversion that `pretrain.trainer.find_resume_point` does for
-pre-training (not wired in here: it takes a pre-training RunConfig).
+Hugging Face export into `out`), `metrics.jsonl` (one record per step) and `summary.json`. Evaluation runs on
+every rank (same result; needed under ZeRO-3's partitioned parameters) and rank 0 writes. Export of the best
+model reads the full module, so ZeRO stages 0-2 (the CPU configs) are supported; a ZeRO-3 fine-tuning run
+needs a consolidation step first (not done here).
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as torch_dist
 
 from pretrain import checkpoint as ckpt
-from pretrain.batch_plan import plan_batch
-from pretrain.trainer import (gather_objects, init_distributed, inject_engine_values, parameter_groups,
-                              portable_rng_state, restore_rng_state)
+from pretrain.batch_plan import BatchPlan, plan_batch
+from pretrain.engine import (NonFiniteLossError, any_rank, build_engine, engine_config, init_distributed,
+                             nonfinite_gradient_norm, optimizer_step, read_engine_json, resume_rng, seed_everything,
+                             zero_stage)
 
 from .config import FinetuneConfig
 from .model_io import save_finetuned
 from .tasks import TaskSetup
 from .tokenizer import Tokenizer
+
+LOG_FILE = "metrics.jsonl"
+"""One JSON object per optimizer step (step, epoch, loss, lr), as pre-training's ``out_dir/metrics.jsonl``."""
+SUMMARY_FILE = "summary.json"
+"""The run's outcome: per-epoch dev scores, the best epoch, steps done, whether it finished."""
 
 
 def schedule(cfg: FinetuneConfig, train_size: int) -> tuple[int, int, int]:
@@ -50,127 +57,161 @@ def schedule(cfg: FinetuneConfig, train_size: int) -> tuple[int, int, int]:
     return steps_per_epoch, total, max(1, round(cfg.warmup_ratio * total))
 
 
-def deepspeed_config(cfg: FinetuneConfig, plan, total_steps: int, warmup_steps: int) -> dict[str, Any]:
+def deepspeed_config(cfg: FinetuneConfig, plan: BatchPlan, engine_json: dict[str, Any], total_steps: int,
+                     warmup_steps: int, load_universal: bool) -> dict[str, Any]:
     """The engine JSON with batch sizes, optimizer values and the warm-up/decay schedule injected."""
     adamw = None if cfg.optimizer == "adamax" else dict(lr=cfg.lr, weight_decay=cfg.weight_decay)  # Adamax: client
-    return inject_engine_values(json.loads(cfg.deepspeed_config_path.read_text()), plan, grad_clip=cfg.grad_clip,
-                                optimizer_params=adamw, lr=cfg.lr, min_lr=0.0, warmup_steps=warmup_steps,
-                                total_steps=max(total_steps, warmup_steps + 1))
+    return engine_config(engine_json, plan, grad_clip=cfg.grad_clip, optimizer_params=adamw, lr=cfg.lr, min_lr=0.0,
+                         warmup_steps=warmup_steps, total_steps=max(total_steps, warmup_steps + 1),
+                         load_universal=load_universal)
 
 
-def _identity(cfg: FinetuneConfig, model_config: dict, tokenizer: Tokenizer) -> dict[str, Any]:
+def run_identity(cfg: FinetuneConfig, model_config: dict, tokenizer: Tokenizer) -> dict[str, Any]:
     """What ties a checkpoint to this run (checked on resume by `pretrain.checkpoint.check_compatible`)."""
     train_hash = hashlib.sha256(Path(cfg.train).read_bytes()).hexdigest()  # stands for the shard manifest
     return {"model_config": model_config, "vocab_hash": tokenizer.vocab.sha256, "manifest_hash": train_hash,
             "seed": cfg.seed}
 
 
-def fit(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer) -> dict[str, Any]:
-    """Train `task` per `cfg` on this rank (resuming automatically); returns the metrics.json content."""
-    import deepspeed
+@dataclasses.dataclass
+class Progress:
+    """Where the fine-tuning run stands (saved in every checkpoint)."""
 
+    step: int = 0
+    history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """One record per finished epoch: train loss and dev scores."""
+    best: dict[str, Any] | None = None
+    """The record of the best epoch so far (by the task's primary metric)."""
+    epoch_losses: list[float] = dataclasses.field(default_factory=list)
+    """Step losses of the epoch in progress."""
+    last_checkpoint: str | None = None
+
+    def client_state(self) -> dict[str, Any]:
+        return {"history": self.history, "best": self.best, "epoch_losses": self.epoch_losses}
+
+
+def fit(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer) -> dict[str, Any]:
+    """Train `task` per `cfg` on this rank (resuming automatically); returns the summary.json content."""
+    started = time.perf_counter()
     rank, world_size = init_distributed()
     plan = plan_batch(cfg.batch_size, cfg.micro_batch_size, world_size)
     steps_per_epoch, total_steps, warmup_steps = schedule(cfg, task.train_size)
-    backbone = task.module.backbone
-    identity = _identity(cfg, dataclasses.asdict(backbone.cfg), tokenizer)
+    identity = run_identity(cfg, dataclasses.asdict(task.module.backbone.cfg), tokenizer)
+    engine_json = read_engine_json(cfg.deepspeed_config_path)
+    resume = ckpt.find_resume_point(cfg.checkpoint_dir, "auto", identity, world_size, zero_stage(engine_json),
+                                    report=print if rank == 0 else None)
+    engine = build_engine(
+        task.module, deepspeed_config(cfg, plan, engine_json, total_steps, warmup_steps,
+                                      load_universal=resume is not None and resume.universal),
+        cfg.weight_decay,
+        client_optimizer=(lambda groups: torch.optim.Adamax(groups, lr=cfg.lr)) if cfg.optimizer == "adamax" else None)
+    progress = restore_progress(engine, resume, cfg.seed, rank, world_size, total_steps)
     out = Path(cfg.out)
-    resume_tag = ckpt.newest_complete_tag(cfg.checkpoint_dir)
-    if resume_tag is not None:
-        ckpt.check_compatible(ckpt.read_marker(cfg.checkpoint_dir / resume_tag), identity,
-                              str(cfg.checkpoint_dir / resume_tag))
-
-    groups = parameter_groups(task.module, cfg.weight_decay)
-    client_optimizer = torch.optim.Adamax(groups, lr=cfg.lr) if cfg.optimizer == "adamax" else None
-    engine, _, _, _ = deepspeed.initialize(model=task.module, model_parameters=groups, optimizer=client_optimizer,
-                                           config=deepspeed_config(cfg, plan, total_steps, warmup_steps))
-    step, history, best, losses = 0, [], None, []
-    if resume_tag is not None:
-        load_path, state = engine.load_checkpoint(str(cfg.checkpoint_dir), tag=resume_tag)
-        if load_path is None:
-            raise RuntimeError(f"DeepSpeed could not load {cfg.checkpoint_dir / resume_tag}")
-        step, history, best, losses = state["step"], state["history"], state["best"], state["epoch_losses"]
-        if len(state["rng_states"]) == world_size:
-            restore_rng_state(state["rng_states"][rank])
-        if rank == 0:
-            print(f"[finetune] resumed {resume_tag}: step {step}/{total_steps}", flush=True)
-    else:
-        ckpt.seed_everything(cfg.seed + rank)  # per-rank dropout streams
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "run_config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
-    meta_common = dict(identity, run_config=cfg.to_dict(), code_version=ckpt.code_version(),
-                       world_size=world_size, zero_stage=engine.zero_optimization_stage())
-
-    def save_checkpoint() -> None:
-        tag = ckpt.tag_for_step(step)
-        state = dict(step=step, history=history, best=best, epoch_losses=losses,
-                     rng_states=gather_objects(portable_rng_state()))
-        engine.save_checkpoint(str(cfg.checkpoint_dir), tag=tag, client_state=state, save_latest=False)
-        torch_dist.barrier()
-        if rank == 0:
-            ckpt.write_marker(cfg.checkpoint_dir / tag, dict(meta_common, step=step))
-            ckpt.update_latest(cfg.checkpoint_dir, tag)
-            ckpt.prune(cfg.checkpoint_dir, cfg.keep_last)
-        torch_dist.barrier()
-
-    log = open(out / "train_log.jsonl", "a") if rank == 0 else None
-    per_rank = plan.samples_per_rank
-    started = time.perf_counter()
+    meta = dict(identity, run_config=cfg.to_dict(), code_version=ckpt.code_version(), world_size=world_size,
+                zero_stage=engine.zero_optimization_stage())
+    log = open(out / LOG_FILE, "a") if rank == 0 else None
     engine.train()
     try:
-        while step < total_steps:
-            epoch, index_in_epoch = divmod(step, steps_per_epoch)
-            order = np.random.default_rng([cfg.seed, epoch]).permutation(task.train_size)
-            global_batch = order[index_in_epoch * cfg.batch_size: (index_in_epoch + 1) * cfg.batch_size]
-            mine = global_batch[rank * per_rank: (rank + 1) * per_rank].tolist()
-            step_loss = 0.0
-            for begin in range(0, per_rank, cfg.micro_batch_size):
-                batch = task.make_batch(mine[begin: begin + cfg.micro_batch_size], epoch)
-                loss = engine(**{k: v.to(engine.device) for k, v in batch.items()})
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(f"non-finite loss at step {step + 1} (epoch {epoch + 1}); the last "
-                                             f"checkpoint in {cfg.checkpoint_dir} is intact")
-                engine.backward(loss)
-                engine.step()
-                step_loss += loss.item() / plan.gradient_accumulation_steps
-            step += 1
-            losses.append(step_loss)
+        while progress.step < total_steps:
+            epoch, index_in_epoch = divmod(progress.step, steps_per_epoch)
+            step_loss = train_step(cfg, engine, task, plan, progress, epoch, index_in_epoch, rank, log)
+            progress.step += 1
+            progress.epoch_losses.append(step_loss)
             if log:
-                log.write(json.dumps({"step": step, "epoch": epoch + 1, "loss": step_loss,
+                log.write(json.dumps({"step": progress.step, "epoch": epoch + 1, "loss": step_loss,
                                       "lr": engine.get_lr()[0]}) + "\n")
                 log.flush()
-            epoch_done = step % steps_per_epoch == 0 or step == total_steps
+            epoch_done = progress.step % steps_per_epoch == 0 or progress.step == total_steps
             if epoch_done:
-                scores = task.evaluate(engine.module)
-                engine.train()
-                record = {"epoch": epoch + 1, "step": step, "train_loss": float(np.mean(losses)), **scores}
-                history.append(record)
-                losses = []
-                improved = best is None or scores[task.primary_metric] > best[task.primary_metric]
-                if improved:
-                    best = record
-                    if rank == 0:
-                        save_finetuned(out, backbone, task.head, tokenizer, task=cfg.task,
-                                       extra_meta={"settings": cfg.to_dict(), "best": best, **task.meta})
+                end_epoch(cfg, engine, task, tokenizer, progress, epoch, total_steps, rank, out)
+            if epoch_done or progress.step == cfg.exit_at_step:
+                progress.last_checkpoint = ckpt.save(engine, cfg.checkpoint_dir, progress.step, meta,
+                                                     progress.client_state(), cfg.keep_last,
+                                                     progress.last_checkpoint)
+            if progress.step == cfg.exit_at_step and progress.step < total_steps:
                 if rank == 0:
-                    print(f"[finetune] epoch {epoch + 1} step {step}/{total_steps}: " +
-                          "  ".join(f"{k} {v:.4g}" for k, v in record.items() if isinstance(v, float)) +
-                          (" (best)" if improved else ""), flush=True)
-            if epoch_done or step == cfg.exit_at_step:
-                save_checkpoint()
-            if step == cfg.exit_at_step and step < total_steps:
-                if rank == 0:
-                    print(f"[finetune] exit_at_step {step}: checkpoint saved; rerun the command to continue",
-                          flush=True)
+                    print(f"[finetune] exit_at_step {progress.step}: checkpoint saved; rerun the command to "
+                          "continue", flush=True)
                 break
     finally:
         if log:
             log.close()
-    summary = {"task": cfg.task, "primary_metric": task.primary_metric, "best": best, "epochs": history,
-               "steps": step, "total_steps": total_steps, "world_size": world_size,
-               "finished": step >= total_steps, "wall_s_this_launch": time.perf_counter() - started, **task.meta}
+    summary = {"task": cfg.task, "primary_metric": task.primary_metric, "best": progress.best,
+               "epochs": progress.history, "steps": progress.step, "total_steps": total_steps,
+               "world_size": world_size, "finished": progress.step >= total_steps,
+               "wall_s_this_launch": time.perf_counter() - started, **task.meta}
     if rank == 0:
-        (out / "metrics.json").write_text(json.dumps(summary, indent=1) + "\n")
+        (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
     return summary
 
+
+def restore_progress(engine: Any, resume: ckpt.ResumePoint | None, seed: int, rank: int, world_size: int,
+                     total_steps: int) -> Progress:
+    """Load the resume point and continue its RNG streams, or seed per-rank dropout streams."""
+    if resume is None:
+        seed_everything(seed + rank)  # per-rank dropout streams
+        return Progress()
+    state = ckpt.load(engine, resume)
+    resume_rng(state["rng_states"], seed, state["step"], rank, world_size)
+    if rank == 0:
+        print(f"[finetune] resumed {resume.tag}: step {state['step']}/{total_steps}", flush=True)
+    return Progress(state["step"], state["history"], state["best"], state["epoch_losses"], resume.tag)
+
+
+def train_step(cfg: FinetuneConfig, engine: Any, task: TaskSetup, plan: BatchPlan, progress: Progress, epoch: int,
+               index_in_epoch: int, rank: int, log: Any) -> float:
+    """One optimizer step on this rank's slice of the step's global batch; returns this rank's loss. A NaN/inf
+    loss on any rank (before the update) or gradient (after it) raises `NonFiniteLossError`."""
+    order = np.random.default_rng([cfg.seed, epoch]).permutation(task.train_size)
+    global_batch = order[index_in_epoch * cfg.batch_size: (index_in_epoch + 1) * cfg.batch_size]
+    per_rank = plan.samples_per_rank
+    mine = global_batch[rank * per_rank: (rank + 1) * per_rank].tolist()
+    micro_batches = []
+    for begin in range(0, per_rank, cfg.micro_batch_size):
+        batch = task.make_batch(mine[begin: begin + cfg.micro_batch_size], epoch)
+        micro_batches.append({k: v.to(engine.device) for k, v in batch.items()})
+    losses: list[float] = []
+
+    def stop_if_nonfinite(what: str, stopped: str) -> None:
+        message = (f"{what} at step {progress.step + 1} (epoch {epoch + 1}); stopped {stopped}; "
+                   f"the last complete checkpoint ({progress.last_checkpoint or 'none'}) in {cfg.checkpoint_dir} "
+                   "is intact. Check the learning rate and the precision (fp16 loss scaling: try bf16)")
+        if log:
+            log.write(json.dumps({"step": progress.step + 1, "event": "nonfinite", "message": message}) + "\n")
+            log.flush()
+        raise NonFiniteLossError(message)
+
+    def before_update() -> None:
+        if any_rank(not all(math.isfinite(loss) for loss in losses)):
+            stop_if_nonfinite(f"non-finite loss (this rank's micro-batches: {losses})", "before the optimizer step")
+
+    optimizer_step(engine, micro_batches, loss_of=lambda loss: loss,
+                   observe=lambda batch, loss: losses.append(loss.item()), before_update=before_update)
+    bad_norm = nonfinite_gradient_norm(engine)
+    if bad_norm is not None:
+        stop_if_nonfinite(f"non-finite gradient norm {bad_norm}", "without saving this step")
+    return sum(loss / plan.gradient_accumulation_steps for loss in losses)
+
+
+def end_epoch(cfg: FinetuneConfig, engine: Any, task: TaskSetup, tokenizer: Tokenizer, progress: Progress, epoch: int,
+              total_steps: int, rank: int, out: Path) -> None:
+    """Evaluate on dev, record the epoch, and export the model when it is the best so far (rank 0 writes)."""
+    scores = task.evaluate(engine.module)
+    engine.train()
+    record = {"epoch": epoch + 1, "step": progress.step, "train_loss": float(np.mean(progress.epoch_losses)),
+              **scores}
+    progress.history.append(record)
+    progress.epoch_losses = []
+    improved = progress.best is None or scores[task.primary_metric] > progress.best[task.primary_metric]
+    if improved:
+        progress.best = record
+        if rank == 0:
+            save_finetuned(out, task.module.backbone, task.head, tokenizer, task=cfg.task,
+                           extra_meta={"settings": cfg.to_dict(), "best": record, **task.meta})
+    if rank == 0:
+        print(f"[finetune] epoch {epoch + 1} step {progress.step}/{total_steps}: " +
+              "  ".join(f"{k} {v:.4g}" for k, v in record.items() if isinstance(v, float)) +
+              (" (best)" if improved else ""), flush=True)

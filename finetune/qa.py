@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pretrain.masks import BIDIRECTIONAL, build_attention_mask, build_segment_ids
+from pretrain.masks import BIDIRECTIONAL
 from pretrain.model import UniLMModel
 
 from .metrics import squad_metrics
@@ -138,9 +138,7 @@ class SpanModel(nn.Module):
     def span_logits(self, input_ids, len_a, length) -> tuple[torch.Tensor, torch.Tensor]:
         """Float[B, L] start and end logits (padding at -inf)."""
         max_len = input_ids.shape[1]
-        objective = torch.full_like(length, BIDIRECTIONAL)
-        hidden = self.backbone.encode(input_ids, build_segment_ids(objective, len_a, length, max_len),
-                                      build_attention_mask(objective, len_a, length, max_len))
+        hidden = self.backbone.encode_objective(input_ids, BIDIRECTIONAL, len_a, length)
         logits = self.head(hidden).float()
         padding = torch.arange(max_len, device=input_ids.device) >= length.unsqueeze(1)
         logits = logits.masked_fill(padding.unsqueeze(-1), float("-inf"))

@@ -7,18 +7,21 @@ papers' settings and `finetune.config.FinetuneConfig` for every key.
 from __future__ import annotations
 
 import argparse
+import sys
 
-from pretrain.checkpoint import seed_everything
+from pretrain.config import keys_help
+from pretrain.engine import RunStopped, seed_everything
 from pretrain.model import build_model
 
-from .config import TASKS, load_config
+from .config import TASKS, FinetuneConfig, load_config
 from .engine import fit
 from .model_io import load_init
 from .tasks import build_task
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="config keys (YAML, flags, or --set KEY=VALUE):\n" + keys_help(FinetuneConfig))
     parser.add_argument("--task", choices=TASKS)
     parser.add_argument("--train", help="JSONL (classify, seq2seq) or SQuAD JSON (qa)")
     parser.add_argument("--dev")
@@ -53,7 +56,11 @@ def main(argv: list[str] | None = None) -> dict:
     if cfg.from_scratch:
         backbone = build_model(backbone.cfg)
     task = build_task(cfg, backbone, tokenizer)
-    return fit(cfg, task, tokenizer)
+    try:
+        return fit(cfg, task, tokenizer)
+    except RunStopped as error:  # a diagnosis (non-finite loss, checkpoint not written), not a crash: no traceback
+        print(f"[stop] {error}", file=sys.stderr, flush=True)
+        sys.exit(error.exit_code)
 
 
 if __name__ == "__main__":

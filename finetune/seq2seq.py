@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from pretrain.masks import SEQ2SEQ, build_attention_mask, build_segment_ids
+from pretrain.masks import SEQ2SEQ
+from pretrain.model import IGNORE_INDEX, UniLMModel
 
 from .tokenizer import Tokenizer
 
@@ -76,13 +76,13 @@ def pack_and_mask(example: Seq2SeqExample, tokenizer: Tokenizer, mask_prob: floa
 
 def collate(packed: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     """Pad packed examples into a batch: input_ids Long[B, L], len_a/length Long[B],
-    masked_positions Long[B, P] (padded with 0), masked_labels Long[B, P] (padded with -100 = ignore)."""
+    masked_positions Long[B, P] (padded with 0), masked_labels Long[B, P] (padded with `IGNORE_INDEX`)."""
     max_len = max(len(p["input_ids"]) for p in packed)
     max_masked = max(len(p["masked_positions"]) for p in packed)
     batch_size = len(packed)
     input_ids = torch.full((batch_size, max_len), pad_id, dtype=torch.long)
     masked_positions = torch.zeros((batch_size, max_masked), dtype=torch.long)
-    masked_labels = torch.full((batch_size, max_masked), -100, dtype=torch.long)
+    masked_labels = torch.full((batch_size, max_masked), IGNORE_INDEX, dtype=torch.long)
     for row, p in enumerate(packed):
         input_ids[row, : len(p["input_ids"])] = torch.from_numpy(p["input_ids"])
         masked_positions[row, : len(p["masked_positions"])] = torch.from_numpy(p["masked_positions"])
@@ -96,19 +96,10 @@ def collate(packed: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     }
 
 
-def seq2seq_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], label_smoothing: float = 0.1) -> torch.Tensor:
+def seq2seq_loss(model: UniLMModel, batch: dict[str, torch.Tensor], label_smoothing: float = 0.1) -> torch.Tensor:
     """Mean label-smoothed cross-entropy over the masked target positions of a `collate` batch."""
-    input_ids = batch["input_ids"]
-    batch_size, max_len = input_ids.shape
-    objective = torch.full((batch_size,), SEQ2SEQ, dtype=torch.long, device=input_ids.device)
-    attention_mask = build_attention_mask(objective, batch["len_a"], batch["length"], max_len)
-    segment_ids = build_segment_ids(objective, batch["len_a"], batch["length"], max_len)
-    hidden = model.encode(input_ids, segment_ids, attention_mask)
-    positions = batch["masked_positions"]
-    picked = hidden.gather(1, positions.unsqueeze(-1).expand(-1, -1, hidden.size(-1)))  # [B, P, H]
-    logits = model.mlm_logits(picked)
-    return F.cross_entropy(logits.flatten(0, 1).float(), batch["masked_labels"].flatten(),
-                           ignore_index=-100, label_smoothing=label_smoothing)
+    hidden = model.encode_objective(batch["input_ids"], SEQ2SEQ, batch["len_a"], batch["length"])
+    return model.masked_lm_loss(hidden, batch["masked_positions"], batch["masked_labels"], label_smoothing)
 
 
 class Seq2SeqModel(torch.nn.Module):

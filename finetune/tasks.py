@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pretrain.model import UniLMModel
+from pretrain.model import IGNORE_INDEX, UniLMModel
 
 from . import classify, qa, seq2seq
 from .config import FinetuneConfig
@@ -113,7 +113,7 @@ def build_seq2seq(cfg: FinetuneConfig, backbone: UniLMModel, tokenizer: Tokenize
                                             np.random.default_rng([cfg.seed, DEV_MASKING, i])) for i in chunk]
             device = next(backbone.parameters()).device
             batch = {k: v.to(device) for k, v in seq2seq.collate(packed, tokenizer.pad_id).items()}
-            masked = int((batch["masked_labels"] != -100).sum())
+            masked = int((batch["masked_labels"] != IGNORE_INDEX).sum())
             total += seq2seq.seq2seq_loss(backbone, batch, label_smoothing=0.0).item() * masked
             count += masked
         backbone.train(was_training)

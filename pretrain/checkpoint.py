@@ -19,37 +19,45 @@ checkpoint or one that is detected and skipped.
 DeepSpeed does not save RNG states: ``client_state["rng_states"]`` holds every rank's torch, numpy and Python
 states (gathered), so resuming on the same world size reproduces the uninterrupted losses bit for bit.
 
-Test hook (fault injection, used by ``tests/pretrain/test_survival.py``): ``UNILM_TEST_FAULT=POINT@STEP`` or
-``POINT@STEP@RANK`` SIGKILLs the process at that point (``step``: start of a step; ``save_begin``;
-``after:FILE`` after DeepSpeed wrote FILE; ``before_marker``; ``before_latest``), or with POINT ``inf_grad``
-turns one gradient of that step to inf. Unset, it costs one dictionary lookup per step.
+One procedure serves pre-training and fine-tuning: `save` (stale marker removed, DeepSpeed's files, fsync,
+marker, ``latest``, prune; a full disk becomes `CheckpointWriteError`), `find_resume_point` (the newest
+complete checkpoint, hash-verified and checked against this run; converted to a universal checkpoint when
+the world size or ZeRO stage changed) and `load`.
 """
 from __future__ import annotations
 
+import dataclasses
+import errno
 import json
 import os
-import random
 import re
 import shutil
-import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
+import torch.distributed as torch_dist
+
+from data_prep.shard_format import sha256_file
+from pretrain.engine import RunStopped, gather_objects, portable_rng_state
+from pretrain.model import RETIRED_FIELDS
 
 FORMAT_VERSION = 1
 MARKER = "complete.json"
 LATEST = "latest"
 _TAG = re.compile(r"^global_step(\d+)$")
-FAULT_ENV = "UNILM_TEST_FAULT"
 
 
 class CheckpointMismatchError(ValueError):
     """The checkpoint belongs to another model, vocabulary, shard set or seed (the message names the field)."""
+
+
+class CheckpointWriteError(RunStopped):
+    """A checkpoint could not be written (disk full, I/O error); the previous complete one is intact."""
+    exit_code = 4
 
 
 def tag_for_step(step: int) -> str:
@@ -74,41 +82,6 @@ def code_version() -> str:
         return "pkg:" + metadata.version("unilm-pretrain")
     except metadata.PackageNotFoundError:
         return "unknown"
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's torch, numpy and Python RNG states."""
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-
-
-def seed_everything(seed: int) -> None:
-    torch.manual_seed(seed)
-    np.random.seed(seed % 2**32)
-    random.seed(seed)
-
-
-# --- fault injection (tests only) ---------------------------------------------------------------------------
-
-def fault_injected(point: str, step: int, rank: int) -> bool:
-    """Whether ``UNILM_TEST_FAULT`` asks for a fault at ``point`` of ``step`` on this rank (see the module doc)."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return False
-    wanted = spec.split("@")
-    return wanted[0] == point and int(wanted[1]) == step and (len(wanted) < 3 or int(wanted[2]) == rank)
-
-
-def fault_point(point: str, step: int, rank: int) -> None:
-    """SIGKILL this process here if the test hook asks for it (no cleanup, no flush: a crash)."""
-    if fault_injected(point, step, rank):
-        print(f"[fault] {FAULT_ENV}: SIGKILL at {point} of step {step} on rank {rank}", file=sys.stderr, flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # --- completeness -----------------------------------------------------------------------------------------
@@ -148,8 +121,6 @@ def _write_durably(path: Path, text: str) -> None:
 def write_marker(tag_dir: Path, meta: dict[str, Any]) -> None:
     """Record every file of a finished save with its size and sha256; call on one rank after all ranks saved
     (and fsync'ed) and passed a barrier."""
-    from data_prep.shard_format import sha256_file
-
     files = _listing(tag_dir)
     record = dict(meta, format_version=FORMAT_VERSION, files=files,
                   sha256={name: sha256_file(tag_dir / name) for name in files})
@@ -178,7 +149,6 @@ def verify_tag(tag_dir: Path, hashes: bool = False) -> tuple[dict[str, Any] | No
             return None, (f"{name} has {actual} bytes, the marker recorded {size} "
                           + ("(truncated)" if actual < size else "(rewritten)"))
     if hashes:
-        from data_prep.shard_format import sha256_file
         for name, digest in record.get("sha256", {}).items():
             if sha256_file(tag_dir / name) != digest:
                 return None, f"{name} does not match the sha256 recorded at save time (corrupted)"
@@ -245,6 +215,7 @@ def check_compatible(saved: dict[str, Any], current: dict[str, Any], where: str)
     ``saved`` / ``current`` carry ``model_config`` (dict), ``vocab_hash``, ``manifest_hash`` and ``seed``.
     """
     saved_model, current_model = saved.get("model_config", {}), current["model_config"]
+    saved_model = {k: v for k, v in saved_model.items() if k not in RETIRED_FIELDS}  # training settings now
     for name in sorted(set(saved_model) | set(current_model)):
         if saved_model.get(name) != current_model.get(name):
             raise CheckpointMismatchError(
@@ -277,3 +248,103 @@ def to_universal(checkpoint_dir: Path, tag: str) -> str:
     fsync_tree(target)
     _write_durably(target / MARKER, json.dumps({"source": tag}))
     return universal
+
+
+# --- the procedure both training loops call -------------------------------------------------------------------
+
+def save(engine: Any, checkpoint_dir: Path, step: int, meta: dict[str, Any], client_state: dict[str, Any],
+         keep_last: int, previous: str | None) -> str:
+    """Save a complete checkpoint of ``step`` on every rank (a collective) and return its tag.
+
+    ``meta`` (run metadata and progress such as ``consumed_samples``) goes into the marker and the client
+    state; ``client_state`` only into the latter, with every rank's RNG states. Rank 0 removes a marker left by
+    an earlier save of this tag (it must not vouch for the files now rewritten); each rank's files are
+    fsync'ed before the barrier, then rank 0 writes the marker, moves ``latest`` and prunes to ``keep_last``.
+    A full disk or an I/O error removes the partial tag and raises `CheckpointWriteError`, naming ``previous``
+    (the last complete checkpoint, still intact).
+    """
+    rank = torch_dist.get_rank()
+    tag = tag_for_step(step)
+    tag_dir = checkpoint_dir / tag
+    state = dict(meta, step=step, rng_states=gather_objects(portable_rng_state()), **client_state)
+    if rank == 0:
+        (tag_dir / MARKER).unlink(missing_ok=True)
+    try:
+        engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state=state, save_latest=False)
+        fsync_tree(tag_dir)  # this rank's files are on disk before they count
+    except (OSError, RuntimeError) as error:  # a full disk surfaces as OSError or as torch's RuntimeError
+        free = shutil.disk_usage(checkpoint_dir).free
+        full = getattr(error, "errno", None) == errno.ENOSPC or free < 2**20  # torch hides the errno
+        if not (full or isinstance(error, OSError)):
+            raise  # not the disk (e.g. a peer died in DeepSpeed's barrier): a crash, not a diagnosis
+        shutil.rmtree(tag_dir, ignore_errors=True)  # never resumed from; frees what it took
+        raise CheckpointWriteError(
+            f"rank {rank} could not write checkpoint {tag_dir}: "
+            f"{'No space left on device' if full else 'I/O error'} ({free / 2**20:.1f} MiB free there; {error}). "
+            f"The last complete checkpoint ({previous or 'none'}) is intact: free disk space (make preflight "
+            "estimates what a run needs) and rerun the same command to continue from it") from error
+    torch_dist.barrier()  # every rank's files are written before the marker
+    if rank == 0:
+        write_marker(tag_dir, dict(meta, step=step))
+        update_latest(checkpoint_dir, tag)
+        prune(checkpoint_dir, keep_last)
+    torch_dist.barrier()
+    return tag
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumePoint:
+    directory: Path
+    """The checkpoints directory."""
+    tag: str
+    """The complete checkpoint resumed from."""
+    load_tag: str
+    """What DeepSpeed loads: ``tag``, or its universal conversion after a world-size / ZeRO-stage change."""
+    meta: dict[str, Any]
+    """Its marker (run metadata)."""
+
+    @property
+    def universal(self) -> bool:
+        return self.load_tag != self.tag
+
+
+def find_resume_point(checkpoint_dir: Path, resume: str, identity: dict[str, Any], world_size: int,
+                      zero_stage: int, report: Callable[[str], None] | None = None) -> ResumePoint | None:
+    """The checkpoint to resume (a collective when a conversion is needed).
+
+    ``resume``: ``auto`` (the newest complete checkpoint of ``checkpoint_dir`` whose bytes match its marker;
+    ``report(line)`` hears which newer tags were skipped and why), ``never``, or a tag directory. The choice is
+    checked against ``identity`` (`check_compatible`) and converted to a universal checkpoint when the world
+    size or the ZeRO stage changed (rank 0 converts, the others wait).
+    """
+    if resume == "never":
+        return None
+    if resume == "auto":
+        directory = Path(checkpoint_dir)
+        tag = newest_complete_tag(directory, hashes=True, report=report)
+        if tag is None:
+            return None
+    else:
+        path = Path(resume)
+        directory, tag = path.parent, path.name
+    meta, problem = verify_tag(directory / tag, hashes=True)
+    if meta is None:
+        raise FileNotFoundError(f"{directory / tag} is not a complete checkpoint: {problem}")
+    check_compatible(meta, identity, str(directory / tag))
+    load_tag = tag
+    if (meta["world_size"] != world_size or meta["zero_stage"] != zero_stage) and meta["zero_stage"] > 0:
+        if torch_dist.get_rank() == 0:
+            print(f"[resume] {tag}: world size {meta['world_size']} -> {world_size}, ZeRO stage "
+                  f"{meta['zero_stage']} -> {zero_stage}: converting to a universal checkpoint", flush=True)
+            to_universal(directory, tag)
+        torch_dist.barrier()
+        load_tag = f"{tag}_universal"
+    return ResumePoint(directory=directory, tag=tag, load_tag=load_tag, meta=meta)
+
+
+def load(engine: Any, resume: ResumePoint) -> dict[str, Any]:
+    """Load ``resume`` into ``engine`` (every rank); returns the client state saved by `save`."""
+    load_path, client_state = engine.load_checkpoint(str(resume.directory), tag=resume.load_tag)
+    if load_path is None:
+        raise RuntimeError(f"DeepSpeed could not load {resume.directory / resume.load_tag}")
+    return client_state

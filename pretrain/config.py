@@ -1,6 +1,8 @@
-"""The pre-training run config: frozen dataclasses loaded from YAML with dotted ``key=value`` overrides.
+"""The run configs' one loader (frozen dataclasses from YAML + dotted ``key=value`` overrides, coerced to the
+field types and validated) and the pre-training run config.
 
-One ``RunConfig`` describes a run completely (together with the model config it resolves to and the DeepSpeed
+`load_dataclass` serves every run config: pre-training's ``RunConfig`` here and fine-tuning's
+``finetune.config.FinetuneConfig``. One ``RunConfig`` describes a run completely (together with the model config it resolves to and the DeepSpeed
 JSON it names). ``train.max_steps`` alone defines the run — the LR schedule and the data order; when a process
 stops (``train.exit_at_step``, ``train.exit_after_minutes``) is separate, so a run stopped early and resumed is
 the same run.
@@ -12,7 +14,12 @@ Batch sizes live here only: the DeepSpeed JSON holds engine settings and gets th
 """
 from __future__ import annotations
 
+import argparse
+import ast
 import dataclasses
+import inspect
+import re
+import textwrap
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from pretrain.model import ModelConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,7 +60,7 @@ class ModelSection:
     """A ``pretrain.model.preset`` name: unilm-large, bert-large, bert-base, gpt, tiny."""
     init_from: str | None = None
     """A Hugging Face BERT directory to initialise from (UniLM starts from BERT-large); overrides ``preset``."""
-    overrides: dict[str, Any] = field(default_factory=dict)
+    overrides: dict[str, Any] = field(default_factory=dict, metadata={"schema": ModelConfig})
     """``ModelConfig`` fields replaced on top of the preset, e.g. ``{hidden_dropout: 0.0}``; with
     ``preset: null`` and no ``init_from``, the complete model config."""
 
@@ -112,6 +121,9 @@ class TrainConfig:
     """Evaluate on ``data.eval_shards`` every this many steps; 0 disables."""
     eval_batches: int = 4
     """Micro-batches per rank per evaluation."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward (less memory, about one extra forward of compute); may
+    change when resuming."""
 
     def __post_init__(self) -> None:
         for name in ("global_batch_size", "micro_batch_size", "max_steps", "save_interval", "keep_last"):
@@ -191,23 +203,42 @@ def _coerce(hint: Any, value: Any, name: str) -> Any:
 
 
 def _build(cls: type, values: dict[str, Any], prefix: str) -> Any:
-    """Build dataclass ``cls`` from a nested dict, refusing unknown keys by their dotted name."""
+    """Build dataclass ``cls`` from a nested dict, refusing unknown keys by their dotted name, coercing values to
+    the field types (a ``dict`` field with a ``schema`` dataclass in its metadata to that one's field types)."""
     if not isinstance(values, dict):
-        raise ValueError(f"{prefix or 'config'} must be a mapping, got {values!r}")
+        raise ValueError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {values!r}")
     hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - known)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(fields))
     if unknown:
         raise ValueError(f"unknown config key(s): {', '.join(prefix + k for k in unknown)}")
+    missing = [name for name, f in fields.items() if name not in values and
+               f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+               and not dataclasses.is_dataclass(hints[name])]
+    if missing:
+        raise ValueError(f"missing required config key(s): {', '.join(prefix + m for m in missing)}")
     kwargs = {}
     for name, value in values.items():
         hint = hints[name]
+        schema = fields[name].metadata.get("schema")
         if dataclasses.is_dataclass(hint):
             value = _build(hint, value or {}, f"{prefix}{name}.")
+        elif schema is not None and isinstance(value, dict):
+            value = _coerce_to_schema(schema, value, f"{prefix}{name}.")
         else:
             value = _coerce(hint, value, prefix + name)
         kwargs[name] = value
     return cls(**kwargs)
+
+
+def _coerce_to_schema(schema: type, values: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """A partial set of ``schema``'s fields (e.g. ``model.overrides``), each coerced to its field type."""
+    hints = typing.get_type_hints(schema)
+    unknown = sorted(set(values) - set(hints))
+    if unknown:
+        raise ValueError(f"unknown config key(s): {', '.join(prefix + k for k in unknown)} "
+                         f"({schema.__name__} has {', '.join(f.name for f in dataclasses.fields(schema))})")
+    return {name: _coerce(hints[name], value, prefix + name) for name, value in values.items()}
 
 
 def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -227,23 +258,32 @@ def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, A
     return result
 
 
+T = typing.TypeVar("T")
+
+
+def load_dataclass(cls: type[T], path: str | Path | None, overrides: list[str] = (),
+                   values: dict[str, Any] | None = None) -> T:
+    """The config ``cls`` from a YAML file (``path``, optional), then ``values`` (nested keys), then dotted
+    ``key=value`` overrides; values are coerced to the field types and the dataclasses validate themselves."""
+    loaded = (yaml.safe_load(Path(path).read_text()) or {}) if path else {}
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{path}: expected a mapping of config keys")
+    loaded.update(values or {})
+    return _build(cls, apply_overrides(loaded, list(overrides)), "")
+
+
 def config_from_dict(values: dict[str, Any]) -> RunConfig:
     return _build(RunConfig, values, "")
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
     """Read a run YAML, apply dotted overrides, validate."""
-    values = yaml.safe_load(Path(path).read_text()) or {}
-    return config_from_dict(apply_overrides(values, list(overrides)))
+    return load_dataclass(RunConfig, path, overrides)
 
 
 # ------------------------------------------------------------------------------- configuration reference
 def field_docs(cls: type) -> dict[str, str]:
     """The docstring written under each field of dataclass ``cls`` (the string literal after the field)."""
-    import ast
-    import inspect
-    import textwrap
-
     body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
     docs = {}
     for node, following in zip(body, body[1:]):
@@ -277,8 +317,6 @@ def _reference_rows(cls: type, prefix: str, required: str = "required") -> list[
 
 def reference_markdown() -> str:
     """The README's configuration reference: every key of a run YAML, from the dataclasses' field docstrings."""
-    from pretrain.model import ModelConfig
-
     header = ["| key | type | default | meaning |", "|---|---|---|---|"]
     parts = ["Every key of a run YAML (`pretrain/configs/*.yaml`); any of them can be overridden on the command "
              "line as `key=value` (e.g. `train.max_steps=100`). Generated by `python -m pretrain.config --reference` "
@@ -295,9 +333,27 @@ def reference_markdown() -> str:
     return "\n".join(parts)
 
 
-def main(argv: list[str] | None = None) -> None:
-    import argparse
+def keys_help(cls: type, prefix: str = "") -> str:
+    """One line per key of config dataclass ``cls`` (sections flattened to dotted keys): name, type, default and
+    the first sentence of its docstring; the epilog of an entry point's ``--help``."""
+    docs, hints, lines = field_docs(cls), typing.get_type_hints(cls), []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            lines.append(keys_help(hints[f.name], f"{prefix}{f.name}."))
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = repr(f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            default = repr(f.default_factory())
+        else:
+            default = "required"
+        doc = docs.get(f.name, "").replace("``", "`")
+        first = re.split(r"(?<=\.)\s", doc, maxsplit=1)[0]
+        lines.append(f"  {prefix}{f.name} ({str(f.type).replace(' ', '')}, {default}): {first}")
+    return "\n".join(lines)
 
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m pretrain.config",
                                      description="Print a resolved run config, or the configuration reference.")
     parser.add_argument("config", nargs="?", help="run YAML to resolve and print (with overrides)")
@@ -307,7 +363,6 @@ def main(argv: list[str] | None = None) -> None:
                         help="rewrite README.md's configuration reference section with the generated one")
     args = parser.parse_args(argv)
     if args.update_readme:
-        import re
         readme = REPO_ROOT / "README.md"
         start, end = "<!-- config-reference:start -->\n", "<!-- config-reference:end -->"
         text, count = re.subn(re.escape(start) + ".*?" + re.escape(end),

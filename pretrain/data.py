@@ -27,6 +27,8 @@ import numpy as np
 import torch
 
 from pretrain.batch_plan import BatchPlan
+from pretrain.masks import BIDIRECTIONAL
+from pretrain.model import IGNORE_INDEX, ModelConfig
 
 
 def collate(samples: Sequence[Any], pad_id: int, max_len: int) -> dict[str, torch.Tensor]:
@@ -34,7 +36,7 @@ def collate(samples: Sequence[Any], pad_id: int, max_len: int) -> dict[str, torc
 
     Returns ``input_ids`` Long[B, L] (L = longest sample, padded with ``pad_id``), ``objective``, ``len_a``,
     ``length``, ``is_random_next`` Long[B], ``masked_positions`` Long[B, P] (padded with 0) and
-    ``masked_labels`` Long[B, P] (padded with -100), P = most masked positions in the batch (at least 1).
+    ``masked_labels`` Long[B, P] (padded with ``IGNORE_INDEX``), P = most masked positions in the batch (at least 1).
     """
     if not samples:
         raise ValueError("collate needs at least one sample")
@@ -45,7 +47,7 @@ def collate(samples: Sequence[Any], pad_id: int, max_len: int) -> dict[str, torc
     num_masked = max(1, max(len(s.masked_positions) for s in samples))
     input_ids = torch.full((batch_size, seq_len), pad_id, dtype=torch.long)
     masked_positions = torch.zeros((batch_size, num_masked), dtype=torch.long)
-    masked_labels = torch.full((batch_size, num_masked), -100, dtype=torch.long)
+    masked_labels = torch.full((batch_size, num_masked), IGNORE_INDEX, dtype=torch.long)
     for row, sample in enumerate(samples):
         input_ids[row, :lengths[row]] = torch.from_numpy(np.asarray(sample.input_ids, dtype=np.int64))
         count = len(sample.masked_positions)
@@ -164,3 +166,22 @@ class PretrainLoader:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+
+
+def synthetic_batch(cfg: ModelConfig, batch_size: int, seq_len: int, predictions: int,
+                    seed: int = 0) -> dict[str, torch.Tensor]:
+    """A random full-length bidirectional batch in `collate`'s format with ``predictions`` masked positions per
+    sample and NSP labels (for benchmarks and parity checks: real shards are not needed)."""
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(1000, cfg.vocab_size, (batch_size, seq_len), generator=g)
+    masked_positions = torch.stack([torch.randperm(seq_len - 2, generator=g)[:predictions].sort().values + 1
+                                    for _ in range(batch_size)])
+    return dict(
+        input_ids=input_ids,
+        objective=torch.full((batch_size,), BIDIRECTIONAL),
+        len_a=torch.full((batch_size,), seq_len // 2),
+        length=torch.full((batch_size,), seq_len),
+        is_random_next=torch.randint(0, 2, (batch_size,), generator=g),
+        masked_positions=masked_positions,
+        masked_labels=torch.randint(1000, cfg.vocab_size, (batch_size, predictions), generator=g),
+    )

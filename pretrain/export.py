@@ -31,7 +31,7 @@ def load_consolidated(path: str | Path) -> UniLMModel:
     meta = ckpt.read_marker(directory / tag)
     if meta is None:
         raise FileNotFoundError(f"{directory / tag} is not a complete checkpoint (no valid {ckpt.MARKER})")
-    model = build_model(ModelConfig(**meta["model_config"]))
+    model = build_model(ModelConfig.from_dict(meta["model_config"]))
     if meta["zero_stage"] == 0:  # no partitions: the module state is stored whole
         state = torch.load(directory / tag / "mp_rank_00_model_states.pt", map_location="cpu",
                            weights_only=False)["module"]

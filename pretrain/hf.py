@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pretrain.masks import NUM_SEGMENT_TYPES
-from pretrain.model import ModelConfig, UniLMModel, build_model
+from pretrain.model import IGNORE_INDEX, ModelConfig, UniLMModel, build_model
 
 logger = logging.getLogger(__name__)
 
@@ -219,3 +219,15 @@ def save_hf_bert(model: UniLMModel, path: str | Path, architecture: str = "BertF
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(hf_config(model.cfg, architecture), indent=2) + "\n")
     return directory
+
+
+def hf_pretraining_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A bidirectional batch of ours (`pretrain.data.collate`'s keys, no padding) in
+    ``transformers.BertForPreTraining``'s terms: dense labels, a key-padding mask, token types 0/1."""
+    batch_size, seq_len = batch["input_ids"].shape
+    labels = torch.full_like(batch["input_ids"], IGNORE_INDEX).scatter(1, batch["masked_positions"],
+                                                                      batch["masked_labels"])
+    token_type_ids = (torch.arange(seq_len) >= batch["len_a"].unsqueeze(1)).long()
+    return dict(input_ids=batch["input_ids"], token_type_ids=token_type_ids,
+                attention_mask=torch.ones(batch_size, seq_len, dtype=torch.long), labels=labels,
+                next_sentence_label=batch["is_random_next"])

@@ -19,8 +19,9 @@ Differences from vanilla BERT (Devlin et al. 2019, google-research/bert `modelin
   6. `encode` takes an optional per-layer key/value cache (`past_key_values`) for UniLM-style incremental
      decoding: several query positions at once, keys = cached positions + new ones.
   7. Optional speed-ups, same numerics: apex's FusedLayerNorm when importable (torch LayerNorm otherwise);
-     activation checkpointing of each block (`torch.utils.checkpoint`, non-reentrant) when configured; on the
-     CPU in fp32, `pretrain.kernels`: linears on oneDNN and a cheaper dropout mask fused with the residual add
+     activation checkpointing of each block (`torch.utils.checkpoint`, non-reentrant) when the training run
+     sets `model.activation_checkpointing` (a training setting, not architecture); on the CPU in fp32,
+     `pretrain.kernels`: linears on oneDNN and a cheaper dropout mask fused with the residual add
      (same parameters, same distribution; GPUs and other dtypes take torch's own ops).
 Unchanged: post-LayerNorm blocks, exact (erf) gelu, learned absolute positions, dropout 0.1, LayerNorm eps
 1e-12, N(0, 0.02) init, the pooler (dense + tanh on the first token) under the NSP head, the MLM head (dense +
@@ -48,6 +49,9 @@ except ImportError:
     LayerNorm = nn.LayerNorm
 
 IGNORE_INDEX = -100
+"""Label of a position that has no prediction target (padding); ``F.cross_entropy`` skips it."""
+RETIRED_FIELDS = ("activation_checkpointing",)
+"""Keys older checkpoints store in their model config that are no longer architecture."""
 KeyValueCache = tuple[tuple[torch.Tensor, torch.Tensor], ...]
 """Per layer, (keys, values), each Float[B, heads, past_length, head_size]."""
 
@@ -79,8 +83,6 @@ class ModelConfig:
     """Standard deviation of the normal init of weights and embeddings."""
     causal_lm: bool = False
     """GPT recipe: predict every next token under the left-to-right mask instead of masked positions."""
-    activation_checkpointing: bool = False
-    """Recompute each block's activations in backward (less memory, about one extra forward of compute)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
@@ -96,6 +98,12 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{name} must be in [0, 1), got {getattr(self, name)!r}")
         if self.layer_norm_eps <= 0 or self.initializer_range <= 0:
             raise ValueError("ModelConfig.layer_norm_eps and initializer_range must be > 0")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "ModelConfig":
+        """A stored model config (a checkpoint's marker). Checkpoints written before activation checkpointing
+        became a training setting (``train.activation_checkpointing``) store it here too; it is dropped."""
+        return cls(**{k: v for k, v in values.items() if k not in RETIRED_FIELDS})
 
     @property
     def head_size(self) -> int:
@@ -244,6 +252,9 @@ class UniLMModel(nn.Module):
         self.pooler = Linear(cfg.hidden_size, cfg.hidden_size)
         self.mlm_head = MLMHead(cfg, self.embeddings.token)
         self.nsp_head = Linear(cfg.hidden_size, 2)
+        self.activation_checkpointing = False
+        """Recompute each block's activations in backward (less memory, about one extra forward of compute): a
+        training setting (``train.activation_checkpointing``), so not part of the ModelConfig."""
         self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -288,7 +299,7 @@ class UniLMModel(nn.Module):
         x = self.embeddings(input_ids, segment_ids, position_ids)
         additive_mask = torch.zeros(attention_mask.shape, dtype=x.dtype, device=x.device)
         additive_mask = additive_mask.masked_fill_(~attention_mask, float("-inf")).unsqueeze(1)
-        recompute = self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled()
+        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         cache = []
         for index, layer in enumerate(self.layers):
             past = None if past_key_values is None else past_key_values[index]
@@ -299,9 +310,40 @@ class UniLMModel(nn.Module):
             cache.append(layer_cache)
         return (x, tuple(cache)) if use_cache else x
 
+    def encode_objective(self, input_ids: torch.Tensor, objective: torch.Tensor | int, len_a: torch.Tensor,
+                         length: torch.Tensor) -> torch.Tensor:
+        """Final hidden states Float[B, L, H] of padded Long[B, L] inputs under their objectives' attention masks
+        and segment ids, built here from (objective, len_a, length) by `pretrain.masks` — the way pre-training
+        encodes. ``objective``: Long[B] or one objective for the whole batch; len_a, length: Long[B]."""
+        if isinstance(objective, int):
+            objective = torch.full_like(length, objective)
+        max_len = input_ids.shape[1]
+        return self.encode(input_ids, build_segment_ids(objective, len_a, length, max_len),
+                           build_attention_mask(objective, len_a, length, max_len))
+
     def mlm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float[..., H] → Float[..., vocab] through the tied MLM head."""
         return self.mlm_head(hidden)
+
+    def masked_lm_loss(self, hidden: torch.Tensor, masked_positions: torch.Tensor, masked_labels: torch.Tensor,
+                       label_smoothing: float = 0.0) -> torch.Tensor:
+        """Mean cross-entropy of the MLM head's predictions at the masked positions only.
+
+        hidden Float[B, L, H]; masked_positions Long[B, P] (padding positions arbitrary); masked_labels Long[B, P]
+        (`IGNORE_INDEX` at padding)."""
+        logits = self.mlm_logits(gather_positions(hidden, masked_positions))
+        return F.cross_entropy(logits.flatten(0, 1).float(), masked_labels.flatten(), ignore_index=IGNORE_INDEX,
+                               label_smoothing=label_smoothing)
+
+    def causal_lm_loss(self, input_ids: torch.Tensor, length: torch.Tensor,
+                       hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Mean next-token cross-entropy of Long[B, L] sequences (Long[B] lengths) under the left-to-right mask;
+        ``hidden``: that pass's Float[B, L, H] when the caller already ran it."""
+        if hidden is None:
+            hidden = self.encode_objective(input_ids, LEFT_TO_RIGHT, length, length)
+        logits = self.mlm_logits(hidden[:, :-1])  # position t predicts token t + 1
+        return F.cross_entropy(logits.flatten(0, 1).float(), causal_lm_labels(input_ids, length).flatten(),
+                               ignore_index=IGNORE_INDEX)
 
     def pooled(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float[B, L, H] → Float[B, H]: tanh(dense(first token)), BERT's pooler (the NSP head's input)."""
@@ -323,26 +365,21 @@ class UniLMModel(nn.Module):
         Args:
             input_ids: Long[B, L], padded; objective, len_a, length, is_random_next: Long[B]
                 (is_random_next: 1 random B, 0 true next, -1 no NSP loss; default all -1);
-            masked_positions: Long[B, P] (padding positions arbitrary), masked_labels: Long[B, P] (-100 = pad).
+            masked_positions: Long[B, P] (padding positions arbitrary), masked_labels: Long[B, P] (`IGNORE_INDEX` = pad).
                 Unused (may be None) when cfg.causal_lm.
         """
-        max_len = input_ids.shape[1]
         if self.cfg.causal_lm:  # GPT: every sample is a left-to-right sample
             objective = torch.full_like(objective, LEFT_TO_RIGHT)
-        mask = build_attention_mask(objective, len_a, length, max_len)
-        segment_ids = build_segment_ids(objective, len_a, length, max_len)
-        hidden = self.encode(input_ids, segment_ids, mask)
+        hidden = self.encode_objective(input_ids, objective, len_a, length)
 
         if self.cfg.causal_lm:
             logits = self.mlm_logits(hidden[:, :-1])  # position t predicts token t + 1
-            labels = input_ids[:, 1:].masked_fill(
-                torch.arange(1, max_len, device=input_ids.device) >= length.unsqueeze(1), IGNORE_INDEX)
+            labels = causal_lm_labels(input_ids, length)
             token_objective = None
         else:
             if masked_positions is None or masked_labels is None:
                 raise ValueError("masked_positions and masked_labels are required unless cfg.causal_lm")
-            gathered = hidden.gather(1, masked_positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-            logits, labels = self.mlm_logits(gathered), masked_labels
+            logits, labels = self.mlm_logits(gather_positions(hidden, masked_positions)), masked_labels
             token_objective = objective.unsqueeze(1).expand_as(labels)
         token_loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                                      reduction="none")
@@ -383,6 +420,18 @@ class UniLMModel(nn.Module):
             total -= sum(p.numel() for p in (self.embeddings.token.weight, self.embeddings.position.weight,
                                              self.embeddings.segment.weight))
         return total
+
+
+def gather_positions(hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The hidden states at some positions of each row: Float[B, L, H], Long[B, P] → Float[B, P, H]."""
+    return hidden.gather(1, positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+
+
+def causal_lm_labels(input_ids: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+    """Next-token targets Long[B, L-1] of Long[B, L] inputs (position t predicts token t + 1), `IGNORE_INDEX`
+    past each row's ``length``."""
+    positions = torch.arange(1, input_ids.shape[1], device=input_ids.device)
+    return input_ids[:, 1:].masked_fill(positions >= length.unsqueeze(1), IGNORE_INDEX)
 
 
 def build_model(cfg: ModelConfig) -> UniLMModel:

@@ -18,19 +18,23 @@ import sys
 if __package__ in (None, ""):  # `deepspeed pretrain/train.py` runs this file as a script
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pretrain.config import load_config  # noqa: E402
-from pretrain.trainer import CheckpointWriteError, NonFiniteLossError, train  # noqa: E402
+from pretrain.config import RunConfig, keys_help, load_config  # noqa: E402
+from pretrain.engine import RunStopped  # noqa: E402
+from pretrain.trainer import train  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="UniLM / BERT / GPT pre-training on DeepSpeed")
+    parser = argparse.ArgumentParser(description="UniLM / BERT / GPT pre-training on DeepSpeed",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="config keys (YAML, or KEY=VALUE after --config; model.overrides.* takes "
+                                            "any pretrain.model.ModelConfig field):\n" + keys_help(RunConfig))
     parser.add_argument("--config", required=True, help="run YAML (pretrain/configs/*.yaml)")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     args = parser.parse_args(argv)
     try:
         train(load_config(args.config, args.overrides))
-    except (NonFiniteLossError, CheckpointWriteError) as error:  # a diagnosis, not a crash: no traceback
+    except RunStopped as error:  # a diagnosis (non-finite loss, checkpoint not written), not a crash: no traceback
         print(f"[stop] {error}", file=sys.stderr, flush=True)
         sys.exit(error.exit_code)
 

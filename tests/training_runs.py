@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,19 +10,26 @@ from pathlib import Path
 from conftest import ROOT, subprocess_env
 
 TINY_CONFIG = "pretrain/configs/tiny.yaml"
+TESTS = Path(__file__).resolve().parent
 
 
-def train_command(overrides: list[str], nproc: int = 1, config: str = TINY_CONFIG) -> list[str]:
-    """pretrain.train on 1 rank (plain python) or ``nproc`` ranks (torchrun)."""
-    entry = ["-m", "pretrain.train", "--config", config, *overrides]
+def train_command(overrides: list[str], nproc: int = 1, config: str = TINY_CONFIG,
+                  module: str = "pretrain.train") -> list[str]:
+    """pretrain.train (or ``module``, a test's wrapper of it) on 1 rank (plain python) or ``nproc`` ranks
+    (torchrun)."""
+    entry = ["-m", module, "--config", config, *overrides]
     return [sys.executable, *entry] if nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *entry]
 
 
 def launch(overrides: list[str], nproc: int = 1, config: str = TINY_CONFIG, timeout: int = 300,
-           extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run ``train_command`` to its end; returns the finished process."""
-    return subprocess.run(train_command(overrides, nproc, config), cwd=ROOT, env=subprocess_env(**(extra_env or {})),
+           extra_env: dict[str, str] | None = None, module: str = "pretrain.train") -> subprocess.CompletedProcess:
+    """Run ``train_command`` to its end; returns the finished process. A ``module`` other than pretrain.train
+    is looked up in ``tests/`` too."""
+    env = subprocess_env(**(extra_env or {}))
+    if module != "pretrain.train":
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
+    return subprocess.run(train_command(overrides, nproc, config, module), cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -9,7 +9,7 @@ import torch
 from finetune.decode import (
     CachedStepper, DecodeConfig, FullStepper, SpecialIds, block_repeated_trigrams, generate, length_penalty,
 )
-from pretrain.model import ModelConfig, build_model
+from pretrain.model import ModelConfig, UniLMModel, build_model
 
 SPECIAL = SpecialIds(cls_id=2, sep_id=3, mask_id=4, pad_id=0)
 VOCAB = 40
@@ -101,6 +101,8 @@ class BigramModel(torch.nn.Module):
         nearest = torch.where(visible, positions[:, None, :], -1.0).argmax(dim=2)
         hidden = torch.nn.functional.one_hot(ids.gather(1, nearest), self.log_table.shape[0]).float()
         return (hidden, ((key_ids, key_positions),)) if use_cache else hidden
+
+    encode_objective = UniLMModel.encode_objective  # the real masks and segment ids, through `encode` above
 
     def mlm_logits(self, hidden):
         return hidden @ self.log_table

@@ -121,7 +121,7 @@ def test_auxiliary_lm_loss_adds_weighted_next_token_loss(backbone, tokenizer, ca
     with_lm.head.load_state_dict(plain.head.state_dict())
     plain.eval(), with_lm.eval()  # no dropout: the two forwards must see the same network
     flat_ids, flat_length = batch["input_ids"][:, 0], batch["length"][:, 0]
-    lm = classify.language_model_loss(backbone, flat_ids, flat_length)
+    lm = backbone.causal_lm_loss(flat_ids, flat_length)
     torch.testing.assert_close(with_lm(**batch), plain(**batch) + 0.5 * lm)
     assert 0.5 * lm.item() > 1.0  # the LM term is really there (≈ ln(vocab) on a random model)
 

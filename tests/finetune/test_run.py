@@ -1,5 +1,5 @@
 """`python -m finetune.run` end to end on DeepSpeed (1 rank, in process): classify and seq2seq on real BBC
-slices, the HF export + metrics.json, exact resume after a stop, `finetune.decode` on the result, bad inputs."""
+slices, the HF export + summary.json, exact resume after a stop, `finetune.decode` on the result, bad inputs."""
 from __future__ import annotations
 
 import json
@@ -20,12 +20,12 @@ def classify_args(small_tasks, tiny_init, out, *extra):
 
 
 def losses(out) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out / "train_log.jsonl").read_text().splitlines()]
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_classify_run_exports_the_best_model_and_metrics(small_tasks, tiny_init, tmp_path):
     summary = run.main(classify_args(small_tasks, tiny_init, tmp_path, "--epochs", "2"))
-    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    metrics = json.loads((tmp_path / "summary.json").read_text())
     assert metrics["finished"] and len(metrics["epochs"]) == 2 and metrics["primary_metric"] == "accuracy"
     assert {"accuracy", "macro_f1", "train_loss"} <= set(metrics["best"])
     assert summary["best"] == metrics["best"]
@@ -40,10 +40,10 @@ def test_a_stopped_run_resumes_to_the_same_losses(small_tasks, tiny_init, tmp_pa
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     run.main(classify_args(small_tasks, tiny_init, straight, "--epochs", "2"))
     run.main(classify_args(small_tasks, tiny_init, stopped, "--epochs", "2", "--set", "exit_at_step=3"))
-    assert len(losses(stopped)) == 3 and not json.loads((stopped / "metrics.json").read_text())["finished"]
+    assert len(losses(stopped)) == 3 and not json.loads((stopped / "summary.json").read_text())["finished"]
     run.main(classify_args(small_tasks, tiny_init, stopped, "--epochs", "2", "--set", "exit_at_step=3"))
     assert losses(stopped) == losses(straight)  # dropout on: RNG states travel in the checkpoint
-    epochs = [json.loads((d / "metrics.json").read_text())["epochs"] for d in (straight, stopped)]
+    epochs = [json.loads((d / "summary.json").read_text())["epochs"] for d in (straight, stopped)]
     assert epochs[0] == epochs[1]  # per-epoch train loss and dev scores too
     a, b = load_finetuned(straight), load_finetuned(stopped)
     for (name, x), (_, y) in zip(a.model.state_dict().items(), b.model.state_dict().items()):
@@ -61,7 +61,7 @@ def test_seq2seq_run_then_decode_with_and_without_cache(small_tasks, tiny_init, 
     run.main(["--task", "seq2seq", "--train", str(small_tasks["bbc_headline.train"]), "--dev",
               str(small_tasks["bbc_headline.dev"]), "--init", str(tiny_init), "--out", str(out), "--epochs", "1",
               "--max-src-len", "96", "--max-tgt-len", "16", *COMMON])
-    metrics = json.loads((out / "metrics.json").read_text())
+    metrics = json.loads((out / "summary.json").read_text())
     assert {"rouge1", "rouge2", "rougeL", "bleu"} <= set(metrics["best"])
     assert metrics["truncated"]["sources"] > 0  # BBC articles are longer than 96 word pieces: counted
     finetuned = load_finetuned(out, expect_task="seq2seq")
@@ -96,7 +96,7 @@ def test_qa_run_on_the_squad_sample(small_tasks, tiny_init, tmp_path):
     run.main(["--task", "qa", "--train", squad, "--dev", squad, "--init", str(tiny_init), "--out", str(tmp_path),
               "--max-seq-len", "96", "--set", "doc_stride=48", "--batch-size", "4", "--micro-batch-size", "2",
               "--epochs", "1"])
-    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    metrics = json.loads((tmp_path / "summary.json").read_text())
     assert metrics["primary_metric"] == "f1" and {"exact_match", "f1"} <= set(metrics["best"])
     assert metrics["windows"]["train"] > 5 and not metrics["version_2"]
     assert load_finetuned(tmp_path).head_state["weight"].shape == (2, 32)
@@ -114,8 +114,8 @@ def test_two_ranks_train_stop_and_resume_under_torchrun(small_tasks, tiny_init, 
     for extra in (["--set", "exit_at_step=3"], []):
         process = subprocess.run(command + extra, env=subprocess_env(), capture_output=True, text=True, timeout=300)
         assert process.returncode == 0, process.stdout[-2000:] + process.stderr[-4000:]
-    steps = [json.loads(line)["step"] for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, len(steps) + 1)) and len(steps) == 10  # 2 epochs × 40 examples / batch 8
-    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    metrics = json.loads((tmp_path / "summary.json").read_text())
     assert metrics["finished"] and len(metrics["epochs"]) == 2
     assert load_finetuned(tmp_path).task == "classify"

@@ -8,6 +8,7 @@ import torch
 from data_prep.shard_format import Objective, ShardDataset
 from pretrain.batch_plan import plan_batch
 from pretrain.data import PretrainLoader, SampleOrder, collate, sample_objectives
+from pretrain.model import IGNORE_INDEX
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,7 @@ def test_collate_matches_the_architecture_contract(dataset: ShardDataset) -> Non
         count = len(sample.masked_positions)
         assert batch["masked_positions"][row, :count].tolist() == sample.masked_positions.tolist()
         assert batch["masked_labels"][row, :count].tolist() == sample.masked_labels.tolist()
-        assert (batch["masked_labels"][row, count:] == -100).all() and (batch["masked_positions"][row, count:] == 0).all()
+        assert (batch["masked_labels"][row, count:] == IGNORE_INDEX).all() and (batch["masked_positions"][row, count:] == 0).all()
     assert batch["objective"].tolist() == [s.objective for s in samples]
     assert batch["len_a"].tolist() == [s.segment_a_length for s in samples]
     assert batch["length"].tolist() == lengths

@@ -11,7 +11,7 @@ import pretrain.model as model_module
 from pretrain.masks import (
     BIDIRECTIONAL, LEFT_TO_RIGHT, RIGHT_TO_LEFT, SEQ2SEQ, build_attention_mask, build_segment_ids,
 )
-from pretrain.model import PretrainOutput, build_model, preset
+from pretrain.model import IGNORE_INDEX, PretrainOutput, build_model, preset
 
 OBJECTIVES = (BIDIRECTIONAL, LEFT_TO_RIGHT, RIGHT_TO_LEFT, SEQ2SEQ)
 NAMES = {BIDIRECTIONAL: "bidirectional_mlm", LEFT_TO_RIGHT: "left_to_right", RIGHT_TO_LEFT: "right_to_left",
@@ -35,7 +35,7 @@ def make_batch(seed: int = 0, max_len: int = 12) -> dict[str, torch.Tensor]:
     masked_positions = torch.tensor([[1, 6, 0], [3, 0, 0], [2, 10, 11], [5, 6, 0], [2, 8, 0]])
     masked_labels = torch.randint(5, TINY.vocab_size, (5, 3), generator=g)
     masked_labels = masked_labels.masked_fill(torch.tensor([[0, 0, 1], [0, 1, 1], [0, 0, 0], [0, 0, 1],
-                                                            [0, 0, 1]], dtype=torch.bool), -100)
+                                                            [0, 0, 1]], dtype=torch.bool), IGNORE_INDEX)
     return dict(input_ids=input_ids, objective=objective, len_a=len_a, length=length,
                 is_random_next=torch.tensor([1, -1, -1, -1, 0]), masked_positions=masked_positions,
                 masked_labels=masked_labels)
@@ -185,7 +185,7 @@ def test_losses_match_a_manual_computation():
         per_objective: dict[str, list[torch.Tensor]] = {}
         for b in range(5):
             for position, label in zip(batch["masked_positions"][b], batch["masked_labels"][b]):
-                if label == -100:
+                if label == IGNORE_INDEX:
                     continue
                 loss = F.cross_entropy(model.mlm_logits(hidden[b, position]), label)
                 per_objective.setdefault(NAMES[int(batch["objective"][b])], []).append(loss)
@@ -253,7 +253,8 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients():
     batch = make_batch()
     results = []
     for enabled in (False, True):
-        model = tiny_model(activation_checkpointing=enabled).train()
+        model = tiny_model().train()
+        model.activation_checkpointing = enabled
         torch.manual_seed(123)  # same dropout masks: non-reentrant checkpointing replays the RNG state
         out = model(**batch)
         out.loss.backward()

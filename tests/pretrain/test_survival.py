@@ -1,8 +1,9 @@
 """What survives a crash (issue 7): kills during checkpoint writes, power loss, a rank lost mid-step, a full disk,
 non-finite gradients, hostile hostfiles and unsafe loading.
 
-Faults are injected with the test hook of ``pretrain.checkpoint`` (``UNILM_TEST_FAULT=POINT@STEP[@RANK]``: SIGKILL
-at a save point or at the start of a step, or an inf gradient). Runs are 1 rank (2 only where a second rank is the
+Faults are injected from outside the library by ``tests/fault_injection.py``, which wraps the functions where
+they belong and runs ``pretrain.train`` (``UNILM_TEST_FAULT=POINT@STEP[@RANK]``: SIGKILL at a save point or at
+the start of a step, or an inf gradient). Runs are 1 rank (2 only where a second rank is the
 point), tiny model, global batch 8; one uninterrupted run (``reference``) gives the losses every resumed run must
 reproduce bit for bit (dropout on: RNG states are in the checkpoints).
 """
@@ -23,6 +24,8 @@ from training_runs import check, launch, losses, metrics, train_command
 
 from pretrain import checkpoint as ckpt
 
+FAULT_ENV = "UNILM_TEST_FAULT"  # read by tests/fault_injection.py
+
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_FILE, OPTIM_FILE = "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"
 
@@ -30,7 +33,9 @@ MODEL_FILE, OPTIM_FILE = "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_0
 def train(overrides: list[str], fault: str | None = None, nproc: int = 1,
           timeout: int = 300) -> subprocess.CompletedProcess:
     """Run the tiny training to its end, optionally with a fault injected (``UNILM_TEST_FAULT``)."""
-    return launch(overrides, nproc, timeout=timeout, extra_env={ckpt.FAULT_ENV: fault} if fault else None)
+    if fault is None:
+        return launch(overrides, nproc, timeout=timeout)
+    return launch(overrides, nproc, timeout=timeout, extra_env={FAULT_ENV: fault}, module="fault_injection")
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +71,7 @@ def test_kills_during_checkpoint_writes_resume_from_the_newest_complete_one(
     for fault, resumed_from, left in crashes:
         process = train(overrides, fault=fault)
         assert process.returncode == -signal.SIGKILL, (fault, process.stderr[-3000:])
-        assert f"[fault] {ckpt.FAULT_ENV}: SIGKILL at {fault.split('@')[0]}" in process.stderr
+        assert f"[fault] {FAULT_ENV}: SIGKILL at {fault.split('@')[0]}" in process.stderr
         if resumed_from is not None:
             assert f"[resume] {resumed_from}:" in process.stdout, (fault, process.stdout[-2000:])
         if left is not None:

@@ -9,7 +9,8 @@ import pytest
 
 from pretrain.batch_plan import plan_batch
 from pretrain.config import REPO_ROOT, load_config
-from pretrain.trainer import build_deepspeed_config, parameter_groups
+from pretrain.engine import parameter_groups, read_engine_json
+from pretrain.trainer import build_deepspeed_config
 
 PRESETS = sorted((REPO_ROOT / "pretrain" / "configs").glob("*.yaml"))
 
@@ -54,7 +55,8 @@ def test_invalid_values_fail_early(override: str, message: str) -> None:
 
 def test_deepspeed_json_gets_batch_optimizer_and_schedule_injected(tmp_path: Path) -> None:
     cfg = load_config(REPO_ROOT / "pretrain/configs/unilm-large.yaml", [f"out_dir={tmp_path}"])
-    config = build_deepspeed_config(cfg, plan_batch(330, 11, 3), load_universal=False)
+    engine_json = read_engine_json(cfg.deepspeed_config_path)
+    config = build_deepspeed_config(cfg, plan_batch(330, 11, 3), engine_json, load_universal=False)
     assert (config["train_batch_size"], config["train_micro_batch_size_per_gpu"],
             config["gradient_accumulation_steps"]) == (330, 11, 10)
     assert config["gradient_clipping"] == 1.0 and config["fp16"]["enabled"]
@@ -64,7 +66,7 @@ def test_deepspeed_json_gets_batch_optimizer_and_schedule_injected(tmp_path: Pat
         "total_num_steps": 770_000, "warmup_num_steps": 40_000, "warmup_max_lr": 3e-5, "warmup_min_lr": 0.0,
         "warmup_type": "linear"}}
     assert "checkpoint" not in config
-    assert build_deepspeed_config(cfg, plan_batch(330, 11, 3), load_universal=True)["checkpoint"] == \
+    assert build_deepspeed_config(cfg, plan_batch(330, 11, 3), engine_json, load_universal=True)["checkpoint"] == \
         {"load_universal": True}
 
 
@@ -73,7 +75,7 @@ def test_batch_sizes_in_the_deepspeed_json_are_refused(tmp_path: Path) -> None:
     bad.write_text(json.dumps({"train_batch_size": 32, "optimizer": {"type": "AdamW", "params": {"lr": 1}}}))
     cfg = load_config(REPO_ROOT / "pretrain/configs/tiny.yaml", [f"deepspeed_config={bad}"])
     with pytest.raises(ValueError, match="train_batch_size, optimizer.params.lr"):
-        build_deepspeed_config(cfg, plan_batch(24, 4, 2), load_universal=False)
+        read_engine_json(cfg.deepspeed_config_path)
 
 
 def test_no_weight_decay_on_biases_and_layer_norms() -> None:
@@ -98,3 +100,36 @@ def test_model_from_preset_overrides_or_a_full_config(tmp_path: Path) -> None:
     assert resolve_model_config(cfg).hidden_size == 32
     with pytest.raises(ValueError, match="model.preset, model.init_from"):
         load_config(REPO_ROOT / "pretrain/configs/tiny.yaml", ["model.preset=null"])
+
+
+def test_model_overrides_are_coerced_to_the_model_config_types_and_checked() -> None:
+    cfg = load_config(REPO_ROOT / "pretrain/configs/tiny.yaml",
+                      ["model.overrides.layer_norm_eps=1e-5", "model.overrides.num_layers=3"])
+    assert cfg.model.overrides == {"layer_norm_eps": 1e-5, "num_layers": 3}
+    assert isinstance(cfg.model.overrides["layer_norm_eps"], float)
+    with pytest.raises(ValueError, match="unknown config key.*model.overrides.num_layer\\b"):
+        load_config(REPO_ROOT / "pretrain/configs/tiny.yaml", ["model.overrides.num_layer=3"])
+    with pytest.raises(ValueError, match="model.overrides.num_layers='three' is not a valid"):
+        load_config(REPO_ROOT / "pretrain/configs/tiny.yaml", ["model.overrides.num_layers=three"])
+
+
+def test_activation_checkpointing_is_a_training_setting() -> None:
+    from pretrain.model import ModelConfig
+    cfg = load_config(REPO_ROOT / "pretrain/configs/tiny.yaml", ["train.activation_checkpointing=true"])
+    assert cfg.train.activation_checkpointing is True
+    assert "activation_checkpointing" not in {f.name for f in dataclasses.fields(ModelConfig)}
+    stored = {"vocab_size": 10, "hidden_size": 8, "num_layers": 1, "num_heads": 2, "intermediate_size": 16,
+              "activation_checkpointing": True}  # what older checkpoints' markers hold
+    assert ModelConfig.from_dict(stored).hidden_size == 8
+
+
+def test_help_lists_every_key() -> None:
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+    shown = subprocess.run([sys.executable, "-m", "pretrain.train", "--help"], cwd=REPO_ROOT, env=subprocess_env(),
+                           capture_output=True, text=True, check=True).stdout
+    for key in ("out_dir", "data.shards", "model.overrides", "optim.lr", "train.max_steps",
+                "train.activation_checkpointing"):
+        assert f"  {key} (" in shown, key

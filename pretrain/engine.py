@@ -1,0 +1,226 @@
+"""What pre-training and fine-tuning both run on: the process group, the DeepSpeed engine and its JSON, the
+optimizer's parameter groups, RNG state, and one optimizer step over micro-batches.
+
+``pretrain.trainer`` (pre-training) and ``finetune.engine`` (fine-tuning) build on these; each adds only its
+data, its model's loss and its bookkeeping. Checkpoints are ``pretrain.checkpoint``'s.
+
+The DeepSpeed JSON holds engine settings only (ZeRO stage, precision, offload, optimizer/scheduler *types*):
+batch sizes, clipping, optimizer hyper-parameters and the schedule come from the run config and are injected
+by `engine_config`; a JSON that sets one of them is refused (`read_engine_json`), so a value is never defined
+twice.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import random
+import socket
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import numpy as np
+import torch
+import torch.distributed as torch_dist
+from deepspeed.accelerator import get_accelerator
+
+from pretrain.batch_plan import BatchPlan
+from pretrain.kernels import retain_freed_memory
+
+# Hyper-parameters that come from the run config only; a DeepSpeed JSON that sets them is refused.
+INJECTED_TOP = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                "gradient_clipping")
+INJECTED_OPTIMIZER = ("lr", "betas", "eps", "weight_decay")
+INJECTED_SCHEDULER = ("total_num_steps", "warmup_num_steps", "warmup_max_lr", "warmup_min_lr")
+
+
+class RunStopped(RuntimeError):
+    """A diagnosed stop, not a crash: entry points print the message without a traceback and exit with
+    ``exit_code``."""
+    exit_code = 1
+
+
+class NonFiniteLossError(RunStopped):
+    """A NaN/inf loss or gradient (fp32/bf16): the run stops without saving, leaving the last checkpoint intact."""
+    exit_code = 3
+
+
+# ------------------------------------------------------------------------------------------- process group
+def init_distributed() -> tuple[int, int]:
+    """Join the process group of whichever launcher started us; plain ``python`` becomes a 1-rank group.
+    On a CPU-only machine also keeps freed memory in the process (`pretrain.kernels.retain_freed_memory`).
+    Returns (rank, world size)."""
+    if get_accelerator().device_name() == "cpu":
+        retain_freed_memory()
+
+    launched = all(k in os.environ for k in ("RANK", "WORLD_SIZE")) or "OMPI_COMM_WORLD_SIZE" in os.environ \
+        or "PMI_SIZE" in os.environ
+    if not launched:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
+    # under mpirun DeepSpeed's MPI discovery sets MASTER_PORT from this argument
+    deepspeed.init_distributed(auto_mpi_discovery=True, verbose=False,
+                               distributed_port=int(os.environ.get("MASTER_PORT", 29500)))
+    return torch_dist.get_rank(), torch_dist.get_world_size()
+
+
+def gather_objects(value: Any) -> list[Any]:
+    """``value`` of every rank, in rank order (a collective: every rank calls it)."""
+    gathered: list[Any] = [None] * torch_dist.get_world_size()
+    torch_dist.all_gather_object(gathered, value)
+    return gathered
+
+
+# ----------------------------------------------------------------------------------------- DeepSpeed JSON
+def read_engine_json(path: Path) -> dict[str, Any]:
+    """The DeepSpeed JSON at ``path``, refused if it sets a value that the run config injects."""
+    engine = json.loads(Path(path).read_text())
+    clashes = [k for k in INJECTED_TOP if k in engine]
+    clashes += [f"optimizer.params.{k}" for k in INJECTED_OPTIMIZER
+                if k in engine.get("optimizer", {}).get("params", {})]
+    clashes += [f"scheduler.params.{k}" for k in INJECTED_SCHEDULER
+                if k in engine.get("scheduler", {}).get("params", {})]
+    if clashes:
+        raise ValueError(f"{path} sets {', '.join(clashes)}: these come from the run config and are injected; "
+                         "remove them from the DeepSpeed JSON")
+    return engine
+
+
+def zero_stage(engine_json: dict[str, Any]) -> int:
+    return engine_json.get("zero_optimization", {}).get("stage", 0)
+
+
+def engine_config(engine_json: dict[str, Any], plan: BatchPlan, grad_clip: float,
+                  optimizer_params: dict[str, Any] | None, lr: float, min_lr: float, warmup_steps: int,
+                  total_steps: int, load_universal: bool = False) -> dict[str, Any]:
+    """A copy of the DeepSpeed JSON with the values that come from a run config: batch sizes, clipping, the
+    AdamW block's params (``optimizer_params=None`` drops the block for a client optimizer), the linear
+    warm-up/decay schedule (DeepSpeed's WarmupDecayLR unless the JSON names another scheduler), and
+    ``load_universal`` when resuming from a universal checkpoint (``pretrain.checkpoint.find_resume_point``)."""
+    engine = copy.deepcopy(engine_json)
+    engine.update(plan.deepspeed_fields())
+    engine["gradient_clipping"] = grad_clip
+    engine.setdefault("steps_per_print", 10**9)
+    if optimizer_params is None:
+        engine.pop("optimizer", None)
+    else:
+        engine.setdefault("optimizer", {"type": "AdamW", "params": {}})
+        engine["optimizer"].setdefault("params", {}).update(optimizer_params)
+    engine.setdefault("scheduler", {"type": "WarmupDecayLR", "params": {}})
+    engine["scheduler"].setdefault("params", {}).update(
+        total_num_steps=total_steps, warmup_num_steps=warmup_steps, warmup_max_lr=lr, warmup_min_lr=min_lr)
+    engine["scheduler"]["params"].setdefault("warmup_type", "linear")
+    if load_universal:
+        engine.setdefault("checkpoint", {})["load_universal"] = True
+    return engine
+
+
+def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups: weight decay on matrices and embeddings, none on biases and LayerNorm weights (1-D)."""
+    decay, no_decay = [], []
+    for parameter in model.parameters():
+        if parameter.requires_grad:
+            (no_decay if parameter.ndim < 2 else decay).append(parameter)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_engine(model: torch.nn.Module, config: dict[str, Any], weight_decay: float,
+                 client_optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None = None) -> Any:
+    """``deepspeed.initialize`` on ``model`` with `parameter_groups`; ``client_optimizer(groups)`` replaces the
+    JSON's optimizer block when given."""
+    groups = parameter_groups(model, weight_decay)
+    optimizer = client_optimizer(groups) if client_optimizer is not None else None
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, optimizer=optimizer, config=config)
+    return engine
+
+
+def precision(engine: Any) -> str:
+    return "fp16" if engine.fp16_enabled() else "bf16" if engine.bfloat16_enabled() else "fp32"
+
+
+# ----------------------------------------------------------------------------------------------------- RNG
+def seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's torch, numpy and Python RNG states."""
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+
+
+def portable_rng_state() -> dict[str, Any]:
+    """`rng_state` as plain Python / tensor values (loadable with ``torch.load(weights_only=True)``)."""
+    state = rng_state()
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    state["numpy"] = (name, keys.tolist(), pos, has_gauss, cached)
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Set the RNG states saved by `portable_rng_state`."""
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    set_rng_state(dict(state, numpy=(name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached)))
+
+
+def resume_rng(saved_states: Sequence[dict[str, Any]], seed: int, step: int, rank: int, world_size: int) -> None:
+    """Continue this rank's dropout stream from a checkpoint's gathered RNG states; saved by another world size
+    they cannot continue, so fresh ones are derived from (seed, step, rank)."""
+    if len(saved_states) == world_size:
+        restore_rng_state(saved_states[rank])
+    else:
+        seed_everything(seed * 1_000_003 + step * 1_009 + rank)
+
+
+# --------------------------------------------------------------------------------------- one optimizer step
+def optimizer_step(engine: Any, micro_batches: Sequence[dict[str, torch.Tensor]],
+                   loss_of: Callable[[Any], torch.Tensor],
+                   observe: Callable[[dict[str, torch.Tensor], Any], None],
+                   before_update: Callable[[], None]) -> None:
+    """Forward and backward of each micro-batch, then DeepSpeed's step (it applies the update at the last one).
+
+    ``loss_of(output)`` is the scalar to backpropagate; ``observe(batch, output)`` sees each micro-batch's output
+    (statistics); ``before_update()`` runs after the last backward and before the update is applied — where a
+    non-finite loss stops the run with the weights untouched.
+    """
+    for index, batch in enumerate(micro_batches):
+        output = engine(**batch)
+        engine.backward(loss_of(output))
+        observe(batch, output)
+        if index == len(micro_batches) - 1:
+            before_update()
+        engine.step()
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is set on any rank (a collective)."""
+    tensor = torch.tensor([float(flag)], dtype=torch.float64)
+    torch_dist.all_reduce(tensor)
+    return tensor.item() > 0
+
+
+def nonfinite_gradient_norm(engine: Any) -> float | None:
+    """The global gradient norm of the step just taken when it is NaN/inf under fp32/bf16, else None.
+
+    fp16's loss scaler skips and logs such steps. Under fp32/bf16 DeepSpeed skips or applies the update
+    depending on the ZeRO stage, with at most a log line, and training would go on: the caller stops, never
+    saving this step."""
+    if engine.fp16_enabled():
+        return None
+    norm = engine.get_global_grad_norm()
+    if norm is None or math.isfinite(float(norm)):
+        return None
+    return float(norm)

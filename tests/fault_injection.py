@@ -1,0 +1,98 @@
+"""``python -m fault_injection`` (with ``tests/`` on the path): `pretrain.train` with one fault injected from
+outside the library, by wrapping the functions where the fault belongs.
+
+``UNILM_TEST_FAULT=POINT@STEP`` or ``POINT@STEP@RANK`` picks it. Kill points (SIGKILL: no cleanup, no flush,
+a crash): ``step`` (as optimizer step STEP begins), ``save_begin`` (the checkpoint of STEP, before anything
+is written), ``after:FILE`` (after DeepSpeed wrote FILE of that checkpoint), ``before_marker``,
+``before_latest``. ``inf_grad`` turns one gradient of step STEP to inf instead.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+from pretrain import checkpoint as ckpt
+from pretrain import train as entry
+from pretrain import trainer
+
+FAULT_ENV = "UNILM_TEST_FAULT"
+
+
+def _parse(spec: str) -> tuple[str, int, int | None]:
+    parts = spec.split("@")
+    return parts[0], int(parts[1]), int(parts[2]) if len(parts) > 2 else None
+
+
+POINT, STEP, RANK = _parse(os.environ[FAULT_ENV])
+
+
+def _wanted(point: str, step: int) -> bool:
+    rank = torch_dist.get_rank() if torch_dist.is_initialized() else 0
+    return point == POINT and step == STEP and (RANK is None or RANK == rank)
+
+
+def _kill_if_wanted(point: str, step: int) -> None:
+    if _wanted(point, step):
+        rank = torch_dist.get_rank() if torch_dist.is_initialized() else 0
+        print(f"[fault] {FAULT_ENV}: SIGKILL at {point} of step {step} on rank {rank}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), 9)
+
+
+def _step_of_path(path: str | Path) -> int | None:
+    for part in Path(path).parts:
+        if ckpt.step_of_tag(part) is not None:
+            return ckpt.step_of_tag(part)
+    return None
+
+
+def _wrap(owner: Any, name: str, before: Any = None, after: Any = None) -> None:
+    original = getattr(owner, name)
+
+    @functools.wraps(original)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if before is not None:
+            before(*args, **kwargs)
+        result = original(*args, **kwargs)
+        if after is not None:
+            after(*args, **kwargs)
+        return result
+    setattr(owner, name, wrapped)
+
+
+def _train_step_with_fault(original: Any) -> Any:
+    @functools.wraps(original)
+    def train_step(engine: Any, loader: Any, plan: Any, metrics: Any, progress: Any, *args: Any) -> Any:
+        step = progress.step + 1
+        _kill_if_wanted("step", step)
+        hook = None
+        if _wanted("inf_grad", step):  # one gradient of this step becomes inf
+            hook = engine.module.embeddings.token.weight.register_hook(lambda grad: torch.full_like(grad, math.inf))
+        try:
+            return original(engine, loader, plan, metrics, progress, *args)
+        finally:
+            if hook is not None:
+                hook.remove()
+    return train_step
+
+
+def install() -> None:
+    trainer.train_step = _train_step_with_fault(trainer.train_step)
+    _wrap(ckpt, "save", before=lambda engine, directory, step, *a, **k: _kill_if_wanted("save_begin", step))
+    _wrap(TorchCheckpointEngine, "save",
+          after=lambda self, state, path, *a, **k: _kill_if_wanted(f"after:{Path(path).name}", _step_of_path(path)))
+    _wrap(ckpt, "write_marker", before=lambda tag_dir, *a, **k: _kill_if_wanted("before_marker", _step_of_path(tag_dir)))
+    _wrap(ckpt, "update_latest",
+          before=lambda directory, tag, *a, **k: _kill_if_wanted("before_latest", ckpt.step_of_tag(tag)))
+
+
+if __name__ == "__main__":
+    install()
+    entry.main(sys.argv[1:])

@@ -1,0 +1,47 @@
+"""Fine-tuning's run config: the same loader as pre-training's (YAML < flags < --set), coerced and validated."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, subprocess_env
+
+from finetune.config import FinetuneConfig, load_config
+
+REQUIRED = {"task": "classify", "train": "t.jsonl", "dev": "d.jsonl", "init": "m", "out": "o"}
+
+
+def test_set_values_are_coerced_to_the_field_types() -> None:
+    cfg = load_config(None, REQUIRED, ["lr=3e-5", "epochs=2", "eval_max_examples=10", "similarity=true"])
+    assert cfg.lr == 3e-5 and isinstance(cfg.lr, float)
+    assert cfg.epochs == 2 and cfg.eval_max_examples == 10 and cfg.similarity is True
+
+
+def test_precedence_yaml_then_flags_then_set(tmp_path) -> None:
+    yaml_path = tmp_path / "run.yaml"
+    yaml_path.write_text("lr: 1.0e-4\nepochs: 4\nbatch_size: 16\n")
+    cfg = load_config(yaml_path, dict(REQUIRED, epochs=3, lr=None), ["batch_size=8"])
+    assert (cfg.lr, cfg.epochs, cfg.batch_size) == (1e-4, 3, 8)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("lr=fast", "lr='fast' is not a valid"),
+    ("epoch=3", "unknown config key.*epoch"),
+    ("lr=-1", "need lr > 0"),
+])
+def test_bad_values_are_refused_by_name(override: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        load_config(None, REQUIRED, [override])
+
+
+def test_missing_required_settings_are_named_as_flags() -> None:
+    with pytest.raises(ValueError, match="missing required setting.*--dev, --init"):
+        load_config(None, {"task": "classify", "train": "t.jsonl", "out": "o"})
+
+
+def test_help_lists_every_key() -> None:
+    shown = subprocess.run([sys.executable, "-m", "finetune.run", "--help"], cwd=ROOT, env=subprocess_env(),
+                           capture_output=True, text=True, check=True).stdout
+    for name in FinetuneConfig.__dataclass_fields__:
+        assert f"  {name} (" in shown, name

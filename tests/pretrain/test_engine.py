@@ -1,0 +1,58 @@
+"""The pieces pre-training and fine-tuning share: RNG capture/restore, the DeepSpeed JSON check."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pretrain import engine
+
+
+def draws() -> tuple[torch.Tensor, np.ndarray, float]:
+    return torch.rand(3), np.random.rand(3), random.random()
+
+
+def assert_same(first: tuple, second: tuple) -> None:
+    assert torch.equal(first[0], second[0]) and np.array_equal(first[1], second[1]) and first[2] == second[2]
+
+
+def test_rng_state_round_trip() -> None:
+    engine.seed_everything(3)
+    state = engine.rng_state()
+    first = draws()
+    engine.set_rng_state(state)
+    assert_same(first, draws())
+
+
+def test_portable_rng_state_survives_a_weights_only_load(tmp_path: Path) -> None:
+    engine.seed_everything(5)
+    torch.save({"rng_states": [engine.portable_rng_state()]}, tmp_path / "state.pt")
+    first = draws()
+    engine.restore_rng_state(torch.load(tmp_path / "state.pt", weights_only=True)["rng_states"][0])
+    assert_same(first, draws())
+
+
+def test_resume_rng_continues_on_the_same_world_size_and_reseeds_on_another() -> None:
+    engine.seed_everything(11)
+    saved = [engine.portable_rng_state(), engine.portable_rng_state()]
+    continued = draws()
+    engine.resume_rng(saved, seed=1, step=4, rank=0, world_size=2)
+    assert_same(continued, draws())
+    engine.resume_rng(saved, seed=1, step=4, rank=0, world_size=3)
+    other_size = draws()
+    engine.seed_everything(1 * 1_000_003 + 4 * 1_009 + 0)
+    assert_same(other_size, draws())
+
+
+def test_engine_json_that_sets_injected_values_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"gradient_clipping": 1.0, "scheduler": {"params": {"warmup_num_steps": 5}},
+                                "zero_optimization": {"stage": 2}}))
+    with pytest.raises(ValueError, match=r"gradient_clipping, scheduler.params.warmup_num_steps.*run config"):
+        engine.read_engine_json(path)
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    assert engine.zero_stage(engine.read_engine_json(path)) == 2
