@@ -60,19 +60,19 @@ inspect: $(STAMP)  ## statistics of SHARDS
 
 DEMO_ARGS ?=
 demo: $(STAMP)  ## the whole pipeline end to end on the sample corpus -> demo_out/REPORT.md (reruns skip done stages)
-	$(PY) -m pretrain.demo --samples $(SAMPLES) $(DEMO_ARGS)
+	$(PY) -m tools.demo --samples $(SAMPLES) $(DEMO_ARGS)
 
 test: sample-corpus  ## run the whole test suite
 	$(PY) -m pytest -q tests
 
 bench: sample-corpus  ## every benchmark in one run: one table of ratios + the machine -> bench_out/results.json
-	$(PY) -m pretrain.bench_all --out bench_out
+	$(PY) -m tools.bench_all --out bench_out
 
 bench-data: sample-corpus  ## shard build vs raw tokenizer throughput
-	$(PY) -m data_prep.bench
+	$(PY) -m tools.bench_data
 
 bench-model: $(STAMP)  ## training step of our model vs transformers.BertForPreTraining (tokens/s, % of matmul peak)
-	$(PY) -m pretrain.bench_model
+	$(PY) -m tools.bench_model
 
 # Pre-training (override: make pretrain CONFIG=pretrain/configs/unilm-large.yaml HOSTFILE=hostfiles/FILE OVERRIDES="k=v ...")
 PRETRAIN_CONFIG = $(or $(CONFIG),pretrain/configs/tiny.yaml)
@@ -98,7 +98,7 @@ plot: $(STAMP)  ## loss curves (total and per objective) of RUN to RUN/loss.png
 	$(PY) -m pretrain.plot $(RUN)
 
 bench-train: $(STAMP)  ## loader vs model throughput, data-wait share, per-rank memory of ZeRO-1/2/3
-	$(PY) -m pretrain.bench_train --out bench_out/train
+	$(PY) -m tools.bench_train --out bench_out/train
 
 # Fine-tuning (issue 5). finetune-demo fine-tunes the tiny model pre-trained by our pipeline (FT_PRETRAINED: a
 # checkpoints directory, built with `make vocab shards pretrain OVERRIDES=$(FT_PRETRAIN_OVERRIDES)` when missing)
@@ -114,10 +114,10 @@ finetune-data: sample-corpus  ## BBC News, Rotten Tomatoes, SQuAD samples -> tas
 finetune-demo: finetune-data  ## fine-tune pre-trained vs from-scratch tiny model on BBC topic + headlines: table
 	@test -f $(FT_PRETRAINED)/latest || { echo "[finetune-demo] no checkpoint in $(FT_PRETRAINED): pre-training one"; \
 	  $(MAKE) vocab shards && $(MAKE) pretrain OVERRIDES="$(FT_PRETRAIN_OVERRIDES)"; }
-	$(PY) -m finetune.demo --pretrained $(FT_PRETRAINED) --vocab $(FT_VOCAB) --data data/finetune --out $(FT_OUT)
+	$(PY) -m tools.finetune_demo --pretrained $(FT_PRETRAINED) --vocab $(FT_VOCAB) --data data/finetune --out $(FT_OUT)
 
 bench-decode: sample-corpus  ## beam-5 decoding of 64-token targets: KV cache vs --no-cache (same outputs, speed-up)
-	$(PY) -m finetune.bench_decode --out bench_out/decode.json
+	$(PY) -m tools.bench_decode --out bench_out/decode.json
 
 clean:  ## remove built data and outputs (keeps .venv and the registry cache)
 	rm -rf data/vocab data/shards demo_out bench_out

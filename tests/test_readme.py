@@ -56,7 +56,7 @@ def test_every_make_target_in_the_readme_exists() -> None:
 
 def test_every_python_module_in_the_readme_runs_with_help() -> None:
     modules = sorted(set(re.findall(r"python -m ([\w.]+)", code_text())))
-    assert "pretrain.demo" in modules and "pretrain.bench_all" in modules
+    assert "tools.demo" in modules and "tools.bench_all" in modules
 
     def help_exit(module: str) -> tuple[str, int, str]:
         done = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True,

@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pretrain.hf import SEGMENT_ROWS_FROM_HF, load_hf_bert, save_hf_bert
+from pretrain.data import synthetic_batch
+from pretrain.hf import SEGMENT_ROWS_FROM_HF, hf_pretraining_inputs, load_hf_bert, save_hf_bert
 from pretrain.masks import BIDIRECTIONAL, build_attention_mask, build_segment_ids
 from pretrain.model import build_model, preset
 
@@ -171,16 +172,14 @@ def test_a_checkpoint_with_six_segment_types_loads_as_is(tmp_path):
 def test_training_loss_equals_bert_for_pretraining_on_the_bench_batch(tmp_path):
     """Our sparse MLM + NSP loss = HF's dense one on the same weights, batch and masked positions (the benchmark's
     premise: both models do the same job)."""
-    from pretrain.bench_model import hf_inputs, make_batch
-
     torch.manual_seed(4)
     cfg = dataclasses.replace(preset("tiny"), vocab_size=2000)
     model = build_model(cfg).eval()
     save_hf_bert(model, tmp_path)
     hf_model = transformers.BertForPreTraining.from_pretrained(tmp_path).eval()
-    batch = make_batch(cfg, batch_size=3, seq_len=24, predictions=4)
+    batch = synthetic_batch(cfg, batch_size=3, seq_len=24, predictions=4)
     with torch.no_grad():
         ours = model(**batch)
-        theirs = hf_model(**hf_inputs(batch))
+        theirs = hf_model(**hf_pretraining_inputs(batch))
     torch.testing.assert_close(ours.loss, theirs.loss, atol=1e-5, rtol=1e-5)
     assert set(ours.objective_losses) == {"bidirectional_mlm", "nsp"}

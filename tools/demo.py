@@ -1,6 +1,6 @@
 """`make demo`: the whole pipeline on the small real corpus, end to end, in under 20 minutes on 2 CPU cores.
 
-    python -m pretrain.demo [--out demo_out] [--steps 600] [--from STAGE]
+    python -m tools.demo [--out demo_out] [--steps 600] [--from STAGE]
 
 Every stage is an ordinary command of this project, printed before it runs, so the demo doubles as a
 walk-through of the real workflow:
@@ -13,7 +13,7 @@ walk-through of the real workflow:
     resume    the same command again: resumes from the sharded checkpoint and runs to the end
     plot      python -m pretrain.plot                          loss curves, total and per objective
     export    python -m pretrain.export                        Hugging Face BERT directory
-    finetune  python -m finetune.datasets; python -m finetune.demo
+    finetune  python -m finetune.datasets; python -m tools.finetune_demo
               pre-trained vs from scratch on BBC topics + headlines, beam-5 headlines
     report    OUT/REPORT.md
 
@@ -180,7 +180,7 @@ class Demo:
         return {"files": sorted(p.name for p in self.hf_dir.iterdir()), "transformers_loading": loading}
 
     def finetune(self) -> dict[str, Any]:
-        missing = [m for m in ("finetune.datasets", "finetune.demo") if importlib.util.find_spec(m) is None]
+        missing = [m for m in ("finetune.datasets", "tools.finetune_demo") if importlib.util.find_spec(m) is None]
         if missing:
             print(f"[demo]   fine-tuning is not available yet ({', '.join(missing)} missing): skipped", flush=True)
             return {"available": False, "missing": missing}
@@ -188,7 +188,7 @@ class Demo:
                       "--out", str(self.finetune_data)])
         # From the pre-training checkpoint, not the HF export: the export keeps only BERT's 2 segment rows,
         # and headline generation uses the seq2seq rows 4/5.
-        self.command([self.python, "-m", "finetune.demo", "--pretrained", str(self.run_dir / "checkpoints"),
+        self.command([self.python, "-m", "tools.finetune_demo", "--pretrained", str(self.run_dir / "checkpoints"),
                       "--vocab", str(self.vocab), "--data", str(self.finetune_data), "--out", str(self.finetune_dir)],
                      self.out / "logs" / "finetune.log")
         return {"available": True, "summary": json.loads((self.finetune_dir / "summary.json").read_text())}
@@ -287,7 +287,7 @@ def render_report(demo: Demo) -> str:
     if finetune.get("available"):
         table = (demo.finetune_dir / "table.md").read_text().strip()
         lines += ["The same `tiny` architecture, tokenizer, data, seeds and settings (`finetune/configs/demo-*.yaml`), "
-                  "initialised from the pre-training checkpoint above or randomly (`python -m finetune.demo`); "
+                  "initialised from the pre-training checkpoint above or randomly (`python -m tools.finetune_demo`); "
                   "BBC News topic classification (5 classes) and article → headline generation; best dev epoch, "
                   "three seeds per init.", "",
                   table, ""]
@@ -309,7 +309,7 @@ STAGE_SUMMARY = {
     "resume": "the same command again (auto-resume to `train.max_steps`)",
     "plot": "`python -m pretrain.plot`",
     "export": "`python -m pretrain.export`",
-    "finetune": "`python -m finetune.datasets`, `python -m finetune.demo` (2 tasks × 2 inits × 3 seeds, then beam search)",
+    "finetune": "`python -m finetune.datasets`, `python -m tools.finetune_demo` (2 tasks × 2 inits × 3 seeds, then beam search)",
 }
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain import demo as demo_module
+from tools import demo as demo_module
 
 
 def make_demo(out: Path) -> demo_module.Demo:
@@ -36,8 +36,8 @@ def test_report_renders_before_anything_ran_and_names_a_missing_finetune_package
     assert "Not run yet" in demo_module.render_report(demo)
     (tmp_path / "stages").mkdir()
     (tmp_path / "stages" / "finetune.json").write_text(json.dumps(
-        {"available": False, "missing": ["finetune.demo"], "wall_s": 0.1}))
-    assert "**Not run**" in demo_module.render_report(demo) and "finetune.demo" in demo_module.render_report(demo)
+        {"available": False, "missing": ["tools.finetune_demo"], "wall_s": 0.1}))
+    assert "**Not run**" in demo_module.render_report(demo) and "tools.finetune_demo" in demo_module.render_report(demo)
 
 
 def test_the_pretraining_command_is_the_cluster_command_on_the_localhost_hostfile(tmp_path: Path) -> None:

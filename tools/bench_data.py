@@ -40,7 +40,7 @@ def _timed(function) -> tuple[float, float]:
 def measure(inputs: list[str] = DEFAULT_INPUTS, vocab: Path | None = None, recipe: str = "unilm",
             max_seq_len: int = 128, chunk_chars: int = 500_000, repeat: int = 3) -> dict:
     """Time raw tokenization and the shard build on the same corpus; returns the measurements (``main`` prints
-    them, ``pretrain.bench_all`` tabulates them)."""
+    them, ``tools.bench_all`` tabulates them)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # before the first encode: one thread, like one worker
 
     with tempfile.TemporaryDirectory(prefix="bench_data_") as tmp:
@@ -92,7 +92,7 @@ def measure(inputs: list[str] = DEFAULT_INPUTS, vocab: Path | None = None, recip
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m data_prep.bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.bench_data", description=__doc__.split("\n")[0])
     p.add_argument("--input", nargs="+", default=DEFAULT_INPUTS)
     p.add_argument("--vocab", type=Path, help="vocab.txt (default: train a cased 8,000-entry one on the input)")
     p.add_argument("--recipe", default="unilm")

@@ -1,7 +1,7 @@
 """`make bench`'s table: one row per measured ratio, from each benchmark's own result dict."""
 from __future__ import annotations
 
-from pretrain.bench_all import render_table, table_rows
+from tools.bench_all import render_table, table_rows
 
 RESULTS = {
     "data": {"tokens_per_s": {"raw": 1000.0, "raw_fast": 1100.0, "build_1": 900.0, "build_2": 1700.0},
@@ -37,5 +37,5 @@ def test_every_benchmark_gives_its_rows_with_verdicts() -> None:
 
 
 def test_missing_or_failed_benchmarks_leave_their_rows_out() -> None:
-    assert table_rows({"decode": {"skipped": "finetune.bench_decode is not in this tree"}}) == []
+    assert table_rows({"decode": {"skipped": "tools.bench_decode is not in this tree"}}) == []
     assert len(table_rows({"data": RESULTS["data"]})) == 3

@@ -1,6 +1,6 @@
 """Benchmark: beam-search decoding with the incremental key/value cache vs recomputing everything (`--no-cache`).
 
-    python -m finetune.bench_decode [--model data/samples/minilm] [--sources 2] [--max-src-len 128]
+    python -m tools.bench_decode [--model data/samples/minilm] [--sources 2] [--max-src-len 128]
 
 Decodes real BBC article openings (body → headline sources) with beam 5 and exactly `--tgt-len` (64) target
 word pieces (min = max length, so both runs do the same number of steps), once per mode, checks that the
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from .datasets import convert_samples, read_jsonl
-from .decode import DecodeConfig, SpecialIds, generate, pack_source
-from .model_io import load_finetuned
+from finetune.datasets import convert_samples, read_jsonl
+from finetune.decode import DecodeConfig, SpecialIds, generate, pack_source
+from finetune.model_io import load_finetuned
 
 
 def main(argv: list[str] | None = None) -> dict:

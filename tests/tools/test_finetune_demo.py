@@ -1,11 +1,11 @@
-"""finetune.demo's table: best dev epoch per run, mean ± sd over seeds, per-seed paired differences."""
+"""tools.finetune_demo's table: best dev epoch per run, mean ± sd over seeds, per-seed paired differences."""
 from __future__ import annotations
 
-from finetune.demo import best_over_epochs, table
+from tools.finetune_demo import best_over_epochs, table
 
 
 def run(accuracy: list[float], dev_loss: list[float] | None = None) -> dict:
-    """A metrics.json with one entry per epoch (both tasks' metrics, so one helper serves the whole table)."""
+    """A summary.json with one entry per epoch (both tasks' metrics, so one helper serves the whole table)."""
     dev_loss = dev_loss or [7.0] * len(accuracy)
     return {"epochs": [{"accuracy": a, "macro_f1": a / 2, "rouge1": 1.0, "rouge2": 0.0, "rougeL": 1.0,
                         "dev_loss": loss} for a, loss in zip(accuracy, dev_loss)]}

@@ -88,7 +88,7 @@ def memory_worker(stage: int, preset_name: str, result: str) -> None:
     import torch.distributed as dist
 
     from pretrain.model import build_model, preset
-    from pretrain.trainer import parameter_groups
+    from pretrain.engine import parameter_groups
 
     deepspeed.init_distributed(verbose=False)
     model = build_model(preset(preset_name))
@@ -129,7 +129,7 @@ def zero_memory(preset_name: str, out: Path) -> list[dict[str, float]]:
     for stage in (1, 2, 3):
         result = out / f"memory_zero{stage}.json"
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-                   "pretrain.bench_train", "--memory-worker", str(stage), "--preset", preset_name,
+                   "tools.bench_train", "--memory-worker", str(stage), "--preset", preset_name,
                    "--result", str(result)]
         for attempt in (1, 2):  # once more on failure: on a shared machine a 2-rank launch can lose its rendezvous
             done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True,
@@ -152,7 +152,7 @@ def zero_memory(preset_name: str, out: Path) -> list[dict[str, float]]:
 
 def measure(shards: str = DEFAULT_SHARDS, out: Path = Path("bench_out/train"), presets: list[str] = ("tiny", "bert-base"),
             memory_preset: str = "bert-base", micro: int = 8) -> dict:
-    """All three measurements; also written to ``OUT/bench_train.json`` (``pretrain.bench_all`` tabulates them)."""
+    """All three measurements; also written to ``OUT/bench_train.json`` (``tools.bench_all`` tabulates them)."""
     out.mkdir(parents=True, exist_ok=True)
     report: dict = {"micro_batch_size": micro, "loader_samples_per_s_per_rank": loader_samples_per_s(shards, micro)}
     report["model_samples_per_s"] = {name: model_samples_per_s(shards, name, micro, 10 if name == "tiny" else 2)

@@ -1,10 +1,10 @@
 """`make finetune-demo`: does pre-training help? The same tiny model fine-tuned from our own pre-training
 checkpoint and from scratch on BBC News topic classification and headline generation, then one table.
 
-    python -m finetune.demo --pretrained CHECKPOINT_OR_HF_DIR --vocab VOCAB --data data/finetune --out DIR
+    python -m tools.finetune_demo --pretrained CHECKPOINT_OR_HF_DIR --vocab VOCAB --data data/finetune --out DIR
 
 Every (task, init, seed) run is an ordinary `finetune.run` (DeepSpeed, 1 rank) into DIR/<task>-<init>-seed<S>/;
-a run whose metrics.json says it finished is not repeated. The from-scratch run uses the same architecture,
+a run whose summary.json says it finished is not repeated. The from-scratch run uses the same architecture,
 tokenizer, data, seed and settings (`finetune/configs/demo-*.yaml`), only random weights. Each seed (data order,
 dropout, the new head's initialisation) pairs one pre-trained and one from-scratch run; small models fine-tuned
 for a few epochs swing by several points from seed to seed, so the table gives mean ± standard deviation over
@@ -18,7 +18,7 @@ import json
 import statistics
 from pathlib import Path
 
-from . import decode, run
+from finetune import decode, run
 
 CONFIGS = Path(__file__).parent / "configs"
 TASKS = {  # name → (config, train file stem, metrics shown)
@@ -34,7 +34,7 @@ INITS = ("pretrained", "scratch")
 def finetune_once(task: str, init_name: str, seed: int, args: argparse.Namespace) -> dict:
     config, stem, _ = TASKS[task]
     out = Path(args.out) / f"{task}-{init_name}-seed{seed}"
-    metrics_file = out / "metrics.json"
+    metrics_file = out / "summary.json"
     if metrics_file.is_file() and json.loads(metrics_file.read_text()).get("finished"):
         print(f"[demo] {out}: finished earlier, skipped", flush=True)
     else:
@@ -67,7 +67,7 @@ def _spread(values: list[float]) -> str:
 
 def table(results: dict[tuple[str, str], list[dict]]) -> str:
     """One row per (task, metric): each init's best-epoch value as mean ± sd over the seeds, the difference of
-    the means, and the per-seed differences (runs paired by seed). results[(task, init)]: metrics.json per seed."""
+    the means, and the per-seed differences (runs paired by seed). results[(task, init)]: summary.json per seed."""
     lines = ["| task | metric | pre-trained | from scratch | difference (per seed) |", "|---|---|---:|---:|---:|"]
     for task, (_, _, metrics) in TASKS.items():
         for metric in metrics:

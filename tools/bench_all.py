@@ -1,12 +1,12 @@
 """`make bench`: every benchmark of the project in one run, one table of ratios, ``bench_out/results.json``.
 
-    python -m pretrain.bench_all [--out bench_out] [--only data model train decode]
+    python -m tools.bench_all [--out bench_out] [--only data model train decode]
 
 Runs, one after the other on the same machine (so the ratios are measured side by side):
-  data    ``data_prep.bench``           shard build vs raw ``tokenizers`` encoding of the same corpus
-  model   ``pretrain.bench_model``      training step vs ``transformers.BertForPreTraining``; FLOP/s vs matmul peak
-  train   ``pretrain.bench_train``      loader vs model consumption, data-wait share, ZeRO-1/2/3 memory per rank
-  decode  ``finetune.bench_decode``     beam search with vs without the key/value cache (when present)
+  data    ``tools.bench_data``           shard build vs raw ``tokenizers`` encoding of the same corpus
+  model   ``tools.bench_model``      training step vs ``transformers.BertForPreTraining``; FLOP/s vs matmul peak
+  train   ``tools.bench_train``      loader vs model consumption, data-wait share, ZeRO-1/2/3 memory per rank
+  decode  ``tools.bench_decode``     beam search with vs without the key/value cache (when present)
   gpu     (CUDA machines only)          fp16/bf16 BERT-large training throughput at seq 128 and 512, MFU
 Each measurement is one row: what was measured, against what, the ratio, the target. A benchmark that fails
 is reported as such and the others still run. The machine (CPU model, cores, memory, library versions) is
@@ -19,7 +19,6 @@ import importlib.util
 import json
 import os
 import platform
-import re
 import subprocess
 import sys
 import time
@@ -57,37 +56,28 @@ def machine() -> dict[str, Any]:
 
 # -------------------------------------------------------------------------------------------- sections
 def bench_data(args: argparse.Namespace) -> dict[str, Any]:
-    from data_prep.bench import measure
+    from tools.bench_data import measure
     return measure(repeat=args.repeat)
 
 
 def bench_model(args: argparse.Namespace) -> dict[str, Any]:
-    """``pretrain.bench_model`` in its own process (it prints a table; parsed here)."""
-    output = _run([sys.executable, "-m", "pretrain.bench_model"])
-    rows = {}
-    for clock, name, seconds, tokens, gflops, percent in re.findall(
-            r"^(wall|cpu)\s+(ours|transformers)\s+([\d.]+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)%$", output, re.M):
-        rows[f"{clock}_{name}"] = {"step_s": float(seconds), "tokens_per_s": float(tokens),
-                                   "useful_gflops": float(gflops), "percent_of_peak": float(percent)}
-    peak = re.search(r"matmul peak: ([\d.]+) GFLOP per wall-second, ([\d.]+) GFLOP per CPU-second", output)
-    if len(rows) != 4 or peak is None:
-        raise RuntimeError(f"could not read pretrain.bench_model's output:\n{output[-2000:]}")
-    backends = {name: {"wall": float(wall), "cpu": float(cpu)} for name, wall, cpu in re.findall(
-        r"(torch\.matmul|oneDNN) ([\d.]+) GFLOP per wall-second, ([\d.]+) per CPU-second", output)}
-    return {"rows": rows, "matmul_peak_gflops": {"wall": float(peak.group(1)), "cpu": float(peak.group(2))},
-            "matmul_peak_gflops_per_backend": backends, "setup": output.splitlines()[0] if output else ""}
+    """``tools.bench_model`` in its own process (its threads and allocator settings stay its own); its
+    measurement comes back as JSON."""
+    out = args.out / "model.json"
+    _run([sys.executable, "-m", "tools.bench_model", "--json", str(out)])
+    return json.loads(out.read_text())
 
 
 def bench_train(args: argparse.Namespace) -> dict[str, Any]:
-    from pretrain.bench_train import measure
+    from tools.bench_train import measure
     return measure(_shards(args), args.out / "train")
 
 
 def bench_decode(args: argparse.Namespace) -> dict[str, Any]:
-    if importlib.util.find_spec("finetune.bench_decode") is None:
-        return {"skipped": "finetune.bench_decode is not in this tree"}
+    if importlib.util.find_spec("tools.bench_decode") is None:
+        return {"skipped": "tools.bench_decode is not in this tree"}
     out = args.out / "decode.json"
-    _run([sys.executable, "-m", "finetune.bench_decode", "--out", str(out)])
+    _run([sys.executable, "-m", "tools.bench_decode", "--out", str(out)])
     return json.loads(out.read_text())
 
 
@@ -97,7 +87,7 @@ def bench_gpu(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     if not torch.cuda.is_available():
         return {"skipped": "no CUDA device"}
-    from pretrain.bench_model import make_batch, useful_flops
+    from tools.bench_model import make_batch, useful_flops
     from pretrain.model import build_model, preset
 
     cfg = preset("bert-large")

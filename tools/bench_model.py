@@ -4,7 +4,7 @@ Same config (BERT-base size by default), same batch, same masked positions, both
 fp32 on the CPU. Steps of the two models are interleaved and the fastest of each is reported (on a shared
 machine other work only ever slows a step down); the matmul peak is sampled before every step and the best
 sample kept. Everything is timed twice: wall-clock (the number that matters on a quiet machine) and process CPU
-time (robust when other processes share the cores). Prints:
+time (robust when other processes share the cores). `measure` returns, `main` prints (and with --json writes):
   - tokens/s of each model and the ratio (target >= 1.3x);
   - useful FLOP/s of each vs the torch matmul peak measured in the same run (target >= 80% for ours). The
     peak is the best of torch's fp32 GEMM backends here (`torch.matmul` = MKL, and oneDNN, which our model's
@@ -19,40 +19,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
+import transformers  # the peer; an optional dependency (extras), which this benchmark needs
 
-from pretrain.hf import hf_config
-from pretrain.masks import BIDIRECTIONAL
+from pretrain.data import synthetic_batch as make_batch
+from pretrain.hf import hf_config, hf_pretraining_inputs as hf_inputs
+from pretrain.kernels import onednn_linear, onednn_linear_available, retain_freed_memory
 from pretrain.model import ModelConfig, build_model, preset
-
-
-def make_batch(cfg: ModelConfig, batch_size: int, seq_len: int, predictions: int, seed: int = 0) -> dict:
-    """A full-length bidirectional batch with `predictions` masked positions per sample and NSP labels."""
-    g = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(1000, cfg.vocab_size, (batch_size, seq_len), generator=g)
-    masked_positions = torch.stack([torch.randperm(seq_len - 2, generator=g)[:predictions].sort().values + 1
-                                    for _ in range(batch_size)])
-    return dict(
-        input_ids=input_ids,
-        objective=torch.full((batch_size,), BIDIRECTIONAL),
-        len_a=torch.full((batch_size,), seq_len // 2),
-        length=torch.full((batch_size,), seq_len),
-        is_random_next=torch.randint(0, 2, (batch_size,), generator=g),
-        masked_positions=masked_positions,
-        masked_labels=torch.randint(1000, cfg.vocab_size, (batch_size, predictions), generator=g),
-    )
-
-
-def hf_inputs(batch: dict) -> dict:
-    """The same batch in BertForPreTraining's terms (dense labels, key-padding mask, token types)."""
-    batch_size, seq_len = batch["input_ids"].shape
-    labels = torch.full_like(batch["input_ids"], -100).scatter(1, batch["masked_positions"], batch["masked_labels"])
-    token_type_ids = (torch.arange(seq_len) >= batch["len_a"].unsqueeze(1)).long()
-    return dict(input_ids=batch["input_ids"], token_type_ids=token_type_ids,
-                attention_mask=torch.ones(batch_size, seq_len, dtype=torch.long), labels=labels,
-                next_sentence_label=batch["is_random_next"])
 
 
 def useful_flops(cfg: ModelConfig, batch_size: int, seq_len: int, predictions: int) -> float:
@@ -83,8 +61,6 @@ def matmul_peak(seconds: float = 1.5) -> dict[str, tuple[float, float]]:
     """Best fp32 FLOP per wall-second and per CPU-second of plain matrix multiplies over shapes like the model's,
     for each GEMM backend torch has here: `torch.matmul` (MKL on x86) and, when present, oneDNN (the kernel
     our model's `pretrain.kernels.Linear` uses). The peak a model is measured against is the best of them."""
-    from pretrain.kernels import onednn_linear, onednn_linear_available
-
     backends = {"torch.matmul": lambda a, b_t: a @ b_t.t()}
     if onednn_linear_available():
         backends["oneDNN"] = onednn_linear
@@ -106,30 +82,22 @@ def matmul_peak(seconds: float = 1.5) -> dict[str, tuple[float, float]]:
     return peaks
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="bert-base", help="model preset (default: bert-base)")
-    parser.add_argument("--layers", type=int, default=None, help="override the number of layers (faster run)")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--predictions", type=int, default=20, help="masked positions per sample (15%% of 128)")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per model, after one warm-up step")
-    args = parser.parse_args(argv)
+def measure(preset_name: str = "bert-base", layers: int | None = None, batch_size: int = 8, seq_len: int = 128,
+            predictions: int = 20, steps: int = 5) -> dict[str, Any]:
+    """Best step times of both models under both clocks, with the matmul peaks they are judged against.
 
-    import transformers  # the peer; an optional dependency (extras)
-
-    from pretrain.kernels import retain_freed_memory
-
+    Returns ``rows`` (``{clock}_{model}`` → step_s, tokens_per_s, useful_gflops, percent_of_peak),
+    ``matmul_peak_gflops`` (best backend, per clock), ``matmul_peak_gflops_per_backend``, ``useful_gflop_per_step``
+    and ``setup`` (one line saying what ran)."""
     retain_freed_memory()  # as every CPU training process of ours does (both models run in this process)
-
     transformers.logging.set_verbosity_error()
-    cfg = preset(args.preset)
-    if args.layers:
-        cfg = dataclasses.replace(cfg, num_layers=args.layers)
+    cfg = preset(preset_name)
+    if layers:
+        cfg = dataclasses.replace(cfg, num_layers=layers)
     torch.manual_seed(0)
     ours = build_model(cfg).train()
     theirs = transformers.BertForPreTraining(transformers.BertConfig(**hf_config(cfg))).train()
-    batch = make_batch(cfg, args.batch_size, args.seq_len, args.predictions)
+    batch = make_batch(cfg, batch_size, seq_len, predictions)
     their_batch = hf_inputs(batch)
 
     def our_step() -> None:
@@ -140,12 +108,12 @@ def main(argv: list[str] | None = None) -> None:
         theirs(**their_batch).loss.backward()
         theirs.zero_grad(set_to_none=True)
 
-    print(f"[bench-model] {args.preset} ({cfg.num_layers} layers, hidden {cfg.hidden_size}), batch {args.batch_size}"
-          f" x seq {args.seq_len}, {args.predictions} masked positions/sample, fp32, {torch.get_num_threads()} threads,"
-          f" transformers {transformers.__version__} attention={theirs.config._attn_implementation}")
+    setup = (f"{preset_name} ({cfg.num_layers} layers, hidden {cfg.hidden_size}), batch {batch_size} x seq {seq_len}, "
+             f"{predictions} masked positions/sample, fp32, {torch.get_num_threads()} threads, transformers "
+             f"{transformers.__version__} attention={theirs.config._attn_implementation}")
     backend_peaks: dict[str, dict[str, float]] = {}
     times: dict[str, dict[str, list[float]]] = {name: {"wall": [], "cpu": []} for name in ("ours", "transformers")}
-    for step in range(args.steps + 1):  # step 0 warms up both
+    for step in range(steps + 1):  # step 0 warms up both
         for name, run in (("ours", our_step), ("transformers", their_step)):
             # the peak is sampled next to every step, so a quiet moment is caught by both
             for backend, (wall, cpu) in matmul_peak().items():
@@ -157,31 +125,67 @@ def main(argv: list[str] | None = None) -> None:
                 times[name]["wall"].append(clock.wall)
                 times[name]["cpu"].append(clock.cpu)
 
-    flops = useful_flops(cfg, args.batch_size, args.seq_len, args.predictions)
-    tokens = args.batch_size * args.seq_len
+    flops = useful_flops(cfg, batch_size, seq_len, predictions)
+    tokens = batch_size * seq_len
     peak = {clock: max(p[clock] for p in backend_peaks.values()) for clock in ("wall", "cpu")}
-    print("fp32 GEMM peak per backend: " + "; ".join(
-        f"{name} {p['wall'] / 1e9:.1f} GFLOP per wall-second, {p['cpu'] / 1e9:.1f} per CPU-second"
-        for name, p in backend_peaks.items()))
-    print(f"useful work per step: {flops / 1e9:.1f} GFLOP; torch fp32 matmul peak: {peak['wall'] / 1e9:.1f} GFLOP "
-          f"per wall-second, {peak['cpu'] / 1e9:.1f} GFLOP per CPU-second (best backend)")
-    print(f"{'clock':<6}{'model':<14}{'step s (best)':>15}{'tokens/s':>10}{'useful GFLOP/s':>16}{'% of peak':>11}")
+    rows = {}
+    for clock_name in ("wall", "cpu"):
+        for name, values in times.items():
+            seconds = min(values[clock_name])
+            rows[f"{clock_name}_{name}"] = {"step_s": seconds, "tokens_per_s": tokens / seconds,
+                                            "useful_gflops": flops / seconds / 1e9,
+                                            "percent_of_peak": 100 * flops / seconds / peak[clock_name]}
+    return {"rows": rows, "matmul_peak_gflops": {clock: peak[clock] / 1e9 for clock in ("wall", "cpu")},
+            "matmul_peak_gflops_per_backend": {name: {clock: p[clock] / 1e9 for clock in ("wall", "cpu")}
+                                               for name, p in backend_peaks.items()},
+            "useful_gflop_per_step": flops / 1e9, "setup": setup}
+
+
+def report(result: dict[str, Any]) -> str:
+    """The measurement as text: the per-backend peaks, a table per clock, and the verdict on both targets."""
+    rows, peak, backends = result["rows"], result["matmul_peak_gflops"], result["matmul_peak_gflops_per_backend"]
+    lines = [f"[bench-model] {result['setup']}",
+             "fp32 GEMM peak per backend: " + "; ".join(
+                 f"{name} {p['wall']:.1f} GFLOP per wall-second, {p['cpu']:.1f} per CPU-second"
+                 for name, p in backends.items()),
+             f"useful work per step: {result['useful_gflop_per_step']:.1f} GFLOP; torch fp32 matmul peak: "
+             f"{peak['wall']:.1f} GFLOP per wall-second, {peak['cpu']:.1f} GFLOP per CPU-second (best backend)",
+             f"{'clock':<6}{'model':<14}{'step s (best)':>15}{'tokens/s':>10}{'useful GFLOP/s':>16}{'% of peak':>11}"]
     verdicts = []
     for clock_name in ("wall", "cpu"):
-        best = {name: min(values[clock_name]) for name, values in times.items()}
-        for name, seconds in best.items():
-            print(f"{clock_name:<6}{name:<14}{seconds:>15.3f}{tokens / seconds:>10.0f}{flops / seconds / 1e9:>16.1f}"
-                  f"{100 * flops / seconds / peak[clock_name]:>10.1f}%")
-        ratio = best["transformers"] / best["ours"]
-        utilisation = flops / best["ours"] / peak[clock_name]
-        mkl = backend_peaks["torch.matmul"][clock_name]
+        for name in ("ours", "transformers"):
+            row = rows[f"{clock_name}_{name}"]
+            lines.append(f"{clock_name:<6}{name:<14}{row['step_s']:>15.3f}{row['tokens_per_s']:>10.0f}"
+                         f"{row['useful_gflops']:>16.1f}{row['percent_of_peak']:>10.1f}%")
+        ours, theirs = rows[f"{clock_name}_ours"], rows[f"{clock_name}_transformers"]
+        ratio = theirs["step_s"] / ours["step_s"]
+        utilisation = ours["percent_of_peak"] / 100
+        mkl = backends["torch.matmul"][clock_name]
         verdicts.append(f"{clock_name:<5} tokens/s ours / transformers {ratio:.2f}x (target >= 1.3x: "
                         f"{'met' if ratio >= 1.3 else 'NOT met'}); ours useful FLOP/s = {100 * utilisation:.1f}% "
                         f"of the best matmul peak (target >= 80%: {'met' if utilisation >= 0.8 else 'NOT met'}), "
-                        f"{100 * flops / best['ours'] / mkl:.0f}% of torch.matmul's own; transformers "
-                        f"{100 * flops / best['transformers'] / peak[clock_name]:.0f}% "
-                        f"({100 * flops / best['transformers'] / mkl:.0f}%)")
-    print("\n".join(verdicts))
+                        f"{100 * ours['useful_gflops'] / mkl:.0f}% of torch.matmul's own; transformers "
+                        f"{theirs['percent_of_peak']:.0f}% ({100 * theirs['useful_gflops'] / mkl:.0f}%)")
+    return "\n".join(lines + verdicts)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="bert-base", help="model preset (default: bert-base)")
+    parser.add_argument("--layers", type=int, default=None, help="override the number of layers (faster run)")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--predictions", type=int, default=20, help="masked positions per sample (15%% of 128)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per model, after one warm-up step")
+    parser.add_argument("--json", type=Path, default=None, help="also write the measurement to this JSON file")
+    args = parser.parse_args(argv)
+    result = measure(args.preset, args.layers, args.batch_size, args.seq_len, args.predictions, args.steps)
+    print(report(result))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
 
 if __name__ == "__main__":
     main()
