@@ -109,7 +109,7 @@ FT_VOCAB              ?= $(VOCAB)
 FT_PRETRAIN_OVERRIDES ?= train.max_steps=600 optim.warmup_steps=30
 
 finetune-data: sample-corpus  ## BBC News, Rotten Tomatoes, SQuAD samples -> task files in data/finetune
-	$(PY) -m finetune.datasets --samples $(SAMPLES) --out data/finetune
+	$(PY) -m finetune.task_files --samples $(SAMPLES) --out data/finetune
 
 finetune-demo: finetune-data  ## fine-tune pre-trained vs from-scratch tiny model on BBC topic + headlines: table
 	@test -f $(FT_PRETRAINED)/latest || { echo "[finetune-demo] no checkpoint in $(FT_PRETRAINED): pre-training one"; \

@@ -34,7 +34,7 @@ from data_prep.shard_format import (INDEX_DTYPE, MANIFEST_NAME, SHARD_GLOB, VOCA
                                     sha256_file, token_dtype, write_json, write_shard)
 from data_prep.sources import Skipped, check_input, read_documents
 from data_prep.text import clean_document, split_sentences
-from data_prep.vocab import Vocab, VocabError, load_tokenizer, load_vocab, train_vocab
+from data_prep.vocab import Vocab, VocabError, load_encoder, load_vocab, train_vocab
 
 PARTS_DIR = "parts"
 SKIP_EXAMPLES = 3
@@ -161,7 +161,7 @@ def process_chunk(cfg: BuildConfig, chunk: Chunk, out_path: Path) -> tuple[Docum
     """Chunk → part file in shard format. Returns its document stats and sample count."""
     stats = DocumentStats(read=len(chunk.records))
     vocab, random_ids = _cached_vocab(cfg.vocab_path, cfg.vocab_sha256)
-    tokenizer = load_tokenizer(cfg.vocab_path, vocab.sha256, cfg.uncased)
+    tokenizer = load_encoder(cfg.vocab_path, vocab.sha256, cfg.uncased)
     kept: list[tuple[int, str, list[str]]] = []  # (document index, where, sentences)
     for offset, (record, where) in enumerate(chunk.records):
         if isinstance(record, Skipped):

@@ -75,7 +75,7 @@ def _normalizer(uncased: bool) -> normalizers.Normalizer:
 
 
 @functools.lru_cache(maxsize=4)  # one encoder per (file, hash, casing) per process: building it costs ~20 ms
-def load_tokenizer(path: str, sha256: str, uncased: bool) -> Tokenizer:
+def load_encoder(path: str, sha256: str, uncased: bool) -> Tokenizer:
     """The WordPiece encoder for a validated vocab (``sha256`` keys the cache so an edited file reloads)."""
     vocab = {token: i for i, token in enumerate(Path(path).read_text(encoding="utf-8").split("\n")) if token}
     tokenizer = Tokenizer(models.WordPiece(vocab, unk_token=SPECIAL_TOKENS["unk"], max_input_chars_per_word=100))

@@ -76,15 +76,15 @@ class LabelSpace:
 class ClassifyExample:
     views: tuple[tuple[int, ...], ...]
     """Packed id sequences, one per view."""
-    first_segment_lengths: tuple[int, ...]
-    """len_a per view ([CLS] a [SEP])."""
+    len_a: tuple[int, ...]
+    """Length of the first segment `[CLS] a [SEP]` per view."""
     label: float | int
 
 
 def pack_views(tokenizer: Tokenizer, pairs: list[tuple[str, str | None]],
                max_seq_len: int) -> tuple[list[list[int]], list[int], int]:
     """`[CLS] a [SEP] (b [SEP])` per pair, cutting the longer side first to `max_seq_len`; also #cut."""
-    packed, lengths_a, truncated = [], [], 0
+    packed, len_a, truncated = [], [], 0
     for text_a, text_b in pairs:
         a = tokenizer.encode(text_a)
         b = tokenizer.encode(text_b) if text_b is not None else None
@@ -99,8 +99,8 @@ def pack_views(tokenizer: Tokenizer, pairs: list[tuple[str, str | None]],
         truncated += cut
         ids = [tokenizer.cls_id, *a, tokenizer.sep_id] + ([*b, tokenizer.sep_id] if b is not None else [])
         packed.append(ids)
-        lengths_a.append(len(a) + 2)
-    return packed, lengths_a, truncated
+        len_a.append(len(a) + 2)
+    return packed, len_a, truncated
 
 
 def encode_examples(records: list[dict], tokenizer: Tokenizer, labels: LabelSpace, max_seq_len: int,
@@ -123,9 +123,9 @@ def encode_examples(records: list[dict], tokenizer: Tokenizer, labels: LabelSpac
             if similarity and text_b is None:
                 raise ValueError(f"{where}: record {number}: similarity needs 'text_b'")
             pairs = [(text, text_b), (text_b, text)] if similarity else [(text, text_b)]
-        packed, lengths_a, cut = pack_views(tokenizer, pairs, max_seq_len)
+        packed, len_a, cut = pack_views(tokenizer, pairs, max_seq_len)
         truncated += cut
-        examples.append(ClassifyExample(tuple(map(tuple, packed)), tuple(lengths_a),
+        examples.append(ClassifyExample(tuple(map(tuple, packed)), tuple(len_a),
                                         labels.label_id(record, number, where)))
     return examples, truncated
 
@@ -140,7 +140,7 @@ def collate(examples: list[ClassifyExample], pad_id: int, regression: bool) -> d
             input_ids[row, view, : len(ids)] = torch.tensor(ids)
     return {
         "input_ids": input_ids,
-        "len_a": torch.tensor([e.first_segment_lengths for e in examples]),
+        "len_a": torch.tensor([e.len_a for e in examples]),
         "length": torch.tensor([[len(v) for v in e.views] for e in examples]),
         "labels": torch.tensor([e.label for e in examples], dtype=torch.float if regression else torch.long),
     }

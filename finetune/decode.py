@@ -32,7 +32,7 @@ import torch
 
 from pretrain.masks import SEQ2SEQ, build_segment_ids
 
-from .datasets import read_jsonl, write_jsonl
+from .task_files import read_jsonl, write_jsonl
 from .metrics import generation_metrics
 from .model_io import check_vocab, load_finetuned
 from .tokenizer import Tokenizer

@@ -13,7 +13,7 @@ from pretrain.model import IGNORE_INDEX, UniLMModel
 
 from . import classify, qa, seq2seq
 from .config import FinetuneConfig
-from .datasets import read_jsonl
+from .task_files import read_jsonl
 from .decode import DecodeConfig, decode_records
 from .metrics import generation_metrics
 from .tokenizer import Tokenizer

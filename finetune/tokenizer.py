@@ -16,7 +16,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as WordPieceEncoder
 from tokenizers import decoders
 
-from data_prep.vocab import Vocab, load_tokenizer as load_encoder, load_vocab
+from data_prep.vocab import Vocab, load_encoder, load_vocab
 
 VOCAB_FILE = "vocab.txt"
 TOKENIZER_CONFIG = "tokenizer_config.json"

@@ -25,7 +25,7 @@ from data_prep.build import BuildConfig, build, iter_chunks
 from data_prep.instances import InstanceConfig
 from data_prep.sources import read_documents
 from data_prep.text import clean_document, split_sentences
-from data_prep.vocab import load_tokenizer, load_vocab, train_vocab
+from data_prep.vocab import load_encoder, load_vocab, train_vocab
 
 DEFAULT_INPUTS = ["data/samples/wiki/enwiki-excerpt.xml.bz2", "data/samples/books.jsonl", "data/samples/news/lee.txt"]
 
@@ -56,7 +56,7 @@ def measure(inputs: list[str] = DEFAULT_INPUTS, vocab: Path | None = None, recip
             train_vocab((clean_document(json.loads(line)["text"]) for line in open(corpus, encoding="utf-8")),
                         8000, vocab_path, uncased=False)
         vocab_file = load_vocab(vocab_path)
-        tokenizer = load_tokenizer(str(vocab_path), vocab_file.sha256, False)
+        tokenizer = load_encoder(str(vocab_path), vocab_file.sha256, False)
         batches = [[s for text in chunk.records for s in split_sentences(clean_document(text[0]))]
                    for chunk in iter_chunks([str(corpus)], chunk_chars)]
         num_tokens = sum(len(e.ids) for batch in batches for e in tokenizer.encode_batch(batch, add_special_tokens=False))

@@ -15,6 +15,7 @@ says nothing about the cache. `--threads 0` keeps torch's default.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import tempfile
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from finetune.datasets import convert_samples, read_jsonl
+from finetune.task_files import convert_samples, read_jsonl
 from finetune.decode import DecodeConfig, SpecialIds, generate, pack_source
 from finetune.model_io import load_finetuned
 
@@ -66,8 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
     identical = outputs["cache"] == outputs["no_cache"]
     ratio = results["no_cache"]["seconds"] / results["cache"]["seconds"]
     report = {
-        "model": args.model, "model_config": vars(model.cfg) if not hasattr(model.cfg, "__dataclass_fields__")
-        else {k: getattr(model.cfg, k) for k in model.cfg.__dataclass_fields__},
+        "model": args.model, "model_config": dataclasses.asdict(model.cfg),
         "sources": len(sources), "source_lengths": [len(s) for s in sources], "target_length": args.tgt_len,
         "beam_size": args.beam_size, "identical_outputs": identical, "speedup": ratio, **results,
         "machine": {"cpu": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),

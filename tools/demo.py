@@ -13,7 +13,7 @@ walk-through of the real workflow:
     resume    the same command again: resumes from the sharded checkpoint and runs to the end
     plot      python -m pretrain.plot                          loss curves, total and per objective
     export    python -m pretrain.export                        Hugging Face BERT directory
-    finetune  python -m finetune.datasets; python -m tools.finetune_demo
+    finetune  python -m finetune.task_files; python -m tools.finetune_demo
               pre-trained vs from scratch on BBC topics + headlines, beam-5 headlines
     report    OUT/REPORT.md
 
@@ -23,7 +23,6 @@ again; ``--from STAGE`` redoes that stage and every later one.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -180,18 +179,14 @@ class Demo:
         return {"files": sorted(p.name for p in self.hf_dir.iterdir()), "transformers_loading": loading}
 
     def finetune(self) -> dict[str, Any]:
-        missing = [m for m in ("finetune.datasets", "tools.finetune_demo") if importlib.util.find_spec(m) is None]
-        if missing:
-            print(f"[demo]   fine-tuning is not available yet ({', '.join(missing)} missing): skipped", flush=True)
-            return {"available": False, "missing": missing}
-        self.command([self.python, "-m", "finetune.datasets", "--samples", str(self.samples),
+        self.command([self.python, "-m", "finetune.task_files", "--samples", str(self.samples),
                       "--out", str(self.finetune_data)])
         # From the pre-training checkpoint, not the HF export: the export keeps only BERT's 2 segment rows,
         # and headline generation uses the seq2seq rows 4/5.
         self.command([self.python, "-m", "tools.finetune_demo", "--pretrained", str(self.run_dir / "checkpoints"),
                       "--vocab", str(self.vocab), "--data", str(self.finetune_data), "--out", str(self.finetune_dir)],
                      self.out / "logs" / "finetune.log")
-        return {"available": True, "summary": json.loads((self.finetune_dir / "summary.json").read_text())}
+        return {"summary": json.loads((self.finetune_dir / "summary.json").read_text())}
 
     def report(self) -> dict[str, Any]:
         path = self.out / "REPORT.md"
@@ -284,17 +279,13 @@ def render_report(demo: Demo) -> str:
 
     lines += ["## Fine-tuning: pre-trained vs from scratch", ""]
     finetune = stages["finetune"]
-    if finetune.get("available"):
+    if finetune:
         table = (demo.finetune_dir / "table.md").read_text().strip()
         lines += ["The same `tiny` architecture, tokenizer, data, seeds and settings (`finetune/configs/demo-*.yaml`), "
                   "initialised from the pre-training checkpoint above or randomly (`python -m tools.finetune_demo`); "
                   "BBC News topic classification (5 classes) and article → headline generation; best dev epoch, "
                   "three seeds per init.", "",
                   table, ""]
-    elif finetune:
-        lines += [f"**Not run**: the fine-tuning package is not available in this tree yet "
-                  f"({', '.join(finetune.get('missing', []))} missing). Rerun `make demo` once it is: the other "
-                  "stages are skipped and only fine-tuning and this report are done.", ""]
     else:
         lines += ["Not run yet.", ""]
     return "\n".join(lines)
@@ -309,7 +300,7 @@ STAGE_SUMMARY = {
     "resume": "the same command again (auto-resume to `train.max_steps`)",
     "plot": "`python -m pretrain.plot`",
     "export": "`python -m pretrain.export`",
-    "finetune": "`python -m finetune.datasets`, `python -m tools.finetune_demo` (2 tasks × 2 inits × 3 seeds, then beam search)",
+    "finetune": "`python -m finetune.task_files`, `python -m tools.finetune_demo` (2 tasks × 2 inits × 3 seeds, then beam search)",
 }
 
 
@@ -390,8 +381,7 @@ def main(argv: list[str] | None = None) -> None:
     started = time.monotonic()
     for number, name in enumerate(STAGES, 1):
         previous = demo.done(name)
-        finetune_missing = name == "finetune" and previous is not None and not previous.get("available")
-        if previous is not None and name != "report" and not finetune_missing:
+        if previous is not None and name != "report":
             print(f"[demo] ({number}/{len(STAGES)}) {name}: done earlier ({_duration(previous['wall_s'])}), skipped",
                   flush=True)
             continue

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pretrained", required=True, help="pre-training checkpoint dir or HF BERT export")
     parser.add_argument("--vocab", help="vocab.txt (needed with a checkpoint)")
-    parser.add_argument("--data", default="data/finetune", help="`python -m finetune.datasets` output")
+    parser.add_argument("--data", default="data/finetune", help="`python -m finetune.task_files` output")
     parser.add_argument("--out", default="demo_out/finetune")
     parser.add_argument("--epochs", type=int, help="override the demo configs' epochs")
     parser.add_argument("--headlines", type=int, default=8, help="dev articles to write beam-5 headlines for")

@@ -10,7 +10,7 @@ import pytest
 from data_prep import build
 from data_prep.inspect import shard_statistics
 from data_prep.shard_format import Objective, ShardDataset
-from data_prep.vocab import load_tokenizer, load_vocab
+from data_prep.vocab import load_encoder, load_vocab
 
 
 def run_build(*args: object) -> dict:
@@ -154,7 +154,7 @@ def test_gpt_is_contiguous_and_unmasked(gpt_shards, small_corpus, vocab_file):
     from data_prep.text import clean_document, split_sentences
 
     vocab = load_vocab(vocab_file)
-    tokenizer = load_tokenizer(str(vocab_file), vocab.sha256, False)
+    tokenizer = load_encoder(str(vocab_file), vocab.sha256, False)
     first_doc = clean_document(json.loads(small_corpus.read_text().split("\n")[0])["text"])
     expected = [t for e in tokenizer.encode_batch(split_sentences(first_doc), add_special_tokens=False) for t in e.ids]
     windows, produced = 0, []

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from data_prep.vocab import VocabError, load_tokenizer, load_vocab, train_vocab
+from data_prep.vocab import VocabError, load_encoder, load_vocab, train_vocab
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
@@ -42,15 +42,15 @@ def test_missing_and_binary_vocab(tmp_path):
 def test_cased_by_default_uncased_on_request(tmp_path):
     path = _write(tmp_path, SPECIALS + ["Hello", "hello", "cafe", "café", "world", "!", "##s"])
     vocab = load_vocab(path)
-    cased = load_tokenizer(path, vocab.sha256, False)
-    uncased = load_tokenizer(path, vocab.sha256, True)
+    cased = load_encoder(path, vocab.sha256, False)
+    uncased = load_encoder(path, vocab.sha256, True)
     assert cased.encode("Hello café worlds!", add_special_tokens=False).tokens == ["Hello", "café", "world", "##s", "!"]
     assert uncased.encode("Hello Café", add_special_tokens=False).tokens == ["hello", "cafe"]
 
 
 def test_literal_special_token_text_stays_ordinary_text(vocab_file):
     vocab = load_vocab(vocab_file)
-    tokenizer = load_tokenizer(str(vocab_file), vocab.sha256, False)
+    tokenizer = load_encoder(str(vocab_file), vocab.sha256, False)
     ids = tokenizer.encode("Before [SEP] and [MASK] or [CLS] [PAD] after", add_special_tokens=False).ids
     assert not set(ids) & {vocab.special_ids[k] for k in ("pad", "cls", "sep", "mask")}
 

@@ -9,14 +9,14 @@ import pytest
 import torch
 from tokenizers import BertWordPieceTokenizer
 
-from finetune.datasets import convert_samples, read_jsonl, write_jsonl
+from finetune.task_files import convert_samples, read_jsonl, write_jsonl
 from pretrain.hf import save_hf_bert
 from pretrain.model import ModelConfig, build_model
 
 
 @pytest.fixture(scope="session")
 def task_files(samples_dir: Path, tmp_path_factory) -> Path:
-    """`finetune.datasets` output of the real samples (BBC topic/headline, Rotten Tomatoes, SQuAD)."""
+    """`finetune.task_files` output of the real samples (BBC topic/headline, Rotten Tomatoes, SQuAD)."""
     out = tmp_path_factory.mktemp("task_files")
     convert_samples(samples_dir, out)
     return out

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from finetune.datasets import bbc_articles, convert_samples, is_dev, read_jsonl
+from finetune.task_files import bbc_articles, convert_samples, is_dev, read_jsonl
 from finetune.seq2seq import Seq2SeqExample, collate, encode_examples, pack_and_mask, seq2seq_loss
 from finetune.tokenizer import load_tokenizer
 from pretrain.hf import load_hf_bert

@@ -54,8 +54,8 @@ def test_classification_learns_and_predicts_label_ids(backbone, tokenizer):
 
 
 def test_pairs_are_truncated_longest_first_and_counted(tokenizer):
-    packed, lengths_a, cut = classify.pack_views(tokenizer, [("a b c d e f g h", "x y")], max_seq_len=8)
-    assert cut == 1 and len(packed[0]) == 8 and lengths_a[0] == 2 + 3  # a keeps 3 pieces, b keeps 2
+    packed, len_a, cut = classify.pack_views(tokenizer, [("a b c d e f g h", "x y")], max_seq_len=8)
+    assert cut == 1 and len(packed[0]) == 8 and len_a[0] == 2 + 3  # a keeps 3 pieces, b keeps 2
     assert packed[0].count(tokenizer.sep_id) == 2
 
 

@@ -31,13 +31,9 @@ def test_finished_stages_are_skipped_and_from_redoes_the_rest(tmp_path: Path, mo
     assert calls == ["export", "finetune", "report"]
 
 
-def test_report_renders_before_anything_ran_and_names_a_missing_finetune_package(tmp_path: Path) -> None:
+def test_report_renders_before_anything_ran(tmp_path: Path) -> None:
     demo = make_demo(tmp_path)
     assert "Not run yet" in demo_module.render_report(demo)
-    (tmp_path / "stages").mkdir()
-    (tmp_path / "stages" / "finetune.json").write_text(json.dumps(
-        {"available": False, "missing": ["tools.finetune_demo"], "wall_s": 0.1}))
-    assert "**Not run**" in demo_module.render_report(demo) and "tools.finetune_demo" in demo_module.render_report(demo)
 
 
 def test_the_pretraining_command_is_the_cluster_command_on_the_localhost_hostfile(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ Formats (one JSON object per line):
 - seq2seq: `{"src", "tgt"}`;
 - qa: SQuAD 1.1/2.0 JSON (not JSONL), read by `finetune.qa`.
 
-Converters (`python -m finetune.datasets --samples data/samples --out data/finetune`):
+Converters (`python -m finetune.task_files --samples data/samples --out data/finetune`):
 - BBC News (`bbc/<topic>/NNN.txt`, line 1 = headline): `bbc_topic` (article body → topic) and
   `bbc_headline` (body → headline);
 - Rotten Tomatoes (`rotten.csv.bz2`, `fresh`/`rotten` snippets; the `plot` rows are not reviews): `rotten`;
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dev-fraction", type=float, default=0.1)
     args = parser.parse_args(argv)
     for name, count in convert_samples(args.samples, args.out, args.dev_fraction).items():
-        print(f"[datasets] {name}: {count}")
+        print(f"[task_files] {name}: {count}")
 
 
 if __name__ == "__main__":
