@@ -21,7 +21,7 @@ WORKERS    ?= 2
 SHARDS     ?= data/shards/$(RECIPE)-$(SEQ_LEN)
 BUILD_ARGS ?=
 
-.PHONY: help setup system-deps sample-corpus vocab shards inspect demo test bench bench-data bench-model clean pretrain preflight plot bench-train finetune-data finetune-demo bench-decode
+.PHONY: help setup system-deps sample-corpus vocab shards inspect demo test test-fast bench bench-data bench-model clean pretrain preflight plot bench-train finetune-data finetune-demo bench-decode
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -65,6 +65,9 @@ demo: $(STAMP)  ## the whole pipeline end to end on the sample corpus -> demo_ou
 test: sample-corpus  ## run the whole test suite
 	$(PY) -m pytest -q tests
 
+test-fast: sample-corpus  ## the test suite without the multi-process / multi-minute tests (-m "not slow")
+	$(PY) -m pytest -q -m "not slow" tests
+
 bench: sample-corpus  ## every benchmark in one run: one table of ratios + the machine -> bench_out/results.json
 	$(PY) -m tools.bench_all --out bench_out
 
@@ -100,7 +103,7 @@ plot: $(STAMP)  ## loss curves (total and per objective) of RUN to RUN/loss.png
 bench-train: $(STAMP)  ## loader vs model throughput, data-wait share, per-rank memory of ZeRO-1/2/3
 	$(PY) -m tools.bench_train --out bench_out/train
 
-# Fine-tuning (issue 5). finetune-demo fine-tunes the tiny model pre-trained by our pipeline (FT_PRETRAINED: a
+# Fine-tuning. finetune-demo fine-tunes the tiny model pre-trained by our pipeline (FT_PRETRAINED: a
 # checkpoints directory, built with `make vocab shards pretrain OVERRIDES=$(FT_PRETRAIN_OVERRIDES)` when missing)
 # and the same model from scratch on BBC topic classification and headline generation, then prints the table.
 FT_OUT                ?= demo_out/finetune

@@ -274,7 +274,9 @@ def save(engine: Any, checkpoint_dir: Path, step: int, meta: dict[str, Any], cli
         fsync_tree(tag_dir)  # this rank's files are on disk before they count
     except (OSError, RuntimeError) as error:  # a full disk surfaces as OSError or as torch's RuntimeError
         free = shutil.disk_usage(checkpoint_dir).free
-        full = getattr(error, "errno", None) == errno.ENOSPC or free < 2**20  # torch hides the errno
+        # torch.save reports a full disk as "PytorchStreamWriter failed writing file", without the errno
+        # (https://github.com/pytorch/pytorch/issues/76108): the free space tells
+        full = getattr(error, "errno", None) == errno.ENOSPC or free < 2**20
         if not (full or isinstance(error, OSError)):
             raise  # not the disk (e.g. a peer died in DeepSpeed's barrier): a crash, not a diagnosis
         shutil.rmtree(tag_dir, ignore_errors=True)  # never resumed from; frees what it took

@@ -1,4 +1,5 @@
-"""The README cannot drift from the code: its configuration reference is the generated one, its batch table is
+"""The README cannot drift from the code: the configuration reference (docs/configuration.md) is the generated
+one, the README's batch table is
 what `pretrain.batch_plan` computes, every `make TARGET` it shows is a Makefile target and every
 `python -m MODULE` it shows imports and answers `--help`."""
 from __future__ import annotations
@@ -15,11 +16,12 @@ from pretrain.config import reference_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+CONFIGURATION = ROOT / "docs" / "configuration.md"
 
 
-def section(name: str) -> str:
-    match = re.search(rf"<!-- {name}:start -->\n(.*?)<!-- {name}:end -->", README, re.S)
-    assert match, f"README.md has no <!-- {name}:start/end --> section"
+def section(name: str, text: str = README, where: str = "README.md") -> str:
+    match = re.search(rf"<!-- {name}:start -->\n(.*?)<!-- {name}:end -->", text, re.S)
+    assert match, f"{where} has no <!-- {name}:start/end --> section"
     return match.group(1)
 
 
@@ -31,8 +33,12 @@ def code_text() -> str:
 
 
 def test_configuration_reference_is_generated_from_the_config_dataclasses() -> None:
-    assert section("config-reference") == reference_markdown() + "\n", (
-        "README.md's configuration reference is out of date: run `python -m pretrain.config --update-readme`")
+    assert section("config-reference", CONFIGURATION.read_text(), str(CONFIGURATION)) == reference_markdown() + "\n", (
+        "docs/configuration.md is out of date: run `python -m pretrain.config --update-reference`")
+
+
+def test_the_readme_stays_short() -> None:
+    assert len(README.encode()) <= 16 * 1024, "README.md is over 16 KB: detail belongs in docs/"
 
 
 def test_batch_table_matches_the_batch_planner() -> None:

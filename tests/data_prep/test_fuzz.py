@@ -1,4 +1,4 @@
-"""Hostile corpora (issue 7): random bytes, huge lines, deep wiki markup, mixed encodings, NULs, empty and broken
+"""Hostile corpora: random bytes, huge lines, deep wiki markup, mixed encodings, NULs, empty and broken
 files in every input format. The build completes, counts every skip, and every shard it writes is valid.
 
 A whole-document input that cannot be parsed at all (a truncated or malformed ``.xml``/``.xml.bz2`` dump, a

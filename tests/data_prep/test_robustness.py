@@ -1,4 +1,4 @@
-"""Corrupt and mismatched shard builds (issue 7), and safe loading.
+"""Corrupt and mismatched shard builds, and safe loading.
 
 Every fault below is injected into a copy of a real build. ``ShardDataset`` (what the trainer opens) must refuse
 it with a ``ShardError`` naming the file, either on open (manifest, vocab, sizes, headers: cheap, no shard data

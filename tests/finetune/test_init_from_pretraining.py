@@ -1,4 +1,4 @@
-"""Issue 5 ("does pre-training help?"): fine-tuning must start from *all* the pre-trained weights and see its
+"""Does pre-training help? Fine-tuning must start from *all* the pre-trained weights and see its
 inputs exactly as pre-training did. A silent re-initialisation (segment rows 4/5, the MLM head's bias) or a
 different packing would make the pre-trained and the from-scratch run start alike, which is what a flat
 "pre-trained vs scratch" headline row looks like; these tests rule both out."""

@@ -1,4 +1,4 @@
-"""What survives a crash (issue 7): kills during checkpoint writes, power loss, a rank lost mid-step, a full disk,
+"""What survives a crash: kills during checkpoint writes, power loss, a rank lost mid-step, a full disk,
 non-finite gradients, hostile hostfiles and unsafe loading.
 
 Faults are injected from outside the library by ``tests/fault_injection.py``, which wraps the functions where

@@ -1,4 +1,4 @@
-"""Two hosts, really (issue 7): two network namespaces joined by a veth pair, each with its own address and its
+"""Two hosts, really: two network namespaces joined by a veth pair, each with its own address and its
 own sshd; DeepSpeed's pdsh launcher, started on the first 'host', starts one rank per host over ssh from a
 hostfile naming both addresses. The run trains, checkpoints, is relaunched and resumes; then the cluster shrinks
 to one host and the run resumes on it (world size 2 -> 1, universal checkpoint).
