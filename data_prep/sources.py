@@ -129,7 +129,7 @@ def _read_json(path: Path) -> Iterator[str | Skipped]:
 
 
 def _read_parquet(path: Path) -> Iterator[str | Skipped]:
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # optional: only parquet inputs need it
 
     try:
         parquet = pq.ParquetFile(path)
@@ -171,7 +171,7 @@ def _decode(raw: bytes, where: str) -> str | Skipped:
 
 def _read_hf(spec: str) -> Iterator[str | Skipped]:
     """``name[:config][:split]`` (split defaults to ``train``), streamed so large corpora never sit in RAM."""
-    import datasets
+    import datasets  # optional and slow to import: only hub inputs need it
 
     name, config, split = (spec.split(":") + ["", ""])[:3] if not Path(spec).is_dir() else (spec, "", "")
     try:

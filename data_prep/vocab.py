@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
 SPECIAL_TOKENS = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"}
 
@@ -86,8 +86,6 @@ def load_encoder(path: str, sha256: str, uncased: bool) -> Tokenizer:
 
 def train_vocab(documents: Iterable[str], size: int, out: Path, uncased: bool) -> Vocab:
     """Train a WordPiece vocab of ``size`` entries on ``documents`` (streamed) and write it to ``out``."""
-    from tokenizers import trainers
-
     if size < 100:
         raise VocabError(f"--train-vocab {size}: too small; use at least 100 (BERT uses ~30,000)")
     tokenizer = Tokenizer(models.WordPiece(unk_token=SPECIAL_TOKENS["unk"]))

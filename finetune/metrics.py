@@ -119,8 +119,9 @@ def squad_metrics(predictions: dict[str, str], gold_answers: dict[str, list[str]
 
 def generation_metrics(predictions: Sequence[str], references: Sequence[str]) -> dict[str, float]:
     """ROUGE-1/2/L F1 (rouge-score, with stemming, mean over examples, in percent) and corpus BLEU-4 (sacrebleu)."""
-    from rouge_score import rouge_scorer
+    # optional (extras): only generation metrics need them
     import sacrebleu
+    from rouge_score import rouge_scorer
 
     if len(predictions) != len(references) or not references:
         raise ValueError(f"generation_metrics needs equally long, non-empty lists "

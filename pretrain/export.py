@@ -12,8 +12,10 @@ import argparse
 from pathlib import Path
 
 import torch
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 from pretrain import checkpoint as ckpt
+from pretrain.hf import save_hf_bert
 from pretrain.model import ModelConfig, UniLMModel, build_model
 
 
@@ -36,7 +38,6 @@ def load_consolidated(path: str | Path) -> UniLMModel:
         state = torch.load(directory / tag / "mp_rank_00_model_states.pt", map_location="cpu",
                            weights_only=False)["module"]
     else:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
         state = get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=tag)
     model.load_state_dict({k: v.float() for k, v in state.items()})
     return model
@@ -49,7 +50,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--architecture", default="BertForPreTraining",
                         choices=["BertForPreTraining", "BertForMaskedLM", "BertModel"])
     args = parser.parse_args(argv)
-    from pretrain.hf import save_hf_bert
     print(save_hf_bert(load_consolidated(args.checkpoint), args.out, architecture=args.architecture))
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    import matplotlib
+    import matplotlib  # optional (extras): only plotting needs it
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

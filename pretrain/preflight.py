@@ -23,9 +23,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from data_prep.shard_format import MANIFEST_NAME, ShardDataset, sha256_file
 from pretrain.batch_plan import InfeasibleBatchError, plan_batch
 from pretrain.checkpoint import code_version
 from pretrain.config import REPO_ROOT, RunConfig, load_config
+from pretrain.trainer import resolve_model_config
 
 CHECKPOINT_BYTES_PER_PARAMETER = 16  # fp32 weights + Adam moments (12) + low-precision copy / slack
 LOCAL_NAMES = {"localhost", "127.0.0.1", socket.gethostname(), socket.getfqdn()}
@@ -69,7 +71,6 @@ def read_hostfile(path: str | Path) -> dict[str, int]:
 
 def probe(cfg: RunConfig) -> dict[str, Any]:
     """What this host sees: code version, shard manifest hash, free disk under out_dir."""
-    from data_prep.shard_format import MANIFEST_NAME, ShardDataset, sha256_file
     report: dict[str, Any] = {"host": socket.gethostname(), "code_version": code_version()}
     try:
         ShardDataset(cfg.data.shards)
@@ -84,7 +85,6 @@ def probe(cfg: RunConfig) -> dict[str, Any]:
 
 
 def checkpoint_bytes(cfg: RunConfig) -> int:
-    from pretrain.trainer import resolve_model_config
     model_cfg = resolve_model_config(cfg)
     h, layers, vocab = model_cfg.hidden_size, model_cfg.num_layers, model_cfg.vocab_size
     parameters = layers * (4 * h * h + 2 * h * model_cfg.intermediate_size) + (vocab + model_cfg.max_position_embeddings) * h
