@@ -9,6 +9,7 @@ is written), ``after:FILE`` (after DeepSpeed wrote FILE of that checkpoint), ``b
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import os
 import sys
@@ -54,15 +55,19 @@ def _step_of_path(path: str | Path) -> int | None:
 
 
 def _wrap(owner: Any, name: str, before: Any = None, after: Any = None) -> None:
+    """Replace ``owner.name`` by a wrapper that calls ``before(arguments)`` / ``after(arguments)`` around it, with
+    the call's arguments bound to their parameter names (callers pass them by position or by keyword)."""
     original = getattr(owner, name)
+    signature = inspect.signature(original)
 
     @functools.wraps(original)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
+        arguments = signature.bind(*args, **kwargs).arguments
         if before is not None:
-            before(*args, **kwargs)
+            before(arguments)
         result = original(*args, **kwargs)
         if after is not None:
-            after(*args, **kwargs)
+            after(arguments)
         return result
     setattr(owner, name, wrapped)
 
@@ -85,12 +90,11 @@ def _train_step_with_fault(original: Any) -> Any:
 
 def install() -> None:
     trainer.train_step = _train_step_with_fault(trainer.train_step)
-    _wrap(ckpt, "save", before=lambda engine, directory, step, *a, **k: _kill_if_wanted("save_begin", step))
+    _wrap(ckpt, "save", before=lambda a: _kill_if_wanted("save_begin", a["step"]))
     _wrap(TorchCheckpointEngine, "save",
-          after=lambda self, state, path, *a, **k: _kill_if_wanted(f"after:{Path(path).name}", _step_of_path(path)))
-    _wrap(ckpt, "write_marker", before=lambda tag_dir, *a, **k: _kill_if_wanted("before_marker", _step_of_path(tag_dir)))
-    _wrap(ckpt, "update_latest",
-          before=lambda directory, tag, *a, **k: _kill_if_wanted("before_latest", ckpt.step_of_tag(tag)))
+          after=lambda a: _kill_if_wanted(f"after:{Path(a['path']).name}", _step_of_path(a["path"])))
+    _wrap(ckpt, "write_marker", before=lambda a: _kill_if_wanted("before_marker", _step_of_path(a["tag_dir"])))
+    _wrap(ckpt, "update_latest", before=lambda a: _kill_if_wanted("before_latest", ckpt.step_of_tag(a["tag"])))
 
 
 if __name__ == "__main__":
