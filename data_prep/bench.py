@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from data_prep.build import BuildConfig, build, iter_chunks
+from data_prep.sources import ReadOptions, Unit
 from data_prep.instances import InstanceConfig
 from data_prep.sources import read_documents
 from data_prep.text import clean_document, split_sentences
@@ -58,7 +59,7 @@ def measure(inputs: list[str] = DEFAULT_INPUTS, vocab: Path | None = None, recip
         vocab_file = load_vocab(vocab_path)
         tokenizer = load_tokenizer(str(vocab_path), vocab_file.sha256, False)
         batches = [[s for text in chunk.records for s in split_sentences(clean_document(text[0]))]
-                   for chunk in iter_chunks([str(corpus)], chunk_chars)]
+                   for chunk in iter_chunks(0, Unit(str(corpus)), ReadOptions(), chunk_chars)]
         num_tokens = sum(len(e.ids) for batch in batches for e in tokenizer.encode_batch(batch, add_special_tokens=False))
 
         def raw() -> None:

@@ -12,8 +12,17 @@ an existing directory, or               ``datasets.load_dataset(name, config, sp
 
 ``read_documents`` streams ``str`` documents (raw; clean-up happens later) and ``Skipped`` records for input
 it cannot use — a line that is not UTF-8 or not JSON, a record without a string ``text`` — so every skip is
-counted with its reason. Problems with the input as a whole (missing file, unknown suffix, a parquet file
-without ``text``) raise ``SourceError`` naming the input and the fix.
+counted with its reason. Problems with the input as a whole (missing file, unknown suffix, a parquet file or
+dataset without the text column) raise ``SourceError`` naming the input and the fix. ``--text-field NAME`` picks
+another column than ``text``.
+
+Work is split into units (``input_units``): one per local file, one per shard of a Hugging Face dataset
+(``IterableDataset.shard``), so several builders read disjoint parts of the inputs. Wikipedia pages come out
+as raw ``Wikitext``; ``document_text`` turns them into prose in the worker that processes them.
+
+Sentence-per-row corpora (BookCorpus on the hub is one sentence per row) use ``group_rows``: consecutive rows
+become the sentences of one document of at most ``rows_per_document`` rows; an empty row ends a document early.
+For ``.txt`` inputs a row is a line.
 """
 from __future__ import annotations
 
@@ -26,6 +35,8 @@ from data_prep.wikitext import iter_pages, wikitext_to_text
 
 FILE_SUFFIXES = (".xml", ".xml.bz2", ".jsonl", ".json", ".parquet", ".txt")
 TEXT_FIELD = "text"
+ROWS_PER_DOCUMENT = 256
+"""default --rows-per-document: ~3,000 tokens of book sentences, ~6 samples of 512 tokens per document"""
 
 
 class SourceError(ValueError):
@@ -38,6 +49,43 @@ class Skipped:
 
     reason: str
     where: str
+
+
+class Wikitext(str):
+    """A Wikipedia page's raw wikitext; ``document_text`` cleans it (in a worker process, not the reader)."""
+
+
+def document_text(record: str) -> str:
+    """Plain text of a record: Wikipedia markup stripped, anything else unchanged."""
+    return wikitext_to_text(record) if isinstance(record, Wikitext) else record
+
+
+@dataclass(frozen=True)
+class Unit:
+    """The part of one ``--input`` a builder reads on its own: a whole file, or shard ``shard`` of a dataset."""
+
+    spec: str
+    shard: int = 0
+    num_shards: int = 1
+
+    def __str__(self) -> str:
+        return self.spec if self.num_shards == 1 else f"{self.spec} shard {self.shard}/{self.num_shards}"
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    """How records become documents (part of a build's identity)."""
+
+    text_field: str = TEXT_FIELD
+    rows_as_sentences: bool = False
+    rows_per_document: int = ROWS_PER_DOCUMENT
+
+    def __post_init__(self) -> None:
+        if not self.text_field:
+            raise ValueError("--text-field must name a field")
+        if self.rows_per_document < 2:
+            raise ValueError(f"--rows-per-document {self.rows_per_document} must be at least 2 "
+                             "(a sample pairs sentences)")
 
 
 def _suffix(path: Path) -> str:
@@ -59,27 +107,83 @@ def check_input(spec: str) -> None:
         raise SourceError(f"--input {spec}: file not found")
 
 
-def read_documents(spec: str) -> Iterator[str | Skipped]:
-    """Documents of one ``--input``, streamed in a fixed order."""
-    check_input(spec)
+def _is_hf(spec: str) -> bool:
     path = Path(spec)
-    if not path.exists() or path.is_dir():
-        yield from _read_hf(spec)
-        return
-    reader = {".xml": _read_wiki, ".xml.bz2": _read_wiki, ".jsonl": _read_jsonl, ".json": _read_json,
-              ".parquet": _read_parquet, ".txt": _read_txt}[_suffix(path)]
-    yield from reader(path)
+    return not path.exists() or path.is_dir()
 
 
-def _text_of(record: object, where: str) -> str | Skipped:
-    if not isinstance(record, dict):
-        return Skipped("not_an_object", where)
-    text = record.get(TEXT_FIELD)
-    if text is None:
-        return Skipped("missing_text_field", where)
-    if not isinstance(text, str):
-        return Skipped("text_not_a_string", where)
-    return text
+def input_units(spec: str) -> list[Unit]:
+    """The units of one ``--input``: the file itself, or every shard of a Hugging Face dataset."""
+    check_input(spec)
+    if not _is_hf(spec):
+        return [Unit(spec)]
+    num_shards = _load_hf(spec).num_shards
+    return [Unit(spec, shard, num_shards) for shard in range(num_shards)]
+
+
+def read_documents(spec: str, options: ReadOptions = ReadOptions()) -> Iterator[str | Skipped]:
+    """Documents of one ``--input`` as plain text, streamed in a fixed order."""
+    for unit in input_units(spec):
+        for record in read_unit(unit, options):
+            yield record if isinstance(record, Skipped) else document_text(record)
+
+
+def read_unit(unit: Unit, options: ReadOptions = ReadOptions()) -> Iterator[str | Skipped]:
+    """Records of one unit (Wikipedia pages as raw ``Wikitext``), rows grouped when ``rows_as_sentences``."""
+    if _is_hf(unit.spec):
+        records = _read_hf(unit, options.text_field)
+    else:
+        path = Path(unit.spec)
+        suffix = _suffix(path)
+        if options.rows_as_sentences and suffix in (".xml", ".xml.bz2"):
+            raise SourceError(f"--input {unit.spec}: --rows-as-sentences does not apply to a Wikipedia dump (its "
+                              "records are whole articles); name only the sentence-per-row inputs after the flag")
+        if suffix == ".txt" and options.rows_as_sentences:
+            records = _read_txt_lines(path)
+        elif suffix in (".xml", ".xml.bz2", ".txt"):
+            records = {".xml": _read_wiki, ".xml.bz2": _read_wiki, ".txt": _read_txt}[suffix](path)
+        else:
+            records = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet}[suffix](
+                path, options.text_field)
+    return group_rows(records, options.rows_per_document) if options.rows_as_sentences else records
+
+
+def group_rows(rows: Iterator[str | Skipped], rows_per_document: int) -> Iterator[str | Skipped]:
+    """Consecutive rows as the sentences (paragraphs) of documents of at most ``rows_per_document`` rows.
+
+    Rows are joined by blank lines, so each row ends at least one sentence; an empty row ends a document early.
+    """
+    rows_of_document: list[str] = []
+    for row in rows:
+        if isinstance(row, Skipped):
+            yield row
+            continue
+        if row.strip():
+            rows_of_document.append(row)
+        if rows_of_document and (not row.strip() or len(rows_of_document) == rows_per_document):
+            yield "\n\n".join(rows_of_document)
+            rows_of_document = []
+    if rows_of_document:
+        yield "\n\n".join(rows_of_document)
+
+
+class _TextField:
+    """Picks the text field of records; a record without it is skipped with the fields it has, so the summary
+    and the warning show which ``--text-field`` was meant."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __call__(self, record: object, where: str) -> str | Skipped:
+        if not isinstance(record, dict):
+            return Skipped("not_an_object", where)
+        text = record.get(self.name)
+        if text is None:
+            return Skipped("missing_text_field", f"{where} (no '{self.name}'; fields: {sorted(record)[:10]}; "
+                                                 "pick one with --text-field NAME)")
+        if not isinstance(text, str):
+            return Skipped("text_not_a_string", where)
+        return text
 
 
 def _read_wiki(path: Path) -> Iterator[str | Skipped]:
@@ -90,13 +194,14 @@ def _read_wiki(path: Path) -> Iterator[str | Skipped]:
             elif namespace != 0:
                 yield Skipped("wiki_not_an_article", f"{path}: {title}")
             else:
-                yield wikitext_to_text(wikitext)
+                yield Wikitext(wikitext)
     except (OSError, EOFError, SyntaxError) as err:  # ET.ParseError is a SyntaxError; bz2 raises OSError/EOFError
         raise SourceError(f"--input {path}: not a readable Wikipedia XML dump ({err}); "
                           "pass a complete pages-articles .xml or .xml.bz2 file") from None
 
 
-def _read_jsonl(path: Path) -> Iterator[str | Skipped]:
+def _read_jsonl(path: Path, text_field: str) -> Iterator[str | Skipped]:
+    text_of = _TextField(text_field)
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
             where = f"{path}:{number}"
@@ -110,25 +215,26 @@ def _read_jsonl(path: Path) -> Iterator[str | Skipped]:
             except json.JSONDecodeError:
                 yield Skipped("malformed_json", where)
                 continue
-            yield _text_of(record, where)
+            yield text_of(record, where)
 
 
-def _read_json(path: Path) -> Iterator[str | Skipped]:
+def _read_json(path: Path, text_field: str) -> Iterator[str | Skipped]:
     with open(path, "rb") as f:
         head = f.read(4096).lstrip()
     if not head.startswith(b"["):
-        yield from _read_jsonl(path)
+        yield from _read_jsonl(path, text_field)
         return
     try:
         records = json.loads(path.read_bytes().decode("utf-8"))  # a JSON array has to be parsed whole
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise SourceError(f"--input {path}: not valid UTF-8 JSON ({err}); fix the file or convert it to .jsonl, "
                           "where bad lines are skipped and counted") from None
+    text_of = _TextField(text_field)
     for number, record in enumerate(records):
-        yield _text_of(record, f"{path}[{number}]")
+        yield text_of(record, f"{path}[{number}]")
 
 
-def _read_parquet(path: Path) -> Iterator[str | Skipped]:
+def _read_parquet(path: Path, text_field: str) -> Iterator[str | Skipped]:
     import pyarrow.parquet as pq
 
     try:
@@ -136,11 +242,11 @@ def _read_parquet(path: Path) -> Iterator[str | Skipped]:
     except Exception as err:  # pyarrow raises several unrelated types for a damaged file
         raise SourceError(f"--input {path}: not a readable parquet file ({err})") from None
     columns = parquet.schema_arrow.names
-    if TEXT_FIELD not in columns:
-        raise SourceError(f"--input {path}: no '{TEXT_FIELD}' column (columns: {columns}); "
-                          f"rename the document column to '{TEXT_FIELD}'")
+    if text_field not in columns:
+        raise SourceError(f"--input {path}: no '{text_field}' column (columns: {columns}); "
+                          "pass --text-field NAME for the column that holds the text")
     row = 0
-    for batch in parquet.iter_batches(columns=[TEXT_FIELD], batch_size=1024):
+    for batch in parquet.iter_batches(columns=[text_field], batch_size=1024):
         for text in batch.column(0).to_pylist():
             yield text if isinstance(text, str) else Skipped("text_not_a_string", f"{path} row {row}")
             row += 1
@@ -162,6 +268,13 @@ def _read_txt(path: Path) -> Iterator[str | Skipped]:
             yield _decode(b"".join(lines), f"{path}:{start}")
 
 
+def _read_txt_lines(path: Path) -> Iterator[str | Skipped]:
+    """Every line of a sentence-per-line text file as a row (blank lines as empty rows)."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            yield _decode(raw, f"{path}:{number}")
+
+
 def _decode(raw: bytes, where: str) -> str | Skipped:
     try:
         return raw.decode("utf-8")
@@ -169,16 +282,41 @@ def _decode(raw: bytes, where: str) -> str | Skipped:
         return Skipped("invalid_utf8", where)
 
 
-def _read_hf(spec: str) -> Iterator[str | Skipped]:
-    """``name[:config][:split]`` (split defaults to ``train``), streamed so large corpora never sit in RAM."""
+def _load_hf(spec: str):
+    """``name[:config][:split]`` (split defaults to ``train``) or a local dataset folder, as a streaming dataset."""
     import datasets
 
     name, config, split = (spec.split(":") + ["", ""])[:3] if not Path(spec).is_dir() else (spec, "", "")
     try:
-        dataset = datasets.load_dataset(name, config or None, split=split or "train", streaming=True)
+        return datasets.load_dataset(name, config or None, split=split or "train", streaming=True)
     except Exception as err:  # hub, network and builder errors have no common base class
         raise SourceError(f"--input {spec}: could not load Hugging Face dataset {name!r} "
                           f"(config {config or None!r}, split {split or 'train'!r}): {type(err).__name__}: {err}. "
                           "Check the name and network access, or pass local files") from None
-    for number, record in enumerate(dataset):
-        yield _text_of(record, f"{spec} record {number}")
+
+
+def _read_hf(unit: Unit, text_field: str) -> Iterator[str | Skipped]:
+    """One shard of a dataset, streamed so large corpora never sit in RAM."""
+    dataset = _load_hf(unit.spec)
+    if dataset.num_shards != unit.num_shards:
+        raise SourceError(f"--input {unit.spec}: now has {dataset.num_shards} shards, {unit.num_shards} when the "
+                          "build started; the dataset changed under the build")
+    if unit.num_shards > 1:
+        dataset = dataset.shard(num_shards=unit.num_shards, index=unit.shard)
+    columns = dataset.column_names  # None when a streaming dataset does not declare its features
+    if columns is not None and text_field not in columns:
+        raise SourceError(f"--input {unit.spec}: no '{text_field}' column (columns: {columns}); "
+                          "pass --text-field NAME for the column that holds the text")
+    text_of = _TextField(text_field)
+    records = iter(dataset)
+    number = 0
+    while True:
+        try:
+            record = next(records)
+        except StopIteration:
+            return
+        except Exception as err:  # a damaged data file surfaces from the dataset's own reader
+            raise SourceError(f"--input {unit}: record {number} could not be read ({type(err).__name__}: {err}); "
+                              "fix or remove the file it comes from") from None
+        yield text_of(record, f"{unit} record {number}")
+        number += 1
