@@ -511,7 +511,7 @@ def _rows_hint(skip_reasons: dict[str, int], read: int, every_input_is_rows: boo
     single = skip_reasons.get("too_few_sentences", 0)
     if not read or single <= read / 2 or every_input_is_rows:
         return ""
-    return (f"; {single} of {stats.read} documents are single sentences: if the input has one sentence per row "
+    return (f"; {single} of {read} documents are single sentences: if the input has one sentence per row "
             "(as BookCorpus on the Hugging Face hub), pass --rows-as-sentences")
 
 

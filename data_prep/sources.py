@@ -6,7 +6,8 @@
 ``*.json``                              a JSON array of objects with ``text`` (else read as JSON lines)
 ``*.parquet``                           a ``text`` column, read in record batches
 ``*.txt``                               documents separated by blank lines
-an existing directory, or               ``datasets.load_dataset(name, config, split=split, streaming=True)``,
+a directory of such files               every file, in sorted path order (hidden files and ``*.md`` ignored)
+another directory, or                   ``datasets.load_dataset(name, config, split=split, streaming=True)``,
 ``name[:config][:split]``               field ``text`` (e.g. ``wikimedia/wikipedia:20231101.en:train``)
 =====================================  ===========================================================
 
@@ -35,8 +36,10 @@ from data_prep.wikitext import iter_pages, wikitext_to_text
 
 FILE_SUFFIXES = (".xml", ".xml.bz2", ".jsonl", ".json", ".parquet", ".txt")
 TEXT_FIELD = "text"
-ROWS_PER_DOCUMENT = 256
-"""default --rows-per-document: ~3,000 tokens of book sentences, ~6 samples of 512 tokens per document"""
+ROWS_PER_DOCUMENT = 1000
+"""default --rows-per-document: ~70k characters of book sentences, ~30 samples of 512 tokens, so the one short
+sample at each document's end costs little padding, and a 500k-character chunk still holds several documents
+for NSP's random next segments"""
 
 
 class SourceError(ValueError):
@@ -109,12 +112,25 @@ def check_input(spec: str) -> None:
 
 def _is_hf(spec: str) -> bool:
     path = Path(spec)
-    return not path.exists() or path.is_dir()
+    return not path.exists() or (path.is_dir() and _local_files(path) is None)
+
+
+def _local_files(directory: Path) -> list[Path] | None:
+    """The files of a directory that holds only files this module reads (so each is read here, naming its
+    lines in every skip or error), else None: a Hugging Face dataset folder."""
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and not p.name.startswith(".")
+                   and not any(part.startswith(".") for part in p.relative_to(directory).parts)
+                   and not p.name.lower().endswith(".md"))
+    if not files or not all(_suffix(p) for p in files):
+        return None
+    return files
 
 
 def input_units(spec: str) -> list[Unit]:
-    """The units of one ``--input``: the file itself, or every shard of a Hugging Face dataset."""
+    """The units of one ``--input``: the file itself, each file of a directory, or every dataset shard."""
     check_input(spec)
+    if Path(spec).is_dir() and (files := _local_files(Path(spec))) is not None:
+        return [Unit(str(p)) for p in files]
     if not _is_hf(spec):
         return [Unit(spec)]
     num_shards = _load_hf(spec).num_shards
@@ -224,11 +240,13 @@ def _read_json(path: Path, text_field: str) -> Iterator[str | Skipped]:
     if not head.startswith(b"["):
         yield from _read_jsonl(path, text_field)
         return
+    raw = path.read_bytes()
     try:
-        records = json.loads(path.read_bytes().decode("utf-8"))  # a JSON array has to be parsed whole
+        records = json.loads(raw.decode("utf-8"))  # a JSON array has to be parsed whole
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise SourceError(f"--input {path}: not valid UTF-8 JSON ({err}); fix the file or convert it to .jsonl, "
-                          "where bad lines are skipped and counted") from None
+        line = raw[:err.start].count(b"\n") + 1 if isinstance(err, UnicodeDecodeError) else err.lineno
+        raise SourceError(f"--input {path}:{line}: not valid UTF-8 JSON ({err}); fix the file or convert it to "
+                          ".jsonl, where bad lines are skipped and counted") from None
     text_of = _TextField(text_field)
     for number, record in enumerate(records):
         yield text_of(record, f"{path}[{number}]")
@@ -272,7 +290,7 @@ def _read_txt_lines(path: Path) -> Iterator[str | Skipped]:
     """Every line of a sentence-per-line text file as a row (blank lines as empty rows)."""
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
-            yield _decode(raw, f"{path}:{number}")
+            yield _decode(raw.rstrip(b"\r\n"), f"{path}:{number}")
 
 
 def _decode(raw: bytes, where: str) -> str | Skipped:

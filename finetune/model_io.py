@@ -3,7 +3,8 @@
 A fine-tuning output directory is a Hugging Face BERT directory plus what HF BERT cannot hold:
 
     config.json, model.safetensors   `pretrain.hf.save_hf_bert` (loads in `transformers`)
-    vocab.txt, tokenizer_config.json the vocabulary it was trained with (`finetune.tokenizer`)
+    vocab.txt, tokenizer_config.json the vocabulary it was trained with and its casing, and
+    special_tokens_map.json          (`data_prep.vocab.write_hf_tokenizer`: `AutoTokenizer` loads them)
     finetune_extra.safetensors       the task head (`head.*`) and all 6 segment rows
                                      (`embeddings.segment.weight`: HF keeps only 2, seq2seq uses rows 4/5)
     finetune.json                    format version, task, labels, model config, run settings
@@ -23,12 +24,13 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from data_prep.vocab import write_hf_tokenizer
 from pretrain import checkpoint as ckpt
 from pretrain.export import load_consolidated
 from pretrain.hf import load_hf_bert, save_hf_bert
 from pretrain.model import UniLMModel
 
-from .tokenizer import Tokenizer, load_tokenizer, save_tokenizer
+from .tokenizer import Tokenizer, load_tokenizer
 
 FORMAT_VERSION = 1
 META_FILE = "finetune.json"
@@ -103,7 +105,7 @@ def save_finetuned(out_dir: str | Path, model: UniLMModel, head: torch.nn.Module
     if head is not None:
         tensors.update({f"head.{k}": v.detach().cpu().contiguous() for k, v in head.state_dict().items()})
     save_file(tensors, out / EXTRA_FILE)
-    save_tokenizer(tokenizer, out)
+    write_hf_tokenizer(tokenizer.vocab_path, tokenizer.lowercase, out)
     meta = {"format_version": FORMAT_VERSION, "task": task, "model_config": dataclasses.asdict(model.cfg), **extra_meta}
     (out / META_FILE).write_text(json.dumps(meta, indent=1, default=str) + "\n")
     return out

@@ -4,7 +4,11 @@
     python -m pretrain.export runs/tiny/checkpoints/global_step40 OUT
 
 Consolidates the (possibly ZeRO-partitioned) weights with DeepSpeed's zero_to_fp32, rebuilds the model from the
-model config recorded in the checkpoint, and writes it through ``pretrain.hf.save_hf_bert``.
+model config recorded in the checkpoint, and writes it through ``pretrain.hf.save_hf_bert``. The tokenizer comes
+along: the run config in the checkpoint names the shard directory (``data.shards``, or ``--shards DIR`` if it
+moved), whose manifest names the vocabulary and its casing; its hash must be the one the checkpoint recorded.
+``vocab.txt``, ``tokenizer_config.json`` and ``special_tokens_map.json`` make ``AutoTokenizer.from_pretrained(OUT)``
+tokenize as the shards were tokenized.
 """
 from __future__ import annotations
 
@@ -42,15 +46,40 @@ def load_consolidated(path: str | Path) -> UniLMModel:
     return model
 
 
+def shard_vocabulary(checkpoint: str | Path, shards: str | Path | None = None) -> tuple[Path, bool]:
+    """(vocab.txt, uncased) of the shards a checkpoint was trained on, checked against its recorded vocab hash."""
+    from data_prep.shard_format import read_manifest, sha256_file
+
+    directory, tag = resolve_checkpoint(checkpoint)
+    meta = ckpt.read_marker(directory / tag)
+    if meta is None:
+        raise FileNotFoundError(f"{directory / tag} is not a complete checkpoint (no valid {ckpt.MARKER})")
+    shards = Path(shards or meta["run_config"]["data"]["shards"])
+    manifest = read_manifest(shards)  # names the directory when the shards moved: pass --shards DIR then
+    vocab = shards / manifest["vocab"]["file"]
+    digest = sha256_file(vocab) if vocab.is_file() else None
+    if digest is None or digest != meta.get("vocab_hash", digest):
+        raise ValueError(f"{vocab}: {'missing' if digest is None else 'not the vocabulary'} the checkpoint "
+                         f"{directory / tag} was trained with (sha256 {str(meta.get('vocab_hash'))[:12]}…); "
+                         "pass --shards DIR for the shard directory of that run")
+    return vocab, bool(manifest["vocab"].get("uncased", False))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="checkpoints directory (uses latest) or one global_stepN directory")
     parser.add_argument("out", help="output Hugging Face directory")
     parser.add_argument("--architecture", default="BertForPreTraining",
                         choices=["BertForPreTraining", "BertForMaskedLM", "BertModel"])
+    parser.add_argument("--shards", help="the run's shard directory, if it is no longer at the run config's "
+                                         "data.shards (the tokenizer comes from its manifest)")
     args = parser.parse_args(argv)
+    from data_prep.vocab import write_hf_tokenizer
     from pretrain.hf import save_hf_bert
-    print(save_hf_bert(load_consolidated(args.checkpoint), args.out, architecture=args.architecture))
+    vocab, uncased = shard_vocabulary(args.checkpoint, args.shards)  # before writing anything
+    out = save_hf_bert(load_consolidated(args.checkpoint), args.out, architecture=args.architecture)
+    write_hf_tokenizer(vocab, uncased, args.out)
+    print(out)
 
 
 if __name__ == "__main__":
