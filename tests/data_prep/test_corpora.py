@@ -32,8 +32,9 @@ def build_error(*args: object) -> str:
     return str(info.value.code)
 
 
-def directory_bytes(directory: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+def directory_bytes(directory: Path) -> dict[str, bytes | None]:
+    """Every file's bytes by name (None for a subdirectory)."""
+    return {p.name: p.read_bytes() if p.is_file() else None for p in sorted(directory.iterdir())}
 
 
 @pytest.fixture(scope="module")

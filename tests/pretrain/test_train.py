@@ -139,6 +139,22 @@ def test_export_writes_a_hugging_face_bert(runs: dict, tmp_path: Path) -> None:
             assert torch.equal(reloaded[name], value), name
 
 
+def test_export_writes_the_tokenizer_the_shards_were_built_with(runs: dict, unilm_shards: Path, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from data_prep.vocab import load_tokenizer, load_vocab
+    from pretrain.export import main
+
+    main([str(runs["full"] / "checkpoints"), str(tmp_path / "hf")])
+    assert (tmp_path / "hf" / "vocab.txt").read_bytes() == (unilm_shards / "vocab.txt").read_bytes()
+    hf = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    vocab = load_vocab(unilm_shards / "vocab.txt")
+    ours = load_tokenizer(str(vocab.path), vocab.sha256, False)
+    text = "The Dutch East India Company traded in Asia; Zürich and ZÜRICH differ here."
+    assert hf.do_lower_case is False
+    assert hf(text, add_special_tokens=False)["input_ids"] == ours.encode(text, add_special_tokens=False).ids
+
+
 def test_nan_loss_stops_with_a_diagnostic_and_keeps_the_last_checkpoint(unilm_shards: Path, tmp_path: Path) -> None:
     process = launch([f"data.shards={unilm_shards}", "model.overrides.vocab_size=4000", f"out_dir={tmp_path}",
                       "train.max_steps=8", "train.save_interval=2", "train.global_batch_size=8",
