@@ -68,7 +68,7 @@ test: sample-corpus  ## run the whole test suite
 bench: sample-corpus  ## every benchmark in one run: one table of ratios + the machine -> bench_out/results.json
 	$(PY) -m pretrain.bench_all --out bench_out
 
-bench-data: sample-corpus  ## shard build vs raw tokenizer throughput
+bench-data: sample-corpus  ## shard build vs raw tokenizer throughput; Wikipedia-dump build at 1 vs 2 workers
 	$(PY) -m data_prep.bench
 
 bench-model: $(STAMP)  ## training step of our model vs transformers.BertForPreTraining (tokens/s, % of matmul peak)

@@ -94,7 +94,8 @@ def shard_statistics(ds: ShardDataset) -> dict[str, Any]:
 def _sum_by(keys: np.ndarray, values: np.ndarray) -> dict[int, int]:
     """{key: sum of values with that key}."""
     unique, inverse = np.unique(keys, return_inverse=True)
-    return dict(zip(unique.tolist(), np.bincount(inverse, weights=values, minlength=len(unique)).astype(np.int64).tolist()))
+    sums = np.bincount(inverse, weights=values, minlength=len(unique)).astype(np.int64)
+    return dict(zip(unique.tolist(), sums.tolist()))
 
 
 def dump_samples(ds: ShardDataset, count: int) -> Iterator[dict[str, Any]]:

@@ -27,6 +27,7 @@ For ``.txt`` inputs a row is a line.
 """
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -300,6 +301,7 @@ def _decode(raw: bytes, where: str) -> str | Skipped:
         return Skipped("invalid_utf8", where)
 
 
+@functools.lru_cache(maxsize=8)  # one hub look-up per input, not one per shard
 def _load_hf(spec: str):
     """``name[:config][:split]`` (split defaults to ``train``) or a local dataset folder, as a streaming dataset."""
     import datasets

@@ -188,7 +188,8 @@ def _tokenizer_json(path: Path) -> tuple[str, bool]:
         raise VocabError(f"{path}: normalizer {normalizer.get('type')}, not BertNormalizer")
     uncased = bool(normalizer.get("lowercase", True))
     strip_accents = normalizer.get("strip_accents")
-    if (strip_accents is not None and bool(strip_accents) != uncased) or not normalizer.get("handle_chinese_chars", True):
+    if (strip_accents is not None and bool(strip_accents) != uncased) or \
+            not normalizer.get("handle_chinese_chars", True):
         raise VocabError(f"{path}: normalizer settings {normalizer} are not BERT's cased or uncased ones")
     by_id = sorted((i, token) for token, i in model["vocab"].items())
     if [i for i, _ in by_id] != list(range(len(by_id))):
