@@ -246,8 +246,8 @@ def _read_json(path: Path, text_field: str) -> Iterator[str | Skipped]:
         records = json.loads(raw.decode("utf-8"))  # a JSON array has to be parsed whole
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         line = raw[:err.start].count(b"\n") + 1 if isinstance(err, UnicodeDecodeError) else err.lineno
-        raise SourceError(f"--input {path}:{line}: not valid UTF-8 JSON ({err}); fix the file or convert it to "
-                          ".jsonl, where bad lines are skipped and counted") from None
+        raise SourceError(f"--input {path}: not valid UTF-8 JSON at line {line} ({err}); fix the file or convert "
+                          "it to .jsonl, where bad lines are skipped and counted") from None
     text_of = _TextField(text_field)
     for number, record in enumerate(records):
         yield text_of(record, f"{path}[{number}]")

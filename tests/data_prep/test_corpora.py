@@ -238,4 +238,4 @@ def test_non_utf8_bytes_are_counted_with_file_and_line_in_every_text_input(vocab
                                                                       f"{tmp_path / 'rows.txt'}:2"]
     (tmp_path / "array.json").write_bytes(b'[\n{"text": "A. B."},\n{"text": "caf\xe9"}\n]\n')
     error = build_error("--input", tmp_path / "array.json", "--vocab", vocab_file, "--out", tmp_path / "o")
-    assert f"{tmp_path / 'array.json'}:3: not valid UTF-8 JSON" in error
+    assert f"{tmp_path / 'array.json'}: not valid UTF-8 JSON at line 3" in error
