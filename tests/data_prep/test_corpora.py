@@ -239,3 +239,15 @@ def test_non_utf8_bytes_are_counted_with_file_and_line_in_every_text_input(vocab
     (tmp_path / "array.json").write_bytes(b'[\n{"text": "A. B."},\n{"text": "caf\xe9"}\n]\n')
     error = build_error("--input", tmp_path / "array.json", "--vocab", vocab_file, "--out", tmp_path / "o")
     assert f"{tmp_path / 'array.json'}: not valid UTF-8 JSON at line 3" in error
+
+
+def test_wikipedia_pages_leave_the_reader_raw_and_are_cleaned_in_the_worker(samples_dir):
+    from data_prep.sources import Unit, Wikitext, document_text, read_unit
+
+    dump = str(samples_dir / "wiki/enwiki-excerpt.xml.bz2")
+    pages = [r for r in itertools.islice(read_unit(Unit(dump)), 60) if isinstance(r, str)]
+    assert pages and all(isinstance(p, Wikitext) for p in pages)
+    assert sum("[[" in p or "{{" in p for p in pages) > 0.9 * len(pages)  # markup still there: not cleaned yet
+    cleaned = [document_text(p) for p in pages]
+    assert not any("[[" in c or "{{" in c for c in cleaned)
+    assert cleaned == [d for d in itertools.islice(read_documents(dump), 60) if isinstance(d, str)][:len(cleaned)]
