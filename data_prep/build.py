@@ -37,7 +37,7 @@ from data_prep.instances import (RECIPES, Instance, InstanceConfig, MaskingConfi
 from data_prep.shard_format import (INDEX_DTYPE, MANIFEST_NAME, SHARD_GLOB, VOCAB_NAME, Objective,
                                     ShardArrays, ShardError, ShardFile, manifest_dict, read_manifest,
                                     sha256_file, token_dtype, write_json, write_shard)
-from data_prep.sources import (ROWS_PER_DOCUMENT, TEXT_FIELD, ReadOptions, Skipped, Unit, check_input,
+from data_prep.sources import (ROWS_PER_DOCUMENT, TEXT_FIELD, UNIT_BYTES, ReadOptions, Skipped, Unit, check_input,
                                document_text, input_units, read_documents, read_unit)
 from data_prep.text import clean_document, split_sentences
 from data_prep.vocab import (Vocab, VocabError, load_tokenizer, load_vocab, resolve_casing, resolve_vocab_source,
@@ -72,6 +72,8 @@ class BuildConfig:
     sentence_inputs: tuple[str, ...] = ()
     """inputs whose rows are sentences: consecutive rows form documents of ``rows_per_document`` rows"""
     rows_per_document: int = ROWS_PER_DOCUMENT
+    unit_bytes: int = UNIT_BYTES
+    """a .jsonl file larger than this is split into byte ranges that different builders read"""
 
     def __post_init__(self) -> None:
         if not self.inputs:
@@ -85,8 +87,8 @@ class BuildConfig:
             raise ValueError(f"--dupe-factor {self.dupe_factor} must be at least 1")
         if self.dupe_factor > 1 and not self.instances.masked:
             raise ValueError("--dupe-factor applies to masked recipes; gpt has no masking, copies would be identical")
-        if self.samples_per_shard < 1 or self.chunk_chars < 1:
-            raise ValueError("--samples-per-shard and --chunk-chars must be positive")
+        if self.samples_per_shard < 1 or self.chunk_chars < 1 or self.unit_bytes < 1:
+            raise ValueError("--samples-per-shard, --chunk-chars and unit_bytes must be positive")
 
     def read_options(self, spec: str) -> ReadOptions:
         return ReadOptions(self.text_field, spec in self.sentence_inputs, self.rows_per_document)
@@ -162,7 +164,7 @@ def iter_chunks(unit_index: int, unit: Unit, options: ReadOptions, chunk_chars: 
 
 def build_units(cfg: BuildConfig) -> list[tuple[Unit, ReadOptions]]:
     """Every unit of every input, in input order, with the way its records become documents."""
-    return [(unit, cfg.read_options(spec)) for spec in cfg.inputs for unit in input_units(spec)]
+    return [(unit, cfg.read_options(spec)) for spec in cfg.inputs for unit in input_units(spec, cfg.unit_bytes)]
 
 
 class _OtherDocuments:
@@ -583,7 +585,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--workers", type=int, default=1, help="processes on this machine (output is identical)")
     p.add_argument("--num-builders", type=int, default=1,
-                   help="split the work across K machines: each reads only its inputs (files, dataset shards)")
+                   help="split the work across K machines: each reads only its units (files, 256 MiB ranges of "
+                        ".jsonl files, dataset shards)")
     p.add_argument("--builder-index", type=int, default=0, help="this machine's share, 0..K-1")
     p.add_argument("--finalize", action="store_true", help="after all builders: write shards + manifest in --out")
     p.add_argument("--samples-per-shard", type=int, default=65536)

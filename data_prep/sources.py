@@ -17,7 +17,8 @@ counted with its reason. Problems with the input as a whole (missing file, unkno
 dataset without the text column) raise ``SourceError`` naming the input and the fix. ``--text-field NAME`` picks
 another column than ``text``.
 
-Work is split into units (``input_units``): one per local file, one per shard of a Hugging Face dataset
+Work is split into units (``input_units``): one per local file, one per ``unit_bytes`` byte range of a large
+``.jsonl`` file (a range holds the lines that start in it), one per shard of a Hugging Face dataset
 (``IterableDataset.shard``), so several builders read disjoint parts of the inputs. Wikipedia pages come out
 as raw ``Wikitext``; ``document_text`` turns them into prose in the worker that processes them.
 
@@ -28,6 +29,7 @@ For ``.txt`` inputs a row is a line.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +43,8 @@ ROWS_PER_DOCUMENT = 1000
 """default --rows-per-document: ~70k characters of book sentences, ~30 samples of 512 tokens, so the one short
 sample at each document's end costs little padding, and a 500k-character chunk still holds several documents
 for NSP's random next segments"""
+UNIT_BYTES = 1 << 28
+"""a .jsonl file larger than this is read as several units (byte ranges), so several builders can share it"""
 
 
 class SourceError(ValueError):
@@ -71,9 +75,14 @@ class Unit:
     spec: str
     shard: int = 0
     num_shards: int = 1
+    start: int = 0
+    """byte range [start, stop) of a file: the lines that start in it (stop -1: to the end)"""
+    stop: int = -1
 
     def __str__(self) -> str:
-        return self.spec if self.num_shards == 1 else f"{self.spec} shard {self.shard}/{self.num_shards}"
+        if self.num_shards > 1:
+            return f"{self.spec} shard {self.shard}/{self.num_shards}"
+        return self.spec if (self.start, self.stop) == (0, -1) else f"{self.spec} bytes {self.start}-{self.stop}"
 
 
 @dataclass(frozen=True)
@@ -127,15 +136,24 @@ def _local_files(directory: Path) -> list[Path] | None:
     return files
 
 
-def input_units(spec: str) -> list[Unit]:
-    """The units of one ``--input``: the file itself, each file of a directory, or every dataset shard."""
+def input_units(spec: str, unit_bytes: int = UNIT_BYTES) -> list[Unit]:
+    """The units of one ``--input``: the file itself (or byte ranges of a large .jsonl), each file of a
+    directory, or every dataset shard."""
     check_input(spec)
     if Path(spec).is_dir() and (files := _local_files(Path(spec))) is not None:
-        return [Unit(str(p)) for p in files]
+        return [unit for p in files for unit in _file_units(p, unit_bytes)]
     if not _is_hf(spec):
-        return [Unit(spec)]
+        return _file_units(Path(spec), unit_bytes)
     num_shards = _load_hf(spec).num_shards
     return [Unit(spec, shard, num_shards) for shard in range(num_shards)]
+
+
+def _file_units(path: Path, unit_bytes: int) -> list[Unit]:
+    size = path.stat().st_size
+    if _suffix(path) != ".jsonl" or size <= unit_bytes:
+        return [Unit(str(path))]
+    starts = range(0, size, unit_bytes)
+    return [Unit(str(path), start=start, stop=min(start + unit_bytes, size)) for start in starts]
 
 
 def read_documents(spec: str, options: ReadOptions = ReadOptions()) -> Iterator[str | Skipped]:
@@ -159,9 +177,10 @@ def read_unit(unit: Unit, options: ReadOptions = ReadOptions()) -> Iterator[str 
             records = _read_txt_lines(path)
         elif suffix in (".xml", ".xml.bz2", ".txt"):
             records = {".xml": _read_wiki, ".xml.bz2": _read_wiki, ".txt": _read_txt}[suffix](path)
+        elif suffix == ".jsonl":
+            records = _read_jsonl(path, options.text_field, unit.start, unit.stop)
         else:
-            records = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet}[suffix](
-                path, options.text_field)
+            records = {".json": _read_json, ".parquet": _read_parquet}[suffix](path, options.text_field)
     return group_rows(records, options.rows_per_document) if options.rows_as_sentences else records
 
 
@@ -217,22 +236,53 @@ def _read_wiki(path: Path) -> Iterator[str | Skipped]:
                           "pass a complete pages-articles .xml or .xml.bz2 file") from None
 
 
-def _read_jsonl(path: Path, text_field: str) -> Iterator[str | Skipped]:
+def _read_jsonl(path: Path, text_field: str, start: int = 0, stop: int = -1) -> Iterator[str | Skipped]:
+    """The lines that start in bytes [start, stop) (stop -1: to the end of the file)."""
     text_of = _TextField(text_field)
     with open(path, "rb") as f:
-        for number, raw in enumerate(f, 1):
-            where = f"{path}:{number}"
+        position = start
+        if start:
+            f.seek(start - 1)
+            position += len(f.readline()) - 1  # the rest of a line that started before `start`
+        first_line = _LineNumber(path, position)
+        for number in itertools.count():
+            if stop != -1 and position >= stop:
+                return
+            raw = f.readline()
+            if not raw:
+                return
+            position += len(raw)
             if not raw.strip():
                 continue
             try:
                 record = json.loads(raw.decode("utf-8"))
             except UnicodeDecodeError:
-                yield Skipped("invalid_utf8", where)
+                yield Skipped("invalid_utf8", f"{path}:{first_line() + number}")
                 continue
             except json.JSONDecodeError:
-                yield Skipped("malformed_json", where)
+                yield Skipped("malformed_json", f"{path}:{first_line() + number}")
                 continue
-            yield text_of(record, where)
+            if isinstance(record, dict) and isinstance(text := record.get(text_field), str):
+                yield text
+            else:
+                yield text_of(record, f"{path}:{first_line() + number}")
+
+
+class _LineNumber:
+    """The line number at a byte offset, counted only when first asked (a skip to report), once per range."""
+
+    def __init__(self, path: Path, offset: int):
+        self.path, self.offset, self.line = path, offset, None if offset else 1
+
+    def __call__(self) -> int:
+        if self.line is None:
+            newlines, remaining = 0, self.offset
+            with open(self.path, "rb") as f:
+                while remaining:
+                    block = f.read(min(remaining, 1 << 20))
+                    newlines, remaining = newlines + block.count(b"\n"), remaining - len(block)
+            self.line = newlines + 1
+        return self.line
 
 
 def _read_json(path: Path, text_field: str) -> Iterator[str | Skipped]:

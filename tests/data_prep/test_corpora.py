@@ -2,6 +2,7 @@
 builders that read disjoint inputs, and rebuilds that never cost the previous build."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import shutil
@@ -251,3 +252,39 @@ def test_wikipedia_pages_leave_the_reader_raw_and_are_cleaned_in_the_worker(samp
     cleaned = [document_text(p) for p in pages]
     assert not any("[[" in c or "{{" in c for c in cleaned)
     assert cleaned == [d for d in itertools.islice(read_documents(dump), 60) if isinstance(d, str)][:len(cleaned)]
+
+
+def test_a_large_jsonl_is_split_into_byte_ranges_that_builders_share(samples_dir, vocab_file, tmp_path, monkeypatch):
+    from data_prep.instances import InstanceConfig
+    from data_prep.vocab import load_vocab
+
+    news = (samples_dir / "news/lee.txt").read_text().split("\n\n")
+    corpus = tmp_path / "news.jsonl"
+    with open(corpus, "wb") as f:
+        for i, text in enumerate(news):
+            f.write(json.dumps({"text": text}).encode() + b"\n")
+            if i in (3, 250):
+                f.write(b'{"text": "caf\xe9 au lait. Deux."}\n')  # lines 5 and 253
+    cfg = build.BuildConfig(inputs=(str(corpus),), vocab_path=str(vocab_file),
+                            vocab_sha256=load_vocab(vocab_file).sha256, instances=InstanceConfig(max_seq_len=64),
+                            chunk_chars=30_000, unit_bytes=40_000)
+    whole = build.build(dataclasses.replace(cfg, unit_bytes=10**9), tmp_path / "whole", progress=False)
+    one = build.build(cfg, tmp_path / "one", workers=2, progress=False)
+    assert one["documents"]["read"] == whole["documents"]["read"] == len(news) + 2  # every line exactly once
+    assert one["documents"]["skip_examples"]["invalid_utf8"] == [f"{corpus}:5", f"{corpus}:253"]
+    assert one["num_tokens"] == pytest.approx(whole["num_tokens"], rel=0.02)
+
+    read: dict[int, list[str]] = {}
+    original = build.read_unit
+
+    def recording(unit, options):
+        read.setdefault(builder, []).append(str(unit))
+        return original(unit, options)
+
+    monkeypatch.setattr(build, "read_unit", recording)
+    for builder in range(3):
+        build.run_builder(cfg, tmp_path / "split", builder_index=builder, num_builders=3, progress=False)
+    build.finalize(tmp_path / "split")
+    assert directory_bytes(tmp_path / "split") == directory_bytes(tmp_path / "one")
+    units = [u for b in sorted(read) for u in read[b]]
+    assert len(read) == 3 and len(units) == len(set(units)) >= 6 and all(" bytes " in u for u in units)
