@@ -636,6 +636,7 @@ def main(argv: list[str] | None = None) -> None:
         for spec in args.input:
             check_input(spec)
         sentence_inputs = tuple(args.input if args.rows_as_sentences == [] else args.rows_as_sentences or ())
+        # the reading settings, checked before any work (--train-vocab reads the inputs with them too)
         reading = BuildConfig(inputs=tuple(args.input), vocab_path="", vocab_sha256="", text_field=args.text_field,
                               sentence_inputs=sentence_inputs, rows_per_document=args.rows_per_document)
         if args.train_vocab is not None:
@@ -651,7 +652,8 @@ def main(argv: list[str] | None = None) -> None:
             raise ValueError("give --vocab VOCAB (or --train-vocab SIZE --vocab-out PATH) and --out DIR")
         vocab_path, uncased = _resolve_vocab(args)
         vocab = load_vocab(vocab_path)
-        max_predictions = args.max_predictions or default_max_predictions(args.max_seq_len)
+        max_predictions = default_max_predictions(args.max_seq_len) if args.max_predictions is None \
+            else args.max_predictions
         masking = MaskingConfig(mask_prob=args.mask_prob, max_predictions=max_predictions)
         if args.max_predictions is not None:
             _warn_low_cap(masking, args.max_seq_len)
