@@ -89,11 +89,12 @@ def choose_ds_accelerator(environ: MutableMapping[str, str] = os.environ) -> str
     return environ.get("DS_ACCELERATOR", "auto")
 
 
-def local_launch_arguments(environ: MutableMapping[str, str] = os.environ) -> list[str]:
-    """``deepspeed`` launcher arguments for a run on this machine alone (no ssh): one rank per visible GPU, or the
-    two ranks of ``hostfiles/localhost`` on a CPU accelerator."""
+def local_launch_arguments(environ: MutableMapping[str, str] = os.environ, max_gpus: int | None = None) -> list[str]:
+    """``deepspeed`` launcher arguments for a run on this machine alone (no ssh): one rank per visible GPU (at most
+    ``max_gpus``), or the two ranks of ``hostfiles/localhost`` on a CPU accelerator."""
     on_cpu = environ.get("DS_ACCELERATOR") == "cpu" or not torch.cuda.is_available()
-    where = ["--hostfile", LOCALHOST_HOSTFILE] if on_cpu else ["--num_gpus", str(torch.cuda.device_count())]
+    gpus = torch.cuda.device_count() if max_gpus is None else min(max_gpus, torch.cuda.device_count())
+    where = ["--hostfile", LOCALHOST_HOSTFILE] if on_cpu else ["--num_gpus", str(gpus)]
     return [*where, "--no_ssh_check", "--master_addr", "127.0.0.1"]
 
 

@@ -99,11 +99,12 @@ class Demo:
 
     def train_command(self, *overrides: str) -> list[str]:
         """The cluster command on this machine alone (no ssh): the localhost hostfile's two ranks on a CPU, one rank
-        per GPU on a GPU machine (`pretrain.accelerator.local_launch_arguments`)."""
+        per GPU on a GPU machine, at most two (the tiny run's batch of 24 = 4 × 3 × 2 splits over 1 or 2)."""
         with socket.socket() as probe:  # a free rendezvous port: other DeepSpeed jobs may hold 29500
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
-        return [self.deepspeed, *local_launch_arguments(), "--master_port", str(port), "pretrain/train.py", "--config", CONFIG,
+        return [self.deepspeed, *local_launch_arguments(max_gpus=2), "--master_port", str(port),
+                "pretrain/train.py", "--config", CONFIG,
                 f"out_dir={self.run_dir}", f"data.shards={self.shards}", f"data.eval_shards={self.heldout}",
                 f"train.max_steps={self.steps}", f"optim.warmup_steps={self.warmup}",
                 f"train.eval_interval={self.eval_interval}", f"train.save_interval={self.half}", *overrides]

@@ -123,4 +123,6 @@ def test_child_processes_get_the_cpu_accelerator_only_without_a_gpu_or_a_choice(
     asked = {"DS_ACCELERATOR": "cuda"}
     assert accelerator.choose_ds_accelerator(asked) == "cuda" and asked == {"DS_ACCELERATOR": "cuda"}
     assert accelerator.local_launch_arguments({"DS_ACCELERATOR": "cpu"})[:2] == ["--hostfile", "hostfiles/localhost"]
+    if torch.cuda.is_available():
+        assert accelerator.local_launch_arguments({}, max_gpus=1)[:2] == ["--num_gpus", "1"]
     assert os.environ.get("DS_ACCELERATOR") == "cpu"  # the test process itself was left alone
