@@ -431,3 +431,29 @@ def test_make_pretrain_refuses_a_hostfile_word_that_is_not_a_host_before_any_she
     good.write_text("node-1 slots=1\nnode-2 slots=1\n")
     process = make_pretrain(good)
     assert process.returncode == 0 and "--master_addr 'node-1'" in process.stdout
+
+
+# -------------------------------------------------------------------------------- real runs: rollback, torn line
+@pytest.mark.slow
+def test_a_rolled_back_run_with_a_torn_metrics_line_resumes_from_its_own_latest(unilm_shards: Path,
+                                                                                tmp_path: Path) -> None:
+    """Saves at 2/4/6/8; a run rolled back to 4 saves 5 and is killed mid-write of a metrics line; the plain
+    command then resumes at 5 (where `latest` points), names 6 and 8 as abandoned, skips the torn line."""
+    from training_runs import check, launch, metrics
+
+    common = [f"data.shards={unilm_shards}", "model.overrides.vocab_size=4000", "train.global_batch_size=8",
+              "train.max_steps=8", "train.save_interval=2", "train.keep_last=10", f"out_dir={tmp_path}"]
+    checkpoints = tmp_path / "checkpoints"
+    check(launch(common))
+    check(launch(common + [f"train.resume={checkpoints / 'global_step4'}", "train.exit_at_step=5"]))
+    assert (checkpoints / ckpt.LATEST).read_text() == "global_step5"
+    with open(tmp_path / "metrics.jsonl", "a") as handle:
+        handle.write('{"step": 6, "consumed_sam')
+    resumed = check(launch(common))
+    assert "[resume] global_step5: step 5, consumed_samples 40" in resumed.stdout, resumed.stdout[-3000:]
+    assert "not resuming global_step6, global_step8" in resumed.stdout
+    assert f"{tmp_path / 'metrics.jsonl'}:" in resumed.stdout and "skipping a torn or unreadable line" in resumed.stdout
+    assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert (checkpoints / ckpt.LATEST).read_text() == "global_step8"
+    assert json.loads((checkpoints / "global_step6" / ckpt.MARKER).read_text())["parent_save_id"] == \
+        json.loads((checkpoints / "global_step5" / ckpt.MARKER).read_text())["save_id"]
