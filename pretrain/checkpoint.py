@@ -25,9 +25,10 @@ checkpoint saved right after it whose ``latest`` update a crash cut off (its mar
 its parent). If ``latest`` is missing or invalid: the newest valid checkpoint. Valid checkpoints newer than the
 one chosen belong to an abandoned history (a run rolled back with ``train.resume=DIR/TAG``): they are named,
 kept, and never picked silently. Pruning (``prune``) keeps the checkpoint just written, everything newer than it,
-and the ``keep_last - 1`` newest valid ones before it; it deletes only older ones. Every file, the marker and ``latest`` are
-fsync'ed (with their directories) before the next step counts on them, so a power loss leaves either a complete
-checkpoint or one that is detected and skipped.
+and the ``keep_last - 1`` newest valid ones before it; it deletes only older ones.
+
+Every file, the marker and ``latest`` are fsync'ed (with their directories) before the next step counts on them,
+so a power loss leaves either a complete checkpoint or one that is detected and skipped.
 
 DeepSpeed does not save RNG states: ``client_state["rng_states"]`` holds every rank's torch, numpy and Python
 states (gathered), so resuming on the same world size reproduces the uninterrupted losses bit for bit.
@@ -323,7 +324,8 @@ def choose_resume_tag(checkpoint_dir: Path, report: Any = None) -> str | None:
             if step_of_tag(tag) <= step_of_tag(latest):
                 break
             meta = valid(tag)
-            if meta is not None and meta.get("parent_save_id", latest_meta.get("save_id")) == latest_meta.get("save_id"):
+            parent = meta.get("parent_save_id", latest_meta.get("save_id")) if meta is not None else None
+            if meta is not None and parent == latest_meta.get("save_id"):
                 chosen = tag
                 break
     else:
@@ -473,7 +475,8 @@ class RunLock:
             handle.seek(0)
             info = _parse_lock(handle.read())
             handle.close()
-            alive = "" if info.get("host") != socket.gethostname() or _pid_running(info.get("pid")) else                 " — that pid is no longer running, so a process it started still holds the lock"
+            stale = info.get("host") == socket.gethostname() and not _pid_running(info.get("pid"))
+            alive = " — that pid is no longer running, so a process it started still holds the lock" if stale else ""
             raise RunLockedError(f"{Path(out_dir)} is in use by another run: {_holder_text(info)}{alive}. Wait for "
                                  f"it to end (or stop it), or use another out_dir") from None
         handle.seek(0)

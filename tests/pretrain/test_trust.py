@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, subprocess_env
-from safetensors.torch import save_file
 
 from pretrain import checkpoint as ckpt
 from pretrain.model import ModelConfig, build_model
@@ -218,7 +217,7 @@ def test_a_training_run_in_a_directory_in_use_stops_at_once_naming_the_holder(un
     holder = hold_lock(tmp_path)
     try:
         process = launch([f"data.shards={unilm_shards}", "model.overrides.vocab_size=4000", f"out_dir={tmp_path}",
-                          "train.global_batch_size=8", "train.max_steps=4"], timeout=120)
+                          "train.global_batch_size=8", "train.max_steps=8"], timeout=300)
     finally:
         holder.kill()
         holder.wait()
@@ -374,7 +373,7 @@ def test_gpt_shards_with_a_masked_lm_model_stop_before_step_one(gpt_shards: Path
     from training_runs import launch
 
     process = launch([f"data.shards={gpt_shards}", "model.overrides.vocab_size=4000", f"out_dir={tmp_path}",
-                      "train.global_batch_size=8", "train.max_steps=4"], timeout=120)
+                      "train.global_batch_size=8", "train.max_steps=8"], timeout=300)
     assert process.returncode != 0 and "cannot train a masked-LM model" in process.stderr
     assert not (tmp_path / "metrics.jsonl").exists()
 
