@@ -30,6 +30,7 @@ import torch.distributed as torch_dist
 
 from pretrain import checkpoint as ckpt
 from pretrain.batch_plan import plan_batch
+from pretrain.outputs import write_file_atomically
 from pretrain.trainer import (gather_objects, init_distributed, inject_engine_values, parameter_groups,
                               portable_rng_state, restore_rng_state)
 
@@ -182,6 +183,6 @@ def _fit_locked(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer, rank
                "steps": step, "total_steps": total_steps, "world_size": world_size,
                "finished": step >= total_steps, "wall_s_this_launch": time.perf_counter() - started, **task.meta}
     if rank == 0:
-        (out / "metrics.json").write_text(json.dumps(summary, indent=1) + "\n")
+        write_file_atomically(out / "metrics.json", lambda tmp: tmp.write_text(json.dumps(summary, indent=1) + "\n"))
     return summary
 

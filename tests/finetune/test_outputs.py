@@ -111,3 +111,12 @@ def test_finetuning_refuses_an_output_that_is_an_input_or_holds_other_files(smal
         run.main(args + ["--out", str(tmp_path)])
     with pytest.raises(ValueError, match="max_steps must be >= 1"):
         run.main(args + ["--out", str(tmp_path / "new"), "--max-steps", "-5"])
+
+
+def test_a_non_utf8_byte_names_the_file_and_line(tmp_path):
+    from finetune.datasets import read_jsonl
+
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b'{"src": "fine"}\n{"src": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=rf"{path}:2: not UTF-8 text \(byte 0xe9 at column 13\)"):
+        read_jsonl(path)
