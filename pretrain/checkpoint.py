@@ -525,7 +525,10 @@ def lock_run_directory(out_dir: str | Path, rank: int) -> RunLock | None:
             error = str(exc)
     if torch_dist.is_initialized() and torch_dist.get_world_size() > 1:
         shared = [error]
-        torch_dist.broadcast_object_list(shared, src=0)
+        # NCCL moves the object through this rank's GPU: name it (the process group may not have set one yet)
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) \
+            if torch_dist.get_backend() == "nccl" else None
+        torch_dist.broadcast_object_list(shared, src=0, device=device)
         error = shared[0]
     if error is not None:
         raise RunLockedError(error)
