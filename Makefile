@@ -95,15 +95,20 @@ OVERRIDES   ?=
 RUN         ?= runs/tiny
 # Hosts of HOSTFILE in file order. One local host: no ssh, rendezvous on 127.0.0.1. Several: the first host is
 # the master (override MASTER_ADDR when the other nodes reach it under another name).
-HOSTFILE_HOSTS = $(if $(HOSTFILE),$(shell awk '$$1 !~ /^\#/ && NF && !seen[$$1]++ {print $$1}' $(HOSTFILE) 2>/dev/null))
+# A first word that is not a host name or IP address (letters, digits, '.', ':', '-'; no leading '-') becomes
+# !invalid-host, and the pretrain recipe stops with $(error) before any shell line runs.
+HOSTFILE_HOSTS = $(if $(HOSTFILE),$(shell awk '$$1 !~ /^\#/ && NF && !seen[$$1]++ { \
+  if ($$1 ~ /^[A-Za-z0-9]([A-Za-z0-9.:-]*[A-Za-z0-9])?$$/) print $$1; else print "!invalid-host" }' '$(HOSTFILE)' 2>/dev/null))
+CHECK_HOSTS    = $(if $(filter !invalid-host,$(HOSTFILE_HOSTS)),$(error $(HOSTFILE): a host entry is not a host \
+  name or IP address; run `make preflight HOSTFILE=$(HOSTFILE)` for the line))
 REMOTE_HOSTS   = $(filter-out localhost 127.0.0.1,$(HOSTFILE_HOSTS))
 MASTER_ADDR   ?= $(if $(REMOTE_HOSTS),$(firstword $(HOSTFILE_HOSTS)),127.0.0.1)
-LAUNCH_FLAGS   = $(if $(REMOTE_HOSTS),,--no_ssh_check) --master_addr $(MASTER_ADDR)
-RANKS_ARGS     = $(if $(HOSTFILE),--hostfile $(HOSTFILE),--num_gpus $(LOCAL_RANKS))
-PREFLIGHT_ARGS = $(if $(HOSTFILE),--hostfile $(HOSTFILE),--local-ranks $(LOCAL_RANKS))
+LAUNCH_FLAGS   = $(if $(REMOTE_HOSTS),,--no_ssh_check) --master_addr '$(subst ','\'',$(MASTER_ADDR))'
+RANKS_ARGS     = $(if $(HOSTFILE),--hostfile '$(HOSTFILE)',--num_gpus $(LOCAL_RANKS))
+PREFLIGHT_ARGS = $(if $(HOSTFILE),--hostfile '$(HOSTFILE)',--local-ranks $(LOCAL_RANKS))
 
 pretrain: $(STAMP)  ## DeepSpeed pre-training: CONFIG, HOSTFILE (default: this machine), OVERRIDES (resumes automatically)
-	$(PY) -m pretrain.preflight --config $(PRETRAIN_CONFIG) $(PREFLIGHT_ARGS) $(OVERRIDES)
+	$(CHECK_HOSTS)$(PY) -m pretrain.preflight --config $(PRETRAIN_CONFIG) $(PREFLIGHT_ARGS) $(OVERRIDES)
 	$(VENV)/bin/deepspeed $(RANKS_ARGS) $(LAUNCH_FLAGS) \
 	  pretrain/train.py --config $(PRETRAIN_CONFIG) $(OVERRIDES)
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from pretrain.config import REPO_ROOT, apply_overrides
+from pretrain.config import REPO_ROOT, _build, apply_overrides, check_field_types
 
 TASKS = ("classify", "qa", "seq2seq")
 CPU_DEEPSPEED_CONFIG = "ds_configs/zero0_fp32_cpu.json"
@@ -106,6 +106,7 @@ class FinetuneConfig:
     """Evaluate on the first N dev examples only (None: all)."""
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
         for name in ("epochs", "batch_size", "micro_batch_size", "max_seq_len", "max_src_len", "max_tgt_len",
@@ -118,6 +119,14 @@ class FinetuneConfig:
             raise ValueError("need lr > 0, 0 <= warmup_ratio < 1 and 0 < mask_prob <= 1")
         if not 0 <= self.label_smoothing < 1 or self.aux_lm_weight < 0:
             raise ValueError("need 0 <= label_smoothing < 1 and aux_lm_weight >= 0")
+        for name in ("max_steps", "exit_at_step", "eval_max_examples"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 (or null), got {getattr(self, name)}")
+        for name in ("weight_decay", "grad_clip", "seed"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
     @property
     def deepspeed_config_path(self) -> Path:
@@ -145,4 +154,4 @@ def load_config(yaml_path: str | Path | None, flags: dict[str, Any], overrides: 
     missing = [name for name in ("task", "train", "dev", "init", "out") if name not in values]
     if missing:
         raise ValueError(f"missing required setting(s): {', '.join('--' + m for m in missing)}")
-    return FinetuneConfig(**values)
+    return _build(FinetuneConfig, values, "")  # numbers written as strings (YAML reads 2e-5 so) become numbers

@@ -31,8 +31,13 @@ from pathlib import Path
 def read_jsonl(path: str | Path) -> list[dict]:
     """Every record of a JSONL file; a line that is not a JSON object fails with its file and line number."""
     records = []
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for line_number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{path}:{line_number}: not UTF-8 text (byte {raw[err.start]:#04x} at column "
+                                 f"{err.start + 1}); re-encode the file as UTF-8") from None
             if not line.strip():
                 continue
             try:

@@ -32,6 +32,7 @@ import torch
 
 from pretrain.accelerator import default_device
 from pretrain.masks import SEQ2SEQ, build_attention_mask, build_segment_ids
+from pretrain.outputs import check_output, write_file_atomically
 
 from .datasets import read_jsonl, write_jsonl
 from .metrics import generation_metrics
@@ -291,6 +292,8 @@ def pack_source(tokenizer: Tokenizer, text: str, max_src_len: int) -> tuple[list
 def decode_records(model: torch.nn.Module, tokenizer: Tokenizer, records: list[dict], config: DecodeConfig,
                    max_src_len: int, batch_size: int = 8, progress: bool = False) -> tuple[list[str], int]:
     """Predicted text per record (`src` field) and how many sources were truncated."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     check_vocab(model, tokenizer)
     budget = model.cfg.max_position_embeddings - config.max_tgt_len - 3
     if max_src_len > budget:
@@ -318,6 +321,13 @@ def metrics_path(output: str | Path) -> Path:
     return output.with_name(output.name.removesuffix(".jsonl") + ".metrics.json")
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description="UniLM seq2seq decoding (greedy / beam search with a KV cache)")
@@ -331,10 +341,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--length-penalty", type=float, default=0.0, help="GNMT alpha")
     parser.add_argument("--no-trigram-block", action="store_true")
     parser.add_argument("--no-cache", action="store_true", help="recompute everything each step (proves the cache)")
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=_positive_int, default=8, help="sources decoded together (>= 1)")
     parser.add_argument("--device", default=None,
                         help="torch device to decode on (default: this process's GPU when there is one, else cpu)")
+    parser.add_argument("--force", action="store_true", help="replace an existing non-empty --output")
     args = parser.parse_args(argv)
+    try:
+        check_output(args.output, [args.input, args.model], force=args.force)
+    except (ValueError, FileExistsError) as error:
+        parser.error(str(error))
 
     finetuned = load_finetuned(args.model, expect_task="seq2seq")
     device = torch.device(args.device) if args.device else default_device()
@@ -347,12 +362,16 @@ def main(argv: list[str] | None = None) -> None:
     predictions, truncated = decode_records(finetuned.model, finetuned.tokenizer, records, config, max_src_len,
                                             args.batch_size, progress=True)
     seconds = time.perf_counter() - began
-    write_jsonl(({**record, "prediction": p} for record, p in zip(records, predictions)), args.output)
+    if len(predictions) != len(records):
+        raise RuntimeError(f"{len(predictions)} predictions for {len(records)} input records; nothing written")
+    write_file_atomically(args.output, lambda tmp: write_jsonl(
+        ({**record, "prediction": p} for record, p in zip(records, predictions)), tmp))
     print(f"[decode] {len(records)} inputs in {seconds:.1f}s ({truncated} sources truncated to {max_src_len} "
           f"word pieces) → {args.output}")
     if all(isinstance(r.get("tgt"), str) for r in records):
         scores = generation_metrics(predictions, [r["tgt"] for r in records])
-        metrics_path(args.output).write_text(json.dumps(scores, indent=2) + "\n")
+        write_file_atomically(metrics_path(args.output),
+                              lambda tmp: tmp.write_text(json.dumps(scores, indent=2) + "\n"))
         print("[decode] " + "  ".join(f"{k} {v:.2f}" for k, v in scores.items()) + f" → {metrics_path(args.output)}")
 
 

@@ -31,6 +31,7 @@ import torch.distributed as torch_dist
 from pretrain import checkpoint as ckpt
 from pretrain.batch_plan import plan_batch
 from pretrain.data import to_device
+from pretrain.outputs import write_file_atomically
 from pretrain.trainer import (gather_objects, init_distributed, inject_engine_values, parameter_groups,
                               portable_rng_state, restore_rng_state)
 
@@ -67,16 +68,27 @@ def _identity(cfg: FinetuneConfig, model_config: dict, tokenizer: Tokenizer) -> 
 
 
 def fit(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer) -> dict[str, Any]:
-    """Train `task` per `cfg` on this rank (resuming automatically); returns the metrics.json content."""
+    """Train `task` per `cfg` on this rank (resuming automatically); returns the metrics.json content. The
+    process group holds the run lock of `cfg.out` throughout (`pretrain.checkpoint.RunLock`)."""
+    rank, world_size = init_distributed()
+    run_lock = ckpt.lock_run_directory(cfg.out, rank)
+    try:
+        return _fit_locked(cfg, task, tokenizer, rank, world_size)
+    finally:
+        if run_lock is not None:
+            run_lock.release()
+
+
+def _fit_locked(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer, rank: int,
+                world_size: int) -> dict[str, Any]:
     import deepspeed
 
-    rank, world_size = init_distributed()
     plan = plan_batch(cfg.batch_size, cfg.micro_batch_size, world_size)
     steps_per_epoch, total_steps, warmup_steps = schedule(cfg, task.train_size)
     backbone = task.module.backbone
     identity = _identity(cfg, dataclasses.asdict(backbone.cfg), tokenizer)
     out = Path(cfg.out)
-    resume_tag = ckpt.newest_complete_tag(cfg.checkpoint_dir)
+    resume_tag = ckpt.choose_resume_tag(cfg.checkpoint_dir, report=print if rank == 0 else None)
     if resume_tag is not None:
         ckpt.check_compatible(ckpt.read_marker(cfg.checkpoint_dir / resume_tag), identity,
                               str(cfg.checkpoint_dir / resume_tag))
@@ -114,10 +126,10 @@ def fit(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer) -> dict[str,
         if rank == 0:
             ckpt.write_marker(cfg.checkpoint_dir / tag, dict(meta_common, step=step))
             ckpt.update_latest(cfg.checkpoint_dir, tag)
-            ckpt.prune(cfg.checkpoint_dir, cfg.keep_last)
+            ckpt.prune(cfg.checkpoint_dir, cfg.keep_last, just_written=tag)
         torch_dist.barrier()
 
-    log = open(out / "train_log.jsonl", "a") if rank == 0 else None
+    log = open(out / "train_log.jsonl", "a" if resume_tag else "w") if rank == 0 else None
     per_rank = plan.samples_per_rank
     started = time.perf_counter()
     engine.train()
@@ -174,6 +186,6 @@ def fit(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer) -> dict[str,
                "steps": step, "total_steps": total_steps, "world_size": world_size,
                "finished": step >= total_steps, "wall_s_this_launch": time.perf_counter() - started, **task.meta}
     if rank == 0:
-        (out / "metrics.json").write_text(json.dumps(summary, indent=1) + "\n")
+        write_file_atomically(out / "metrics.json", lambda tmp: tmp.write_text(json.dumps(summary, indent=1) + "\n"))
     return summary
 

@@ -172,7 +172,8 @@ class Demo:
         return {"png": "loss.png"}
 
     def export(self) -> dict[str, Any]:
-        self.command([self.python, "-m", "pretrain.export", str(self.run_dir / "checkpoints"), str(self.hf_dir)])
+        self.command([self.python, "-m", "pretrain.export", str(self.run_dir / "checkpoints"), str(self.hf_dir),
+                      "--force"])  # the demo's own directory: a rerun replaces it
         shutil.copy(self.vocab, self.hf_dir / "vocab.txt")  # the export holds weights + config only
         import transformers  # the proof that the export is a Hugging Face checkpoint: transformers loads it whole
         _, info = transformers.BertForPreTraining.from_pretrained(self.hf_dir, output_loading_info=True)

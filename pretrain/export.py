@@ -1,48 +1,38 @@
 """Export a training checkpoint to a Hugging Face BERT directory.
 
-    python -m pretrain.export runs/tiny/checkpoints OUT            # newest complete checkpoint (`latest`)
+    python -m pretrain.export runs/tiny/checkpoints OUT            # the checkpoint `latest` names
     python -m pretrain.export runs/tiny/checkpoints/global_step40 OUT
 
-Consolidates the (possibly ZeRO-partitioned) weights with DeepSpeed's zero_to_fp32, rebuilds the model from the
-model config recorded in the checkpoint, and writes it through ``pretrain.hf.save_hf_bert``. The tokenizer comes
-along: the run config in the checkpoint names the shard directory (``data.shards``, or ``--shards DIR`` if it
-moved), whose manifest names the vocabulary and its casing; its hash must be the one the checkpoint recorded.
-``vocab.txt``, ``tokenizer_config.json`` and ``special_tokens_map.json`` make ``AutoTokenizer.from_pretrained(OUT)``
-tokenize as the shards were tokenized.
+Reads only the checkpoint's ``model_weights.safetensors`` (the full fp32 weights written at save time), after
+its completion marker's sizes and sha256 check out; DeepSpeed's pickled files are never loaded. Rebuilds the
+model from the model config recorded in the checkpoint and writes it through ``pretrain.hf.save_hf_bert`` into a
+new directory beside OUT, renamed into place when complete. An existing non-empty OUT is refused without
+``--force``; with it, OUT is replaced whole (no file of it survives).
+The tokenizer comes along: the run config in the checkpoint names the shard directory (``data.shards``, or
+``--shards DIR`` if it moved), whose manifest names the vocabulary and its casing; its hash must be the one the
+checkpoint recorded. ``vocab.txt``, ``tokenizer_config.json`` and ``special_tokens_map.json`` make
+``AutoTokenizer.from_pretrained(OUT)`` tokenize as the shards were tokenized.
 """
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-import torch
-
 from pretrain import checkpoint as ckpt
 from pretrain.model import ModelConfig, UniLMModel, build_model
+from pretrain.outputs import check_output, replace_directory
 
 
 def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
     """(checkpoints directory, tag) for a checkpoints directory (its ``latest``) or a tag directory."""
-    path = Path(path)
-    if (path / ckpt.LATEST).is_file():
-        return path, (path / ckpt.LATEST).read_text().strip()
-    return path.parent, path.name
+    return ckpt.resolve_tag_dir(path)
 
 
 def load_consolidated(path: str | Path) -> UniLMModel:
-    """The model of a complete checkpoint with fp32 weights gathered from every ZeRO partition."""
-    directory, tag = resolve_checkpoint(path)
-    meta = ckpt.read_marker(directory / tag)
-    if meta is None:
-        raise FileNotFoundError(f"{directory / tag} is not a complete checkpoint (no valid {ckpt.MARKER})")
+    """The model of a valid checkpoint with its full fp32 weights (``pretrain.checkpoint.load_weights``)."""
+    meta, state = ckpt.load_weights(path)
     model = build_model(ModelConfig(**meta["model_config"]))
-    if meta["zero_stage"] == 0:  # no partitions: the module state is stored whole
-        state = torch.load(directory / tag / "mp_rank_00_model_states.pt", map_location="cpu",
-                           weights_only=False)["module"]
-    else:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-        state = get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=tag)
-    model.load_state_dict({k: v.float() for k, v in state.items()})
+    model.load_state_dict(state)
     return model
 
 
@@ -73,13 +63,22 @@ def main(argv: list[str] | None = None) -> None:
                         choices=["BertForPreTraining", "BertForMaskedLM", "BertModel"])
     parser.add_argument("--shards", help="the run's shard directory, if it is no longer at the run config's "
                                          "data.shards (the tokenizer comes from its manifest)")
+    parser.add_argument("--force", action="store_true", help="replace an existing non-empty OUT entirely")
     args = parser.parse_args(argv)
     from data_prep.vocab import write_hf_tokenizer
     from pretrain.hf import save_hf_bert
+    try:
+        out = check_output(args.out, inputs=[args.checkpoint], force=args.force, replaced_whole=True)
+    except (ValueError, FileExistsError) as error:
+        parser.error(str(error))
     vocab, uncased = shard_vocabulary(args.checkpoint, args.shards)  # before writing anything
-    out = save_hf_bert(load_consolidated(args.checkpoint), args.out, architecture=args.architecture)
-    write_hf_tokenizer(vocab, uncased, args.out)
-    print(out)
+    model = load_consolidated(args.checkpoint)
+
+    def write(directory: Path) -> Path:
+        written = save_hf_bert(model, directory, architecture=args.architecture)
+        write_hf_tokenizer(vocab, uncased, directory)
+        return written
+    print(replace_directory(out, write))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,19 @@ For the run config and hostfile it verifies, before any rank starts:
   * every host sees the shards with the same manifest hash (and opens them: sizes, magic, version);
   * every host has free disk for ``keep_last + 1`` checkpoints (≈16 bytes per parameter each, an estimate);
   * every host's ``TORCH_CUDA_ARCH_LIST`` is one DeepSpeed's op builder can read (else the exact value to set).
+  * a checkpoint can be written within the launcher's SIGTERM grace period (a warning otherwise: see below).
+
+A host whose ssh connects but stalls is reported as a problem after ``SSH_TIMEOUT_S`` and the other hosts are
+still checked.
+
+SIGTERM: the run saves a checkpoint and exits when it gets SIGTERM (a scheduler's preemption), but DeepSpeed's
+launcher (0.19.8, ``deepspeed/launcher/launch.py``) forwards SIGTERM to the ranks and SIGKILLs them
+``LAUNCHER_GRACE_S`` = 30 s later; the period is fixed in its code, with no setting. A save that takes longer is
+cut off (the previous complete checkpoint stays valid, so only the steps since it are lost). The preflight
+measures the write speed under ``out_dir`` and warns when the estimated checkpoint time exceeds the period;
+then save more often (``train.save_interval``) and stop before the allocation ends with
+``train.exit_after_minutes`` instead of relying on SIGTERM, or send SIGTERM to the ranks directly (torchrun
+and mpirun do not impose that limit).
 
     python -m pretrain.preflight --config pretrain/configs/tiny.yaml --hostfile hostfiles/localhost [k=v ...]
     python -m pretrain.preflight --config pretrain/configs/tiny.yaml --local-ranks 8 [k=v ...]   # this machine only
@@ -32,6 +45,9 @@ from pretrain.checkpoint import code_version
 from pretrain.config import REPO_ROOT, RunConfig, load_config
 
 CHECKPOINT_BYTES_PER_PARAMETER = 16  # fp32 weights + Adam moments (12) + low-precision copy / slack
+SSH_TIMEOUT_S = 120
+LAUNCHER_GRACE_S = 30  # deepspeed.launcher.launch.terminate_process_tree: psutil.wait_procs(timeout=30), then kill
+WRITE_PROBE_BYTES = 64 * 2**20
 LOCAL_NAMES = {"localhost", "127.0.0.1", socket.gethostname(), socket.getfqdn()}
 # RFC 1123 host names: dot-separated labels of letters, digits and inner hyphens (so never an ssh option "-o...")
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
@@ -85,6 +101,7 @@ def probe(cfg: RunConfig) -> dict[str, Any]:
         target = target.parent
     report["free_bytes"] = shutil.disk_usage(target).free
     report["cuda_arch_list"] = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    report["write_bytes_per_s"] = write_speed(target)
     return report
 
 
@@ -103,6 +120,39 @@ def arch_list_note(value: str | None) -> tuple[str | None, bool]:
             f"{normalised!r}. Set TORCH_CUDA_ARCH_LIST=\"{normalised}\" (e.g. in .deepspeed_env) to prebuild ops"), False
 
 
+
+def write_speed(directory: Path, size: int = WRITE_PROBE_BYTES) -> float | None:
+    """Bytes per second of one fsync'ed write of ``size`` bytes into ``directory`` (None if it cannot write)."""
+    import os
+    import tempfile
+    import time
+
+    block = os.urandom(1 << 20)
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".preflight-write-") as handle:
+            started = time.perf_counter()
+            for _ in range(size // len(block)):
+                handle.write(block)
+            handle.flush()
+            os.fsync(handle.fileno())
+            return size / max(time.perf_counter() - started, 1e-9)
+    except OSError:
+        return None
+
+
+def sigterm_save_warning(checkpoint_size: int, write_bytes_per_s: float | None, host: str) -> str | None:
+    """A warning when writing one checkpoint at the measured speed may outlast the launcher's grace period."""
+    if not write_bytes_per_s:
+        return None
+    seconds = checkpoint_size / write_bytes_per_s
+    if seconds <= LAUNCHER_GRACE_S:
+        return None
+    return (f"{host}: a checkpoint (~{checkpoint_size / 2**30:.1f} GiB at {write_bytes_per_s / 2**20:.0f} MiB/s "
+            f"measured) takes ~{seconds:.0f} s, longer than the {LAUNCHER_GRACE_S} s the deepspeed launcher waits "
+            "after SIGTERM before SIGKILL: a preempted run loses the steps since its last checkpoint. Set "
+            "train.save_interval to bound that loss and train.exit_after_minutes to stop before the allocation ends")
+
+
 def checkpoint_bytes(cfg: RunConfig) -> int:
     from pretrain.trainer import resolve_model_config
     model_cfg = resolve_model_config(cfg)
@@ -114,11 +164,17 @@ def checkpoint_bytes(cfg: RunConfig) -> int:
 def remote_probe(host: str, config: str, overrides: list[str]) -> dict[str, Any]:
     command = (f"cd {shlex.quote(str(REPO_ROOT))} && {shlex.quote(sys.executable)} -m pretrain.preflight --probe "
                f"--config {shlex.quote(config)} " + " ".join(shlex.quote(o) for o in overrides))
-    result = subprocess.run(["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", host, command],
-                            capture_output=True, text=True, timeout=120)
+    try:
+        result = subprocess.run(["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", host, command],
+                                capture_output=True, text=True, timeout=SSH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return {"host": host, "unreachable": f"ssh connected but gave no answer within {SSH_TIMEOUT_S} s (stalled)"}
     if result.returncode != 0:
         return {"host": host, "unreachable": (result.stderr or result.stdout).strip()[-500:]}
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    try:
+        return json.loads(result.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"host": host, "unreachable": f"no probe report in its answer ({result.stdout[-200:]!r})"}
 
 
 def preflight(config: str, overrides: list[str], hostfile: str | None, local_ranks: int = 1) -> list[str]:
@@ -153,6 +209,9 @@ def preflight(config: str, overrides: list[str], hostfile: str | None, local_ran
             problems.append(f"{host}: shards {cfg.data.shards}: {report['shards_error']}")
         elif report["manifest_hash"] != local.get("manifest_hash"):
             problems.append(f"{host}: shards {cfg.data.shards} differ from this host's (manifest hash)")
+        warning = sigterm_save_warning(checkpoint_bytes(cfg), report.get("write_bytes_per_s"), host)
+        if warning is not None:
+            print(f"[preflight] WARNING: {warning}", file=sys.stderr)
         if report["free_bytes"] < needed:
             problems.append(f"{host}: {report['free_bytes'] / 2**30:.1f} GiB free under {cfg.out_dir}, "
                             f"need ~{needed / 2**30:.1f} GiB for {cfg.train.keep_last + 1} checkpoints")

@@ -210,12 +210,13 @@ def find_resume_point(cfg: RunConfig, identity: dict[str, Any], world_size: int,
         return None
     if cfg.train.resume == "auto":
         directory = cfg.checkpoint_dir
-        tag = ckpt.newest_complete_tag(directory, hashes=True, report=print if rank == 0 else None)
+        tag = ckpt.choose_resume_tag(directory, report=print if rank == 0 else None)
         if tag is None:
             return None
+        if rank == 0 and ckpt.read_latest(directory) != tag:  # `latest` always names a valid checkpoint
+            ckpt.update_latest(directory, tag)
     else:
-        path = Path(cfg.train.resume)
-        directory, tag = path.parent, path.name
+        directory, tag = ckpt.resolve_tag_dir(cfg.train.resume)
     meta, problem = ckpt.verify_tag(directory / tag, hashes=True)
     if meta is None:
         raise FileNotFoundError(f"{directory / tag} is not a complete checkpoint: {problem}")
@@ -232,21 +233,65 @@ def find_resume_point(cfg: RunConfig, identity: dict[str, Any], world_size: int,
 
 
 # ---------------------------------------------------------------------------------------------- metrics
+def read_metrics(path: Path, report: Any = print) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl``; a line that is not a JSON object (a write cut short by a kill) is
+    skipped and reported with its line number."""
+    records = []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict):
+            report(f"[metrics] {path}:{number}: skipping a torn or unreadable line ({line[:60]!r})")
+            continue
+        records.append(record)
+    return records
+
+
+def prepare_metrics_file(path: Path, resumed_step: int | None, report: Any = print) -> None:
+    """Make ``metrics.jsonl`` continue the run being started.
+
+    Resumed at step N: records past N (steps being redone) and torn lines are dropped, by writing the kept
+    records beside the file and renaming it over the old one, so a kill leaves the old or the new file. A fresh
+    run (no checkpoint) never destroys an existing history: the old file is renamed ``metrics.N.jsonl``."""
+    if not path.exists():
+        return
+    if resumed_step is None:
+        number = 1
+        while path.with_name(f"{path.stem}.{number}{path.suffix}").exists():
+            number += 1
+        kept = path.with_name(f"{path.stem}.{number}{path.suffix}")
+        os.replace(path, kept)
+        report(f"[metrics] {path} belongs to an earlier run that left no checkpoint here; kept as {kept.name}")
+        return
+    records = read_metrics(path, report)
+    kept = [r for r in records if r.get("step", 0) <= resumed_step]
+    text = "".join(json.dumps(r) + "\n" for r in kept)
+    if len(kept) == len(records) and path.read_text(errors="replace") == text:
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
 class Metrics:
     """Rank 0's ``metrics.jsonl`` (one JSON object per optimizer step) and progress bar."""
 
-    def __init__(self, path: Path, start_step: int, max_steps: int, enabled: bool) -> None:
+    def __init__(self, path: Path, resumed_step: int | None, max_steps: int, enabled: bool) -> None:
         self.enabled = enabled
         self.path = path
         self.bar = None
         if not enabled:
             return
-        if path.exists():  # drop records past the resume point: they belong to steps being redone
-            kept = [line for line in path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= start_step]
-            path.write_text("".join(line + "\n" for line in kept))
+        prepare_metrics_file(path, resumed_step)
         from tqdm import tqdm
-        self.bar = tqdm(total=max_steps, initial=start_step, desc="pretrain", unit="step", file=sys.stderr,
+        self.bar = tqdm(total=max_steps, initial=resumed_step or 0, desc="pretrain", unit="step", file=sys.stderr,
                         mininterval=1.0, dynamic_ncols=True, disable=None)
 
     def write(self, record: dict[str, Any]) -> None:
@@ -264,6 +309,28 @@ class Metrics:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def check_trainable(dataset: Any, model_cfg: ModelConfig, where: str) -> None:
+    """Refuse a shard recipe this model cannot learn from, before step 1: a masked-LM model needs masked
+    positions (GPT-recipe shards have none), a causal LM predicts every next token and would learn to predict
+    the [MASK] tokens of masked-LM shards."""
+    recipe = dataset.manifest.get("recipe")
+    if recipe == "gpt" and not model_cfg.causal_lm:
+        raise ValueError(f"{where}: GPT-recipe shards (no masked positions) cannot train a masked-LM model "
+                         "(nothing to predict); use model.preset=gpt or set model.overrides.causal_lm=true, or "
+                         "build unilm/bert shards")
+    if recipe in ("unilm", "bert") and model_cfg.causal_lm:
+        raise ValueError(f"{where}: {recipe}-recipe shards hold [MASK]ed inputs for a masked-LM model, but the "
+                         "model is a causal LM (model.causal_lm); build GPT-recipe shards or use a masked-LM preset")
+
+
+def check_predicted_tokens(stats: dict[str, Any], step: int, where: str) -> None:
+    """A step whose loss counted no predicted token (on any rank) is an error, not a loss of zero."""
+    if not stats["objectives"]:
+        raise ValueError(f"step {step}: the global batch has no predicted token (no masked position, no next "
+                         f"token, no NSP label), so its loss would be a meaningless 0; check the shards {where} "
+                         "(data_prep.inspect) and the model's recipe")
 
 
 def _reduce_step_stats(loss_sum: float, micro_steps: int, tokens: int, objective_sums: dict[str, float],
@@ -303,6 +370,16 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     """Run (or continue) the pre-training run ``cfg`` on this rank. Returns rank-local summary values."""
     started = time.monotonic()
     rank, world_size = init_distributed()
+    run_lock = ckpt.lock_run_directory(cfg.out_dir, rank)  # before anything under out_dir is read or written
+    try:
+        return _train_locked(cfg, rank, world_size, started)
+    finally:
+        if run_lock is not None:
+            run_lock.release()
+
+
+def _train_locked(cfg: RunConfig, rank: int, world_size: int, started: float) -> dict[str, Any]:
+    """``train`` once this process group holds the run lock of ``cfg.out_dir``."""
     # Fail before building anything if the batch cannot be split over this world size.
     plan = plan_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
 
@@ -316,6 +393,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         print(f"[data] verified {len(dataset.manifest['shards'])} shard(s) against the manifest hashes in "
               f"{time.monotonic() - verify_started:.1f}s", flush=True)
     model_cfg = resolve_model_config(cfg)
+    check_trainable(dataset, model_cfg, cfg.data.shards)
     vocab_size = dataset_vocab_size(dataset)
     if vocab_size is not None and vocab_size > model_cfg.vocab_size:
         raise ValueError(f"the shards' vocabulary has {vocab_size} tokens but model.vocab_size is "
@@ -357,11 +435,12 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "run_config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
-    metrics = Metrics(out_dir / "metrics.jsonl", step, cfg.train.max_steps, enabled=rank == 0)
+    metrics = Metrics(out_dir / "metrics.jsonl", step if resume else None, cfg.train.max_steps, enabled=rank == 0)
 
     interrupted = {"flag": False}
     previous_handler = signal.signal(signal.SIGTERM, lambda *_: interrupted.update(flag=True))
     last_saved = resume.tag if resume else None
+    last_save_id = resume.meta.get("save_id") if resume else None
     fp16 = engine.fp16_enabled()
     meta_common = dict(identity, run_config=cfg.to_dict(), code_version=ckpt.code_version(),
                        world_size=world_size, zero_stage=zero_stage,
@@ -376,7 +455,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         engine.checkpoint_engine.save = write_file_then_fault
 
     def save() -> None:
-        nonlocal last_saved
+        nonlocal last_saved, last_save_id
         tag = ckpt.tag_for_step(step)
         tag_dir = cfg.checkpoint_dir / tag
         client_state = dict(meta_common, step=step, consumed_samples=consumed,
@@ -386,6 +465,9 @@ def train(cfg: RunConfig) -> dict[str, Any]:
             (tag_dir / ckpt.MARKER).unlink(missing_ok=True)
         try:
             engine.save_checkpoint(str(cfg.checkpoint_dir), tag=tag, client_state=client_state, save_latest=False)
+            weights = ckpt.gather_full_weights(engine.module)  # collective under ZeRO
+            if rank == 0:
+                ckpt.write_weights(tag_dir, weights)
             ckpt.fsync_tree(tag_dir)  # this rank's files are on disk before they count
         except (OSError, RuntimeError) as error:  # a full disk surfaces as OSError or as torch's RuntimeError
             free = shutil.disk_usage(cfg.checkpoint_dir).free
@@ -401,11 +483,14 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         torch_dist.barrier()  # every rank's files are written before the marker
         if rank == 0:
             ckpt.fault_point("before_marker", step, rank)
-            ckpt.write_marker(tag_dir, dict(meta_common, step=step, consumed_samples=consumed))
+            save_id = ckpt.write_marker(tag_dir, dict(meta_common, step=step, consumed_samples=consumed,
+                                                      parent_save_id=last_save_id))
             ckpt.fault_point("before_latest", step, rank)
             ckpt.update_latest(cfg.checkpoint_dir, tag)
-            ckpt.prune(cfg.checkpoint_dir, cfg.train.keep_last)
-        torch_dist.barrier()
+            ckpt.prune(cfg.checkpoint_dir, cfg.train.keep_last, just_written=tag)
+        else:
+            save_id = None
+        last_save_id = gather_objects(save_id)[0]
         last_saved = tag
 
     try:
@@ -439,6 +524,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
                                    and time.monotonic() - started > 60 * cfg.train.exit_after_minutes)
                     stats = _reduce_step_stats(loss_sum, len(micro_batches), tokens, objective_sums,
                                                objective_counts, out_of_time or interrupted["flag"])
+                    check_predicted_tokens(stats, step + 1, cfg.data.shards)
                     lr = engine.get_lr()[0]  # the rate this optimizer step applies
                     if not math.isfinite(stats["loss"]):
                         if not math.isfinite(loss_sum):

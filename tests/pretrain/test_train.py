@@ -210,3 +210,19 @@ def test_sigterm_saves_a_checkpoint_and_the_rerun_continues(unilm_shards: Path, 
     assert f"saved global_step{stopped_at + 2}" in rerun.stdout
     steps = [record["step"] for record in metrics(tmp_path)]
     assert steps == list(range(1, stopped_at + 3))  # nothing repeated, nothing skipped
+
+
+def test_saved_weights_equal_deepspeeds_fp32_consolidation(runs: dict) -> None:
+    """model_weights.safetensors (gathered at save time from the ZeRO-2 partitions of 2 ranks) holds exactly the
+    fp32 weights DeepSpeed's own zero_to_fp32 consolidates from the pickled optimizer shards."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from pretrain import checkpoint as ckpt
+
+    checkpoints = runs["full"] / "checkpoints"
+    meta, ours = ckpt.load_weights(checkpoints / "global_step24")
+    assert meta["zero_stage"] == 2 and ckpt.WEIGHTS in meta["files"] and ckpt.WEIGHTS in meta["sha256"]
+    reference = get_fp32_state_dict_from_zero_checkpoint(str(checkpoints), tag="global_step24")
+    assert set(reference) <= set(ours)
+    for name, value in reference.items():
+        assert torch.equal(ours[name], value.float()), name
