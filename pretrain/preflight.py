@@ -5,7 +5,7 @@ For the run config and hostfile it verifies, before any rank starts:
   * every host is reachable (password-less ssh, as DeepSpeed's launcher needs; local names run in-process);
   * every host runs the same code version (``git describe`` / package version) as this one;
   * every host sees the shards with the same manifest hash (and opens them: sizes, magic, version);
-  * every host has free disk for ``keep_last + 1`` checkpoints (≈16 bytes per parameter each, an estimate);
+  * every host has free disk for ``keep_last + 1`` checkpoints (≈20 bytes per parameter each, an estimate);
   * every host's ``TORCH_CUDA_ARCH_LIST`` is one DeepSpeed's op builder can read (else the exact value to set).
   * a checkpoint can be written within the launcher's SIGTERM grace period (a warning otherwise: see below).
 
@@ -44,7 +44,7 @@ from pretrain.batch_plan import InfeasibleBatchError, plan_batch
 from pretrain.checkpoint import code_version
 from pretrain.config import REPO_ROOT, RunConfig, load_config
 
-CHECKPOINT_BYTES_PER_PARAMETER = 16  # fp32 weights + Adam moments (12) + low-precision copy / slack
+CHECKPOINT_BYTES_PER_PARAMETER = 20  # fp32 weights + Adam moments (12) + low-precision copy / slack + safetensors fp32 (4)
 SSH_TIMEOUT_S = 120
 LAUNCHER_GRACE_S = 30  # deepspeed.launcher.launch.terminate_process_tree: psutil.wait_procs(timeout=30), then kill
 WRITE_PROBE_BYTES = 64 * 2**20
