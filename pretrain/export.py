@@ -44,7 +44,13 @@ def shard_vocabulary(checkpoint: str | Path, shards: str | Path | None = None) -
     meta = ckpt.read_marker(directory / tag)
     if meta is None:
         raise FileNotFoundError(f"{directory / tag} is not a complete checkpoint (no valid {ckpt.MARKER})")
-    shards = Path(shards or meta["run_config"]["data"]["shards"])
+    if shards is None:
+        recorded = meta.get("run_config", {}).get("data", {}).get("shards")
+        if recorded is None:
+            raise ValueError(f"{directory / tag}: its marker records no run config naming the shards it was trained "
+                             "on; pass --shards DIR (the shard directory whose vocabulary the model uses)")
+        shards = recorded
+    shards = Path(shards)
     manifest = read_manifest(shards)  # names the directory when the shards moved: pass --shards DIR then
     vocab = shards / manifest["vocab"]["file"]
     digest = sha256_file(vocab) if vocab.is_file() else None
@@ -69,9 +75,9 @@ def main(argv: list[str] | None = None) -> None:
     from pretrain.hf import save_hf_bert
     try:
         out = check_output(args.out, inputs=[args.checkpoint], force=args.force, replaced_whole=True)
+        vocab, uncased = shard_vocabulary(args.checkpoint, args.shards)  # before writing anything
     except (ValueError, FileExistsError) as error:
         parser.error(str(error))
-    vocab, uncased = shard_vocabulary(args.checkpoint, args.shards)  # before writing anything
     model = load_consolidated(args.checkpoint)
 
     def write(directory: Path) -> Path:

@@ -64,7 +64,8 @@ def test_decode_writes_one_prediction_per_record_and_replaces_output_only_with_f
     assert output.read_bytes() == first and [p.name for p in tmp_path.glob(".*partial*")] == []
 
 
-def test_export_into_a_finetuning_directory_needs_force_and_leaves_no_old_head(tiny_init, tmp_path, capsys):
+def test_export_into_a_finetuning_directory_needs_force_and_leaves_no_old_head(tiny_init, unilm_shards, tmp_path,
+                                                                               capsys):
     from pretrain import export
 
     model = load_hf_bert(tiny_init)
@@ -78,13 +79,14 @@ def test_export_into_a_finetuning_directory_needs_force_and_leaves_no_old_head(t
     ckpt.write_marker(checkpoints / "global_step4", {"step": 4, "model_config": dataclasses.asdict(model.cfg)})
     ckpt.update_latest(checkpoints, "global_step4")
     with pytest.raises(SystemExit):
-        export.main([str(checkpoints), str(finetuned)])
+        export.main([str(checkpoints), str(finetuned), "--shards", str(unilm_shards)])
     assert "pass --force" in capsys.readouterr().err
     assert load_finetuned(finetuned).task == "classify"  # untouched
-    export.main([str(checkpoints), str(finetuned), "--force"])
-    assert sorted(p.name for p in finetuned.iterdir()) == ["config.json", "model.safetensors"]
+    export.main([str(checkpoints), str(finetuned), "--force", "--shards", str(unilm_shards)])
+    assert sorted(p.name for p in finetuned.iterdir()) == [
+        "config.json", "model.safetensors", "special_tokens_map.json", "tokenizer_config.json", "vocab.txt"]
     with pytest.raises(SystemExit):  # replacing the run directory would delete the checkpoint exported
-        export.main([str(checkpoints / "global_step4"), str(tmp_path), "--force"])
+        export.main([str(checkpoints / "global_step4"), str(tmp_path), "--force", "--shards", str(unilm_shards)])
     assert "is (or contains) the input" in capsys.readouterr().err
 
 

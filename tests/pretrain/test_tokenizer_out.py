@@ -43,6 +43,7 @@ def fake_checkpoint(directory: Path, shards: Path) -> Path:
     """A checkpoint marker as the trainer writes it (run config and vocab hash; the weights do not matter here)."""
     tag = directory / "global_step1"
     tag.mkdir(parents=True)
+    ckpt.write_weights(tag, {"unused": torch.zeros(1)})  # a marker must vouch for at least one file
     ckpt.write_marker(tag, {"run_config": {"data": {"shards": str(shards)}},
                             "vocab_hash": ShardDataset(shards).manifest["vocab"]["sha256"]})
     ckpt.update_latest(directory, "global_step1")
