@@ -101,3 +101,18 @@ def test_the_driver_runs_every_stage_on_a_few_steps_and_skips_them_on_a_rerun(sa
     assert "| BBC headline | rougeL |" in report and "Quick check: only the first 4 test examples" in report
     again = subprocess.run(argv, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and again.stdout.count("done earlier") == 9, again.stdout[-3000:]
+
+
+def test_a_missing_run_leaves_its_seed_out_for_every_arm_of_that_task() -> None:
+    scores = {arm: {str(seed): {"headline": {"rougeL": 20.0 + seed - 42, "rouge1": 1.0, "rouge2": 1.0, "bleu": 1.0}}
+                    for seed in (42, 43, 44)} for arm in ablation.ARMS}
+    del scores["bert+mlm"]["43"]["headline"]  # not fine-tuned
+    records = ablation.results(scores, [42, 43, 44])
+    assert {r["task"] for r in records} == {"headline"}  # no topic run at all: no topic records
+    assert all(r["seed_ids"] == [42, 44] for r in records)
+    assert _rougeL(records, "bert")["seeds"] == [20.0, 22.0]
+    assert "topic: not measured" in ablation.verdict(records)
+
+
+def _rougeL(records: list[dict], arm: str) -> dict:
+    return next(r for r in records if (r["arm"], r["task"], r["metric"]) == (arm, "headline", "rougeL"))
