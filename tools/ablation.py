@@ -232,7 +232,8 @@ class Ablation(Stages):
                     self.in_process("finetune.run", self.finetune_argv(arm, task, seed))
                     self.say(f"  {task} seed {seed}: {duration(time.monotonic() - started)}")
                 metrics = json.loads(metrics_file.read_text())
-                runs[f"{task}-seed{seed}"] = {"best_dev": metrics["best"], "epochs": len(metrics["epochs"])}
+                runs[f"{task}-seed{seed}"] = {"best_dev": metrics["best"], "evaluations": len(metrics["epochs"]),
+                                              "steps": metrics["steps"], "run_wall_s": metrics["wall_s_this_launch"]}
         return runs
 
     def finished(self, arm: str, task: str, seed: int) -> bool:
@@ -252,11 +253,18 @@ class Ablation(Stages):
                 else:
                     output = self.out / "test" / f"headline-{arm.replace('+', '-')}-seed{seed}.jsonl"
                     output.parent.mkdir(parents=True, exist_ok=True)
-                    self.in_process("finetune.decode", [
-                        "--model", str(self.run_dir(arm, "headline", seed)), "--input", str(self.test_file("headline")),
-                        "--output", str(output), "--beam-size", str(BEAM_SIZE), "--max-tgt-len", str(MAX_HEADLINE_LEN),
-                        "--batch-size", "16"])
-                    scored["headline"] = json.loads(output.with_name(output.stem + ".metrics.json").read_text())
+                    scores_file = output.with_name(output.stem + ".metrics.json")
+                    decoded = scores_file.is_file() and not self.test_limit and scores_file.stat().st_mtime > (
+                        self.run_dir(arm, "headline", seed) / "metrics.json").stat().st_mtime
+                    if decoded:  # this model's test headlines were written earlier (an interrupted test stage)
+                        self.say(f"  {output}: decoded earlier, kept")
+                    else:
+                        self.in_process("finetune.decode", [
+                            "--model", str(self.run_dir(arm, "headline", seed)), "--input",
+                            str(self.test_file("headline")),
+                            "--output", str(output), "--beam-size", str(BEAM_SIZE), "--max-tgt-len",
+                            str(MAX_HEADLINE_LEN), "--batch-size", "16"])
+                    scored["headline"] = json.loads(scores_file.read_text())
                 if not self.finished(arm, "topic", seed):
                     missing.append(f"topic {arm} seed {seed}")
                 else:
@@ -373,6 +381,13 @@ def render_report(ablation: Ablation, records: list[dict]) -> str:
         total += wall or 0.0
         lines.append(f"| {name} | {duration(wall)} |")
     lines += [f"| **total** | **{duration(total)}** |", ""]
+    run_times = {task: [run["run_wall_s"] for arm in ARMS
+                        for key, run in (stages.get(f"finetune-{arm.replace('+', '-')}") or {}).items()
+                        if key.startswith(task) and isinstance(run, dict)] for task in TASKS}
+    if any(run_times.values()):
+        lines += ["Fine-tuning runs themselves (`metrics.json` `wall_s_this_launch`, whoever ran them): "
+                  + "; ".join(f"{task} {len(times)} runs, {statistics.mean(times):.0f} s each on average, "
+                              f"{duration(sum(times))} in all" for task, times in run_times.items() if times) + ".", ""]
 
     lines += dev_lines(ablation, stages)
     lines += ["## Continued pre-training: loss curves", ""]
