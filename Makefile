@@ -31,7 +31,7 @@ WORKERS    ?= 2
 SHARDS     ?= data/shards/$(RECIPE)-$(SEQ_LEN)
 BUILD_ARGS ?=
 
-.PHONY: help setup system-deps sample-corpus vocab shards inspect demo test bench bench-data bench-model clean pretrain preflight plot bench-train finetune-data finetune-demo bench-decode
+.PHONY: help setup system-deps sample-corpus vocab shards inspect demo ablation test bench bench-data bench-model clean pretrain preflight plot bench-train finetune-data finetune-demo bench-decode
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -73,6 +73,10 @@ inspect: $(STAMP)  ## statistics of SHARDS
 DEMO_ARGS ?=
 demo: $(STAMP)  ## the whole pipeline end to end on the sample corpus -> demo_out/REPORT.md (reruns skip done stages)
 	$(PY) -m pretrain.demo --samples $(SAMPLES) $(DEMO_ARGS)
+
+ABLATION_ARGS ?=
+ablation: sample-corpus  ## BERT vs BERT+MLM vs BERT+UniLM on BBC headlines + topics -> ablation_out/REPORT.md (reruns skip done stages)
+	$(PY) -m tools.ablation --samples $(SAMPLES) $(ABLATION_ARGS)
 
 test: system-deps sample-corpus  ## run the whole test suite (installs the Debian packages its launcher tests use)
 	$(PY) -m pytest -q tests
@@ -141,4 +145,4 @@ bench-decode: sample-corpus  ## beam-5 decoding of 64-token targets: KV cache vs
 	$(PY) -m finetune.bench_decode --out bench_out/decode.json
 
 clean:  ## remove built data and outputs (keeps .venv and the registry cache)
-	rm -rf data/vocab data/shards demo_out bench_out
+	rm -rf data/vocab data/shards demo_out bench_out ablation_out
