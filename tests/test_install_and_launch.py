@@ -48,7 +48,7 @@ def test_a_gpu_machine_launches_one_rank_per_gpu_on_deepspeeds_own_accelerator_c
     assert re.search(r"pretrain\.preflight .*--local-ranks 2", out)
     one = make(tmp_path, "GPU 0: NVIDIA H200 (UUID: GPU-0)\n", "pretrain")
     assert "--num_gpus 1" in one and "--local-ranks 1" in one
-    assert "--hostfile hostfiles/multinode.example" in make(tmp_path, TWO_GPUS, "pretrain",
+    assert "--hostfile 'hostfiles/multinode.example'" in make(tmp_path, TWO_GPUS, "pretrain",
                                                              "HOSTFILE=hostfiles/multinode.example")
 
 
@@ -57,7 +57,7 @@ def test_a_cpu_machine_runs_on_the_cpu_accelerator_with_the_localhost_hostfile(t
     out = make(tmp_path, None, "show-accelerator", "pretrain")
     assert "accelerator=[cpu]" in out
     launch = next(line for line in out.splitlines() if "bin/deepspeed" in line)
-    assert "--hostfile hostfiles/localhost" in launch and "--num_gpus" not in launch
+    assert "--hostfile 'hostfiles/localhost'" in launch and "--num_gpus" not in launch
     assert "accelerator=[]" not in make(tmp_path, "", "show-accelerator")  # nvidia-smi that lists nothing
     # a choice made by the user wins on either machine
     assert "accelerator=[cuda]" in make(tmp_path, None, "show-accelerator", DS_ACCELERATOR="cuda")
