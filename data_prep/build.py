@@ -1,13 +1,18 @@
 """Build packed training shards from raw corpora: ``python -m data_prep.build --input ... --out DIR``.
 
-Pipeline: documents are streamed from every ``--input`` in order and grouped into chunks of about
-``--chunk-chars`` characters (a chunk boundary depends only on the input, never on workers). Each chunk is
-cleaned, sentence-split, batch-encoded with ``tokenizers``, turned into instances (``data_prep.instances``)
-and masked, with randomness seeded by (seed, document index); it is written as a part file in the shard
-format. ``finalize`` joins the parts in chunk order into shards of balanced size (their sample counts
-differ by at most one) and writes ``manifest.json`` last. Hence the output is byte-identical for any
-``--workers`` and any ``--num-builders`` split: builder i of K processes chunks i, i+K, …, and
-``--finalize`` (run once after all builders) assembles the shards. Memory is bounded by a few chunks.
+Pipeline: every ``--input`` is split into units (a file, or a shard of a Hugging Face dataset:
+``data_prep.sources.input_units``); each unit's documents are streamed and grouped into chunks of about
+``--chunk-chars`` characters (a chunk boundary depends only on the input, never on workers). In a worker
+process each chunk is cleaned (Wikipedia markup too), sentence-split, batch-encoded with ``tokenizers``,
+turned into instances (``data_prep.instances``) and masked, with randomness seeded by (seed, unit, document
+index in the unit); it is written as a part file in the shard format. ``finalize`` joins the parts in
+(unit, chunk) order into shards of balanced size (their sample counts differ by at most one) and writes
+``manifest.json`` last. Hence the output is byte-identical for any ``--workers`` and any ``--num-builders``
+split: builder i of K reads only units i, i+K, …, and ``--finalize`` (run once after all builders)
+assembles the shards. Memory is bounded by a few chunks.
+
+A build is assembled beside ``--out`` (in ``.NAME.partial`` in the same parent directory) and renamed into
+place when complete, so a failed or interrupted build never costs the previous one, even with ``--overwrite``.
 """
 from __future__ import annotations
 
@@ -27,17 +32,22 @@ from typing import Iterator, Sequence
 import numpy as np
 from tqdm import tqdm
 
-from data_prep.instances import (RECIPES, Instance, InstanceConfig, MaskingConfig, Uniforms, document_instances,
-                                 masking_budget, mask_samples, parse_objective_mix)
+from data_prep.instances import (RECIPES, Instance, InstanceConfig, MaskingConfig, Uniforms, default_max_predictions,
+                                 document_instances, masking_budget, mask_samples, parse_objective_mix)
 from data_prep.shard_format import (INDEX_DTYPE, MANIFEST_NAME, SHARD_GLOB, VOCAB_NAME, Objective,
                                     ShardArrays, ShardError, ShardFile, manifest_dict, read_manifest,
                                     sha256_file, token_dtype, write_json, write_shard)
-from data_prep.sources import Skipped, check_input, read_documents
+from data_prep.sources import (ROWS_PER_DOCUMENT, TEXT_FIELD, UNIT_BYTES, ReadOptions, Skipped, Unit, check_input,
+                               document_text, input_units, read_documents, read_unit)
 from data_prep.text import clean_document, split_sentences
-from data_prep.vocab import Vocab, VocabError, load_encoder, load_vocab, train_vocab
+from data_prep.vocab import (Vocab, VocabError, load_encoder, load_vocab, resolve_casing, resolve_vocab_source,
+                             train_vocab)
 
 PARTS_DIR = "parts"
 SKIP_EXAMPLES = 3
+SKIP_WARNING_FRACTION = 0.05
+EXPECTED_SKIPS = ("wiki_redirect", "wiki_not_an_article")  # a dump's redirects are not documents; no warning
+BUILD_FILES = (MANIFEST_NAME, VOCAB_NAME, PARTS_DIR)  # with shard-*.bin: what --overwrite may replace
 
 
 @dataclass(frozen=True)
@@ -57,16 +67,31 @@ class BuildConfig:
     """upper bound; shards are balanced, so actual sizes are total / ceil(total / this)"""
     chunk_chars: int = 500_000
     """documents are processed in chunks of about this many characters (part of the output's identity)"""
+    text_field: str = TEXT_FIELD
+    """the field (column) of JSON / parquet / dataset records that holds the text"""
+    sentence_inputs: tuple[str, ...] = ()
+    """inputs whose rows are sentences: consecutive rows form documents of ``rows_per_document`` rows"""
+    rows_per_document: int = ROWS_PER_DOCUMENT
+    unit_bytes: int = UNIT_BYTES
+    """a .jsonl file larger than this is split into byte ranges that different builders read"""
 
     def __post_init__(self) -> None:
         if not self.inputs:
             raise ValueError("no --input given")
+        strays = [s for s in self.sentence_inputs if s not in self.inputs]
+        if strays:
+            raise ValueError(f"--rows-as-sentences {' '.join(strays)}: not among the --input sources; name inputs "
+                             "exactly as given to --input, or give the flag alone to apply it to every input")
+        self.read_options(self.inputs[0])  # validates text_field and rows_per_document
         if self.dupe_factor < 1:
             raise ValueError(f"--dupe-factor {self.dupe_factor} must be at least 1")
         if self.dupe_factor > 1 and not self.instances.masked:
             raise ValueError("--dupe-factor applies to masked recipes; gpt has no masking, copies would be identical")
-        if self.samples_per_shard < 1 or self.chunk_chars < 1:
-            raise ValueError("--samples-per-shard and --chunk-chars must be positive")
+        if self.samples_per_shard < 1 or self.chunk_chars < 1 or self.unit_bytes < 1:
+            raise ValueError("--samples-per-shard, --chunk-chars and unit_bytes must be positive")
+
+    def read_options(self, spec: str) -> ReadOptions:
+        return ReadOptions(self.text_field, spec in self.sentence_inputs, self.rows_per_document)
 
     def to_json(self) -> dict:
         return json.loads(json.dumps(asdict(self)))
@@ -83,7 +108,8 @@ class BuildConfig:
         masking = dict(payload.pop("masking"))
         masking["span_length_probs"] = tuple(masking["span_length_probs"])
         return BuildConfig(inputs=tuple(payload.pop("inputs")), instances=InstanceConfig(**payload.pop("instances")),
-                           masking=MaskingConfig(**masking), **payload)
+                           sentence_inputs=tuple(payload.pop("sentence_inputs")), masking=MaskingConfig(**masking),
+                           **payload)
 
 
 @dataclass
@@ -113,26 +139,32 @@ class DocumentStats:
 
 @dataclass(frozen=True)
 class Chunk:
-    """Consecutive input records; ``first_document`` is the global index of ``records[0]``."""
+    """Consecutive records of one unit; ``first_document`` is the index of ``records[0]`` within the unit."""
 
+    unit: int
     index: int
     first_document: int
     records: list[tuple[str | Skipped, str]]  # (document or skip, where)
 
 
-def iter_chunks(inputs: Sequence[str], chunk_chars: int) -> Iterator[Chunk]:
-    """Stream all inputs as chunks of about ``chunk_chars`` characters; only the input decides boundaries."""
+def iter_chunks(unit_index: int, unit: Unit, options: ReadOptions, chunk_chars: int) -> Iterator[Chunk]:
+    """Stream one unit as chunks of about ``chunk_chars`` characters (raw; Wikipedia markup counts) and at least
+    one chunk; only the input decides boundaries."""
     records: list[tuple[str | Skipped, str]] = []
     chars, index, first = 0, 0, 0
-    for spec in inputs:
-        for number, record in enumerate(read_documents(spec)):
-            records.append((record, record.where if isinstance(record, Skipped) else f"{spec} document {number}"))
-            chars += len(record) if isinstance(record, str) else 0
-            if chars >= chunk_chars:
-                yield Chunk(index, first, records)
-                index, first, records, chars = index + 1, first + len(records), [], 0
+    for number, record in enumerate(read_unit(unit, options)):
+        records.append((record, record.where if isinstance(record, Skipped) else f"{unit} document {number}"))
+        chars += len(record) if isinstance(record, str) else 0
+        if chars >= chunk_chars:
+            yield Chunk(unit_index, index, first, records)
+            index, first, records, chars = index + 1, first + len(records), [], 0
     if records or index == 0:
-        yield Chunk(index, first, records)
+        yield Chunk(unit_index, index, first, records)
+
+
+def build_units(cfg: BuildConfig) -> list[tuple[Unit, ReadOptions]]:
+    """Every unit of every input, in input order, with the way its records become documents."""
+    return [(unit, cfg.read_options(spec)) for spec in cfg.inputs for unit in input_units(spec, cfg.unit_bytes)]
 
 
 class _OtherDocuments:
@@ -167,7 +199,7 @@ def process_chunk(cfg: BuildConfig, chunk: Chunk, out_path: Path) -> tuple[Docum
         if isinstance(record, Skipped):
             stats.skip(record.reason, where)
             continue
-        text = clean_document(record)
+        text = clean_document(document_text(record))  # Wikipedia clean-up happens here, in the worker
         if not text:
             stats.skip("empty", where)
             continue
@@ -194,14 +226,14 @@ def process_chunk(cfg: BuildConfig, chunk: Chunk, out_path: Path) -> tuple[Docum
             kept_indices.append(doc_index)
 
     per_document = [document_instances(ids, _OtherDocuments(kept_documents, own), cfg.instances,
-                                       Uniforms(np.random.default_rng([cfg.seed, doc_index, 0])))
+                                       Uniforms(np.random.default_rng([cfg.seed, chunk.unit, doc_index, 0])))
                     for own, (doc_index, ids) in enumerate(zip(kept_indices, kept_documents))]
-    arrays = _pack(cfg, vocab, random_ids, kept_indices, per_document)
+    arrays = _pack(cfg, vocab, random_ids, chunk.unit, kept_indices, per_document)
     write_shard(out_path, arrays, durable=False)  # a part file; the final shards are fsynced
     return stats, len(arrays)
 
 
-def _pack(cfg: BuildConfig, vocab: Vocab, random_ids: np.ndarray, doc_indices: list[int],
+def _pack(cfg: BuildConfig, vocab: Vocab, random_ids: np.ndarray, unit: int, doc_indices: list[int],
           per_document: list[list[Instance]]) -> ShardArrays:
     """Lay out ``[CLS] A [SEP] (B [SEP])`` back to back, mask each dupe copy (vectorised) and pack shard arrays."""
     special = vocab.special_ids
@@ -234,7 +266,7 @@ def _pack(cfg: BuildConfig, vocab: Vocab, random_ids: np.ndarray, doc_indices: l
             maskable = length - np.where(len_a == length, 2, 3)
             need = np.add.reduceat(3 * masking_budget(maskable, cfg.masking) + maskable,
                                    np.cumsum([0] + samples_per_doc[:-1])) if rows else []
-            uniforms = np.concatenate([np.random.default_rng([cfg.seed, doc, copy + 1]).random(int(count))
+            uniforms = np.concatenate([np.random.default_rng([cfg.seed, unit, doc, copy + 1]).random(int(count))
                                        for doc, count, samples in zip(doc_indices, need, samples_per_doc) if samples])
             num_masked, positions, labels = mask_samples(tokens, offset, length, len_a, uniforms, cfg.masking,
                                                          special["mask"], random_ids)
@@ -259,59 +291,91 @@ def _process_chunk_task(cfg: BuildConfig, chunk: Chunk, out_path: Path) -> tuple
     return chunk.index, len(chunk.records), stats, samples
 
 
-def _part_path(out: Path, chunk_index: int) -> Path:
-    return out / PARTS_DIR / f"chunk-{chunk_index:07d}.bin"
+def staging_dir(out: Path) -> Path:
+    """Where a build of ``out`` is assembled: beside it, on the same file system, so the final rename is cheap."""
+    out = out.absolute()
+    return out.parent / f".{out.name}.partial"
 
 
-def _builder_path(out: Path, builder_index: int, num_builders: int) -> Path:
-    return out / PARTS_DIR / f"builder-{builder_index}-of-{num_builders}.json"
+def _part_path(staging: Path, unit: int, chunk_index: int) -> Path:
+    return staging / PARTS_DIR / f"unit-{unit:06d}-chunk-{chunk_index:07d}.bin"
 
 
-def prepare_output(out: Path, cfg: BuildConfig, vocab: Vocab, overwrite: bool, num_builders: int = 1) -> None:
-    """Refuse an output dir holding another build (other format version, vocab or settings) unless --overwrite.
+def _builder_path(staging: Path, builder_index: int, num_builders: int) -> Path:
+    return staging / PARTS_DIR / f"builder-{builder_index}-of-{num_builders}.json"
 
-    With several builders, --overwrite never deletes parts of the same build: another builder wrote them.
+
+def check_output(out: Path, vocab: Vocab, overwrite: bool) -> None:
+    """Refuse an ``--out`` that holds another build (unless --overwrite) or anything that is not a build.
+
+    Nothing is deleted here: the new build replaces ``out`` only once it is complete (``install_build``).
     """
-    manifest_path = out / MANIFEST_NAME
     hint = "choose an empty --out directory, or pass --overwrite to replace it"
-    foreign_parts = [b for b in sorted((out / PARTS_DIR).glob("builder-*.json"))
-                     if num_builders == 1 or json.loads(b.read_text())["fingerprint"] != cfg.fingerprint]
-    if not overwrite:
-        if manifest_path.exists():
-            try:
-                existing = read_manifest(out)
-            except ShardError as err:
-                raise ShardError(f"--out {out} holds a build this version cannot use ({err}); {hint}") from None
-            if existing["vocab"]["sha256"] != vocab.sha256:
-                raise ShardError(f"--out {out} holds shards built with another vocab "
-                                 f"(sha256 {existing['vocab']['sha256'][:12]}…, now {vocab.sha256[:12]}…); {hint}")
-            raise ShardError(f"--out {out} already holds a finished build; {hint}")
-        for shard in sorted(out.glob(SHARD_GLOB)):
-            ShardFile(shard)  # names the file if it is of another format version
-            raise ShardError(f"--out {out} holds shard files ({shard.name}) but no manifest; {hint}")
-        for builder in foreign_parts:
-            if json.loads(builder.read_text())["fingerprint"] != cfg.fingerprint:
-                raise ShardError(f"--out {out}: {builder} belongs to a build with other inputs or settings; {hint}")
-    elif out.exists():
-        for stale in [manifest_path, *out.glob(SHARD_GLOB)]:
-            stale.unlink(missing_ok=True)
-        if num_builders == 1 or foreign_parts:
-            shutil.rmtree(out / PARTS_DIR, ignore_errors=True)
-    (out / PARTS_DIR).mkdir(parents=True, exist_ok=True)
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ShardError(f"--out {out} is a file, not a directory")
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in BUILD_FILES and not p.match(SHARD_GLOB))
+    if foreign:
+        raise ShardError(f"--out {out} holds files that are not part of a shard build ({', '.join(foreign[:5])}); "
+                         "choose a new or empty --out directory (a build replaces the whole directory)")
+    if overwrite:
+        return
+    if (out / MANIFEST_NAME).exists():
+        try:
+            existing = read_manifest(out)
+        except ShardError as err:
+            raise ShardError(f"--out {out} holds a build this version cannot use ({err}); {hint}") from None
+        if existing["vocab"]["sha256"] != vocab.sha256:
+            raise ShardError(f"--out {out} holds shards built with another vocab "
+                             f"(sha256 {existing['vocab']['sha256'][:12]}…, now {vocab.sha256[:12]}…); {hint}")
+        raise ShardError(f"--out {out} already holds a finished build; {hint}")
+    for shard in sorted(out.glob(SHARD_GLOB)):
+        ShardFile(shard)  # names the file if it is of another format version
+        raise ShardError(f"--out {out} holds shard files ({shard.name}) but no manifest; {hint}")
+
+
+def prepare_staging(staging: Path, cfg: BuildConfig, num_builders: int) -> None:
+    """Empty the staging directory of parts from other settings; with several builders, parts of this very
+    build stay (another builder wrote them)."""
+    parts = staging / PARTS_DIR
+    if parts.is_dir():
+        ours = all(json.loads(b.read_text())["fingerprint"] == cfg.fingerprint
+                   for b in parts.glob("builder-*.json"))
+        if num_builders == 1 or not ours:
+            shutil.rmtree(parts)
+    for stale in [staging / MANIFEST_NAME, *staging.glob(SHARD_GLOB)]:
+        stale.unlink(missing_ok=True)
+    parts.mkdir(parents=True, exist_ok=True)
+
+
+def install_build(staging: Path, out: Path) -> None:
+    """Move the finished build in ``staging`` to ``out``; a previous build there is deleted only afterwards."""
+    if not out.exists():
+        os.rename(staging, out)
+        return
+    previous = out.parent / f".{out.name}.previous-{os.getpid()}"
+    os.rename(out, previous)  # between these two renames the old build still exists, as `previous`
+    os.rename(staging, out)
+    shutil.rmtree(previous)
 
 
 def run_builder(cfg: BuildConfig, out: Path, workers: int = 1, builder_index: int = 0, num_builders: int = 1,
                 overwrite: bool = False, progress: bool = True) -> DocumentStats:
-    """Process this builder's chunks (chunk % num_builders == builder_index) into part files."""
+    """Process this builder's units (unit % num_builders == builder_index) into part files beside ``out``."""
     if not 0 <= builder_index < num_builders:
         raise ValueError(f"--builder-index {builder_index} must be in [0, --num-builders {num_builders})")
     vocab = load_vocab(cfg.vocab_path)
-    prepare_output(out, cfg, vocab, overwrite, num_builders)
-    copy = out / f"{VOCAB_NAME}.tmp{builder_index}"  # every builder writes the same bytes, atomically
-    shutil.copyfile(vocab.path, copy)
-    os.replace(copy, out / VOCAB_NAME)
+    check_output(out, vocab, overwrite)
+    units = build_units(cfg)  # opens every input: a mistyped one fails here, before any work
+    staging = staging_dir(out)
+    prepare_staging(staging, cfg, num_builders)
+    if vocab.path.absolute() != (staging / VOCAB_NAME).absolute():
+        copy = staging / f"{VOCAB_NAME}.tmp{builder_index}"  # every builder writes the same bytes, atomically
+        shutil.copyfile(vocab.path, copy)
+        os.replace(copy, staging / VOCAB_NAME)
     stats = DocumentStats()
-    num_chunks = 0
+    unit_chunks: dict[int, int] = {}
     total_samples = 0
     bar = tqdm(desc=f"building {out.name}", unit="doc", disable=not progress, file=sys.stderr)
 
@@ -323,39 +387,46 @@ def run_builder(cfg: BuildConfig, out: Path, workers: int = 1, builder_index: in
         bar.update(records)
         bar.set_postfix(samples=total_samples, skipped=stats.skipped)
 
-    chunks = iter_chunks(cfg.inputs, cfg.chunk_chars)
+    def chunks() -> Iterator[Chunk]:
+        for unit_index, (unit, options) in enumerate(units):
+            if unit_index % num_builders == builder_index:  # other builders' units are never read here
+                for chunk in iter_chunks(unit_index, unit, options, cfg.chunk_chars):
+                    unit_chunks[unit_index] = chunk.index + 1
+                    yield chunk
+
     if workers <= 1:
-        for chunk in chunks:
-            num_chunks = chunk.index + 1
-            if chunk.index % num_builders == builder_index:
-                collect(_process_chunk_task(cfg, chunk, _part_path(out, chunk.index)))
+        for chunk in chunks():
+            collect(_process_chunk_task(cfg, chunk, _part_path(staging, chunk.unit, chunk.index)))
     else:
         # fork starts workers in milliseconds (spawn re-imports numpy and tokenizers: ~1 s); workers only run
         # process_chunk, and tokenizers disables its thread pool in a forked child by itself
         method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
         with multiprocessing.get_context(method).Pool(workers, initializer=_quiet_tokenizer_threads) as pool:
             pending: collections.deque = collections.deque()
-            for chunk in chunks:
-                num_chunks = chunk.index + 1
-                if chunk.index % num_builders != builder_index:
-                    continue
-                pending.append(pool.apply_async(_process_chunk_task, (cfg, chunk, _part_path(out, chunk.index))))
+            for chunk in chunks():
+                pending.append(pool.apply_async(_process_chunk_task,
+                                                (cfg, chunk, _part_path(staging, chunk.unit, chunk.index))))
                 while len(pending) > 2 * workers:  # bounded memory: never queue the whole corpus
                     collect(pending.popleft().get())
             while pending:
                 collect(pending.popleft().get())
     bar.close()
-    write_json(_builder_path(out, builder_index, num_builders), {
+    write_json(_builder_path(staging, builder_index, num_builders), {
         "fingerprint": cfg.fingerprint, "config": cfg.to_json(), "builder_index": builder_index,
-        "num_builders": num_builders, "num_chunks": num_chunks, "documents": asdict(stats)})
+        "num_builders": num_builders, "num_units": len(units),
+        "unit_chunks": {str(u): n for u, n in sorted(unit_chunks.items())}, "documents": asdict(stats)})
     return stats
 
 
 def finalize(out: Path) -> dict:
-    """Join all builders' parts into balanced shards and write the manifest; returns the manifest."""
-    builders = sorted((out / PARTS_DIR).glob("builder-*-of-*.json"))
+    """Join all builders' parts into balanced shards, write the manifest, then put the build in place of ``out``.
+
+    Returns the manifest.
+    """
+    staging = staging_dir(out)
+    builders = sorted((staging / PARTS_DIR).glob("builder-*-of-*.json"))
     if not builders:
-        raise ShardError(f"--finalize {out}: no builder results in {out / PARTS_DIR}; run the builders first")
+        raise ShardError(f"--finalize {out}: no builder results in {staging / PARTS_DIR}; run the builders first")
     records = [json.loads(p.read_text()) for p in builders]
     num_builders = records[0]["num_builders"]
     if {r["fingerprint"] for r in records} != {records[0]["fingerprint"]} or \
@@ -366,15 +437,17 @@ def finalize(out: Path) -> dict:
     if missing:
         raise ShardError(f"--finalize {out}: builder(s) {missing} of {num_builders} have not finished")
     cfg = BuildConfig.from_json(records[0]["config"])
-    num_chunks = records[0]["num_chunks"]
-    parts = [_part_path(out, c) for c in range(num_chunks)]
+    unit_chunks = {int(u): n for r in records for u, n in r["unit_chunks"].items()}
+    if sorted(unit_chunks) != list(range(records[0]["num_units"])):
+        raise ShardError(f"--finalize {out}: the builders did not cover every input unit; rerun the builders")
+    parts = [_part_path(staging, u, c) for u in sorted(unit_chunks) for c in range(unit_chunks[u])]
     absent = [p.name for p in parts if not p.exists()]
     if absent:
         raise ShardError(f"--finalize {out}: part files missing ({absent[:5]}); rerun the builders")
     opened = [ShardFile(p) for p in parts]
-    vocab = load_vocab(out / VOCAB_NAME)
+    vocab = load_vocab(staging / VOCAB_NAME)
     if vocab.sha256 != cfg.vocab_sha256:
-        raise ShardError(f"{out / VOCAB_NAME}: differs from the vocab the parts were built with")
+        raise ShardError(f"{staging / VOCAB_NAME}: differs from the vocab the parts were built with")
     dtype = token_dtype(vocab.size)
     stats = DocumentStats()
     for r in records:
@@ -383,8 +456,10 @@ def finalize(out: Path) -> dict:
     ends = np.cumsum([len(p) for p in opened], dtype=np.int64)
     total = int(ends[-1]) if len(ends) else 0
     if total == 0:
+        examples = "; ".join(f"{reason}: {where[0]}" for reason, where in sorted(stats.skip_examples.items()) if where)
         raise ShardError(f"no samples from {list(cfg.inputs)}: {stats.read} documents read, "
-                         f"{stats.skipped} skipped {stats.skip_reasons}; check the inputs")
+                         f"{stats.skipped} skipped {stats.skip_reasons} (e.g. {examples}); check the inputs"
+                         + _rows_hint(stats.skip_reasons, stats.read, set(cfg.sentence_inputs) == set(cfg.inputs)))
     num_shards = -(-total // cfg.samples_per_shard)
     shard_entries, objective_counts, random_next = [], collections.Counter(), collections.Counter()
     num_tokens = 0
@@ -397,7 +472,7 @@ def finalize(out: Path) -> dict:
                 break
             pieces.append(opened[part_index].arrays.select(max(start - part_start, 0), min(stop, int(ends[part_index])) - part_start))
         arrays = ShardArrays.concatenate(pieces, dtype)
-        path = out / f"shard-{shard:05d}.bin"
+        path = staging / f"shard-{shard:05d}.bin"
         write_shard(path, arrays)
         objective_counts.update(arrays.index["objective"].tolist())
         random_next.update(arrays.index["is_random_next"].tolist())
@@ -416,6 +491,8 @@ def finalize(out: Path) -> dict:
                "special_tokens": vocab.special_ids},
         token_dtype=dtype.name,
         inputs=list(cfg.inputs),
+        reading={"text_field": cfg.text_field, "rows_as_sentences": list(cfg.sentence_inputs),
+                 "rows_per_document": cfg.rows_per_document},
         chunk_chars=cfg.chunk_chars,
         num_samples=total,
         num_tokens=num_tokens,
@@ -425,10 +502,36 @@ def finalize(out: Path) -> dict:
                    "skip_examples": dict(sorted(stats.skip_examples.items()))},
         shards=shard_entries,
     )
-    write_json(out / MANIFEST_NAME, manifest)
+    write_json(staging / MANIFEST_NAME, manifest)
     del opened
-    shutil.rmtree(out / PARTS_DIR)
+    shutil.rmtree(staging / PARTS_DIR)
+    install_build(staging, out)
     return manifest
+
+
+def _rows_hint(skip_reasons: dict[str, int], read: int, every_input_is_rows: bool) -> str:
+    """Advice when most documents are single sentences: the input is probably one sentence per row."""
+    single = skip_reasons.get("too_few_sentences", 0)
+    if not read or single <= read / 2 or every_input_is_rows:
+        return ""
+    return (f"; {single} of {read} documents are single sentences: if the input has one sentence per row "
+            "(as BookCorpus on the Hugging Face hub), pass --rows-as-sentences")
+
+
+def skip_warning(manifest: dict) -> str | None:
+    """A warning when more than 5% of the documents were skipped, naming the reasons (None otherwise).
+
+    Wikipedia redirects and non-article pages do not count: a dump is full of them by design."""
+    docs = manifest["documents"]
+    expected = sum(docs["skip_reasons"].get(r, 0) for r in EXPECTED_SKIPS)
+    skipped, read = docs["skipped"] - expected, docs["read"] - expected
+    if skipped <= SKIP_WARNING_FRACTION * read:
+        return None
+    rows = set(manifest.get("reading", {}).get("rows_as_sentences", []))
+    examples = "; ".join(f"{reason}: {where[0]}" for reason, where in sorted(docs.get("skip_examples", {}).items())
+                         if where)
+    return (f"[build] warning: {skipped} of {read} documents ({skipped / read:.0%}) were skipped: {docs['skip_reasons']} (e.g. {examples}; more in manifest.json documents.skip_examples)"
+            + _rows_hint(docs["skip_reasons"], docs["read"], rows == set(manifest["inputs"])))
 
 
 def build(cfg: BuildConfig, out: Path, workers: int = 1, overwrite: bool = False, progress: bool = True) -> dict:
@@ -437,10 +540,11 @@ def build(cfg: BuildConfig, out: Path, workers: int = 1, overwrite: bool = False
     return finalize(out)
 
 
-def training_documents(inputs: Sequence[str]) -> Iterator[str]:
-    """Cleaned documents of the inputs, streamed (what --train-vocab learns from)."""
+def training_documents(inputs: Sequence[str], cfg: BuildConfig | None = None) -> Iterator[str]:
+    """Cleaned documents of the inputs, streamed (what --train-vocab learns from); ``cfg`` says how to read them."""
     for spec in inputs:
-        for record in read_documents(spec):
+        options = cfg.read_options(spec) if cfg else ReadOptions()
+        for record in read_documents(spec, options):
             if isinstance(record, str) and (text := clean_document(record)):
                 yield text
 
@@ -450,8 +554,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--input", nargs="+", action="extend", default=[], metavar="SRC",
                    help="file (.xml[.bz2] .jsonl .json .parquet .txt), directory, or HF dataset name[:config][:split]; "
                         "repeatable")
-    p.add_argument("--vocab", type=Path, help="BERT vocab.txt")
-    p.add_argument("--uncased", action="store_true", help="lowercase and strip accents (default: cased)")
+    p.add_argument("--text-field", default=TEXT_FIELD, metavar="NAME",
+                   help="field / column of JSON, parquet and dataset records that holds the text "
+                        f"(default {TEXT_FIELD})")
+    p.add_argument("--rows-as-sentences", nargs="*", metavar="SRC",
+                   help="rows are sentences of a running text (BookCorpus on the hub): consecutive rows form one "
+                        "document; alone it applies to every --input, else to the inputs named (.txt: a row is a line)")
+    p.add_argument("--rows-per-document", type=int, default=ROWS_PER_DOCUMENT, metavar="N",
+                   help=f"with --rows-as-sentences: rows per document (default {ROWS_PER_DOCUMENT}; an empty row "
+                        "ends a document early)")
+    p.add_argument("--vocab", type=Path, help="BERT vocab.txt, a Hugging Face model/tokenizer directory, or a "
+                                              "tokenizer.json (WordPiece); casing is read from its tokenizer config")
+    casing = p.add_mutually_exclusive_group()
+    casing.add_argument("--uncased", action="store_const", const=True, dest="uncased",
+                        help="lowercase and strip accents (default: what --vocab's tokenizer config says; a bare "
+                             "vocab.txt is cased)")
+    casing.add_argument("--cased", action="store_const", const=False, dest="uncased",
+                        help="keep case; refused if --vocab's tokenizer config lowercases")
     p.add_argument("--train-vocab", type=int, metavar="SIZE", help="train a WordPiece vocab of SIZE on the inputs")
     p.add_argument("--vocab-out", type=Path, help="where --train-vocab writes the vocab")
     p.add_argument("--recipe", default="unilm", help=f"one of {', '.join(RECIPES)} (default unilm)")
@@ -459,19 +578,49 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-seq-len", type=int, default=128)
     p.add_argument("--short-seq-prob", type=float, default=0.1)
     p.add_argument("--mask-prob", type=float, default=0.15)
-    p.add_argument("--max-predictions", type=int, default=20)
-    p.add_argument("--dupe-factor", type=int, default=1, help="differently-masked copies of each instance")
+    p.add_argument("--max-predictions", type=int,
+                   help="cap on masked tokens per sample (default round(0.15 x --max-seq-len): 19 at 128, 77 at 512)")
+    p.add_argument("--dupe-factor", type=int, default=1,
+                   help="differently-masked copies of each instance (BERT: 10; see docs/shard_format.md)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--workers", type=int, default=1, help="processes on this machine (output is identical)")
-    p.add_argument("--num-builders", type=int, default=1, help="split the work across K machines")
+    p.add_argument("--num-builders", type=int, default=1,
+                   help="split the work across K machines: each reads only its units (files, 256 MiB ranges of "
+                        ".jsonl files, dataset shards)")
     p.add_argument("--builder-index", type=int, default=0, help="this machine's share, 0..K-1")
     p.add_argument("--finalize", action="store_true", help="after all builders: write shards + manifest in --out")
     p.add_argument("--samples-per-shard", type=int, default=65536)
     p.add_argument("--chunk-chars", type=int, default=500_000, help="characters per work unit (affects output)")
-    p.add_argument("--out", type=Path, help="output directory")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing build in --out")
+    p.add_argument("--out", type=Path, help="output directory (assembled beside it, renamed into place when done)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing build in --out (it stays until the new one is complete)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
+
+
+def _resolve_vocab(args: argparse.Namespace) -> tuple[Path, bool]:
+    """(vocab.txt, uncased) for --vocab; a tokenizer.json's vocabulary is written beside the output first."""
+    source = resolve_vocab_source(args.vocab)
+    uncased = resolve_casing(source, args.uncased)
+    if source.vocab_file is not None:
+        return source.vocab_file, uncased
+    staging = staging_dir(args.out)
+    staging.mkdir(parents=True, exist_ok=True)
+    path = staging / VOCAB_NAME
+    if not path.is_file() or path.read_text(encoding="utf-8") != source.vocab_text:
+        tmp = staging / f"{VOCAB_NAME}.tmp{os.getpid()}"
+        tmp.write_text(source.vocab_text, encoding="utf-8")
+        os.replace(tmp, path)
+    return path, uncased
+
+
+def _warn_low_cap(masking: MaskingConfig, max_seq_len: int) -> None:
+    full = round(masking.mask_prob * (max_seq_len - 3))
+    if masking.max_predictions < full:
+        print(f"[build] warning: --max-predictions {masking.max_predictions} caps masking below --mask-prob "
+              f"{masking.mask_prob} for samples longer than {int(masking.max_predictions / masking.mask_prob) + 3} "
+              f"tokens (a full {max_seq_len}-token sample masks {masking.max_predictions / (max_seq_len - 3):.1%}); "
+              f"the default is {default_max_predictions(max_seq_len)}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -486,25 +635,36 @@ def main(argv: list[str] | None = None) -> None:
             raise ValueError("give at least one --input")
         for spec in args.input:
             check_input(spec)
+        sentence_inputs = tuple(args.input if args.rows_as_sentences == [] else args.rows_as_sentences or ())
+        # the reading settings, checked before any work (--train-vocab reads the inputs with them too)
+        reading = BuildConfig(inputs=tuple(args.input), vocab_path="", vocab_sha256="", text_field=args.text_field,
+                              sentence_inputs=sentence_inputs, rows_per_document=args.rows_per_document)
         if args.train_vocab is not None:
             if args.vocab_out is None:
                 raise ValueError("--train-vocab needs --vocab-out PATH")
-            vocab = train_vocab(training_documents(args.input), args.train_vocab, args.vocab_out, args.uncased)
+            vocab = train_vocab(training_documents(args.input, reading), args.train_vocab, args.vocab_out,
+                                bool(args.uncased))
             print(f"[build] trained a {vocab.size}-entry WordPiece vocab -> {args.vocab_out}")
             if args.out is None:
                 return
             args.vocab = args.vocab_out
         if args.vocab is None or args.out is None:
             raise ValueError("give --vocab VOCAB (or --train-vocab SIZE --vocab-out PATH) and --out DIR")
-        vocab = load_vocab(args.vocab)
+        vocab_path, uncased = _resolve_vocab(args)
+        vocab = load_vocab(vocab_path)
+        max_predictions = default_max_predictions(args.max_seq_len) if args.max_predictions is None \
+            else args.max_predictions
+        masking = MaskingConfig(mask_prob=args.mask_prob, max_predictions=max_predictions)
+        if args.max_predictions is not None:
+            _warn_low_cap(masking, args.max_seq_len)
         cfg = BuildConfig(
-            inputs=tuple(args.input), vocab_path=str(args.vocab), vocab_sha256=vocab.sha256, uncased=args.uncased,
+            inputs=tuple(args.input), vocab_path=str(vocab_path), vocab_sha256=vocab.sha256, uncased=uncased,
             instances=InstanceConfig(recipe=args.recipe, max_seq_len=args.max_seq_len,
                                      short_seq_prob=args.short_seq_prob,
                                      objective_mix=parse_objective_mix(args.objective_mix)),
-            masking=MaskingConfig(mask_prob=args.mask_prob, max_predictions=args.max_predictions),
-            seed=args.seed, dupe_factor=args.dupe_factor, samples_per_shard=args.samples_per_shard,
-            chunk_chars=args.chunk_chars)
+            masking=masking, seed=args.seed, dupe_factor=args.dupe_factor, samples_per_shard=args.samples_per_shard,
+            chunk_chars=args.chunk_chars, text_field=args.text_field, sentence_inputs=sentence_inputs,
+            rows_per_document=args.rows_per_document)
         stats = run_builder(cfg, args.out, workers=args.workers, builder_index=args.builder_index,
                             num_builders=args.num_builders, overwrite=args.overwrite, progress=not args.quiet)
         if args.num_builders == 1:
@@ -520,6 +680,9 @@ def _report(manifest: dict, out: Path) -> None:
     docs = manifest["documents"]
     print(f"[build] {manifest['num_samples']} samples, {manifest['num_tokens']} tokens in {len(manifest['shards'])} "
           f"shard(s) -> {out}; documents read {docs['read']}, skipped {docs['skipped']} {docs['skip_reasons']}")
+    warning = skip_warning(manifest)
+    if warning:
+        print(warning, file=sys.stderr)
 
 
 if __name__ == "__main__":

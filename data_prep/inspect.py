@@ -1,7 +1,9 @@
 """Statistics, sample dumps and integrity checks of a shard build: ``python -m data_prep.inspect DIR``.
 
 ``--json`` prints one JSON object (``num_samples``, ``objective_counts``, ``masked_fraction`` = masked /
-maskable tokens, ``replacement`` fractions, ``span_lengths``, ``documents``, ``padding_fraction`` …);
+maskable tokens over all samples, ``masked_fraction_by_objective``, ``max_predictions`` and ``cap_bound``
+(samples whose masking the ``max_predictions`` cap cut below ``mask_prob``: count and fraction),
+``replacement`` fractions, ``span_lengths``, ``documents``, ``padding_fraction`` …);
 ``--dump N`` prints the first N samples as JSON lines with tokens as strings; ``--verify`` checks every
 shard against the manifest sha256. All statistics are computed shard by shard on the memory-mapped arrays.
 """
@@ -27,6 +29,9 @@ def shard_statistics(ds: ShardDataset) -> dict[str, Any]:
     random_next: collections.Counter = collections.Counter()
     spans: collections.Counter = collections.Counter()
     totals = collections.Counter()
+    masked_by_objective: collections.Counter = collections.Counter()
+    maskable_by_objective: collections.Counter = collections.Counter()
+    masking = ds.manifest.get("masking")
     for shard in ds.shards:
         a: ShardArrays = shard.arrays
         index = np.asarray(a.index)
@@ -38,6 +43,13 @@ def shard_statistics(ds: ShardDataset) -> dict[str, Any]:
         totals["tokens"] += int(length.sum())
         totals["maskable"] += int((length - np.where(single, 2, 3)).sum())
         totals["masked"] += int(num_masked.sum())
+        maskable = length - np.where(single, 2, 3)
+        objective = index["objective"].astype(np.int64)
+        masked_by_objective.update(_sum_by(objective, num_masked))
+        maskable_by_objective.update(_sum_by(objective, maskable))
+        if masking:  # the cap bound where 15% of the maskable tokens (rounded) is more than it allows
+            wanted = np.rint(maskable * masking["mask_prob"]).astype(np.int64)
+            totals["cap_bound"] += int((wanted > masking["max_predictions"]).sum())
         if not num_masked.sum():
             continue
         positions = np.asarray(a.masked_positions).astype(np.int64)
@@ -65,6 +77,10 @@ def shard_statistics(ds: ShardDataset) -> dict[str, Any]:
         "nsp": {"random_next": random_next.get(1, 0), "true_next": random_next.get(0, 0)},
         "masked_tokens": totals["masked"],
         "masked_fraction": totals["masked"] / max(totals["maskable"], 1),
+        "masked_fraction_by_objective": {o.key: masked_by_objective[int(o)] / maskable_by_objective[int(o)]
+                                         for o in Objective if maskable_by_objective[int(o)]},
+        "max_predictions": masking["max_predictions"] if masking else None,
+        "cap_bound": {"samples": totals["cap_bound"], "fraction": totals["cap_bound"] / max(num_samples, 1)},
         "replacement": {"mask": totals["mask"] / masked,
                         "random": (totals["masked"] - totals["mask"] - totals["keep"]) / masked,
                         "keep": totals["keep"] / masked},
@@ -73,6 +89,13 @@ def shard_statistics(ds: ShardDataset) -> dict[str, Any]:
         "documents": {k: ds.manifest["documents"][k] for k in ("read", "skipped", "skip_reasons")},
         "padding_fraction": 1 - totals["tokens"] / max(num_samples * max_len, 1),
     }
+
+
+def _sum_by(keys: np.ndarray, values: np.ndarray) -> dict[int, int]:
+    """{key: sum of values with that key}."""
+    unique, inverse = np.unique(keys, return_inverse=True)
+    sums = np.bincount(inverse, weights=values, minlength=len(unique)).astype(np.int64)
+    return dict(zip(unique.tolist(), sums.tolist()))
 
 
 def dump_samples(ds: ShardDataset, count: int) -> Iterator[dict[str, Any]]:

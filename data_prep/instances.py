@@ -12,7 +12,8 @@ continuation) or — for NSP, with probability 1/2 — sentences from another do
 (``is_random_next = 1``); the unused sentences go back to the stream. Segments never cross documents
 except that random B. Layout: ``[CLS] A [SEP]`` or ``[CLS] A [SEP] B [SEP]``.
 
-Masking (``mask_tokens``): 15% of the non-special tokens (at least 1, at most ``max_predictions``), in
+Masking (``mask_tokens``): 15% of the non-special tokens (at least 1, at most ``max_predictions``, by default
+round(0.15 × max_seq_len), so a full-length sample is masked at 15% too), in
 non-adjacent spans of which 80% are single tokens and 20% bigrams or trigrams; of the masked tokens 80%
 become [MASK], 10% a random non-special token, 10% stay. Everything random comes from a generator seeded
 by (seed, document index, stream), never by process order, so any split of the work gives the same bytes.
@@ -244,6 +245,11 @@ def _emit(current: list[list[int]], objective: Objective, target: int, i: int,
     if tokens_a and tokens_b:
         instances.append(Instance(objective, tokens_a, tokens_b, is_random_next))
     return i
+
+
+def default_max_predictions(max_seq_len: int) -> int:
+    """The --max-predictions default: 15% of the length, so the cap binds only on the rounding (77 at 512)."""
+    return max(1, round(0.15 * max_seq_len))
 
 
 def masking_budget(num_maskable: np.ndarray, cfg: MaskingConfig) -> np.ndarray:

@@ -179,10 +179,13 @@ def write_shard(path: Path, arrays: ShardArrays, durable: bool = True) -> None:
 
 
 class ShardFile:
-    """A memory-mapped shard; checks the whole header and the file size on open, reads samples lazily."""
+    """A memory-mapped shard; checks the whole header, the file size and the index on open (objective ids,
+    lengths: one vectorised pass over the index, never the tokens) and each sample's token ids and
+    masked positions when it is read (ids below ``vocab_size`` when given, positions inside the sample)."""
 
-    def __init__(self, path: Path | str):
+    def __init__(self, path: Path | str, vocab_size: int | None = None, max_seq_len: int | None = None):
         self.path = Path(path)
+        self.vocab_size = vocab_size
         try:
             size = self.path.stat().st_size
         except FileNotFoundError:
@@ -215,6 +218,30 @@ class ShardFile:
             offset += _align8(nbytes)
         self.arrays = ShardArrays(*views)
         self.token_dtype = dtype
+        self._check_index(max_seq_len)
+        self._bad_samples: set[int] | range | None = None  # found on the first read
+
+    def _check_index(self, max_seq_len: int | None) -> None:
+        """Refuse an index whose samples could not be valid, naming the first bad sample (offsets are checked
+        when a sample is read: one bad offset leaves the other samples readable)."""
+        index = self.arrays.index
+        if not len(index):
+            return
+        length = index["length"].astype(np.int64)
+        problems = [
+            (~np.isin(index["objective"], [int(o) for o in Objective]), "objective id is not one of "
+             f"{[int(o) for o in Objective]}"),
+            (length < 1, "length is 0"),
+            (index["segment_a_length"] > index["length"], "segment_a_length exceeds its length"),
+            (index["num_masked"] > index["length"], "more masked positions than tokens"),
+        ]
+        if max_seq_len is not None:
+            problems.append((length > max_seq_len, f"length exceeds the manifest's max_seq_len {max_seq_len}"))
+        for bad, what in problems:
+            if bad.any():
+                sample = int(np.argmax(bad))
+                raise ShardError(f"{self.path}: sample {sample}: {what} ({int(bad.sum())} such sample(s); corrupt "
+                                 "or hand-made shard); rebuild the shards")
 
     def __len__(self) -> int:
         return len(self.arrays.index)
@@ -227,12 +254,58 @@ class ShardFile:
         length, num_masked = int(row["length"]), int(row["num_masked"])
         if t0 + length > len(self.arrays.tokens) or m0 + num_masked > len(self.arrays.masked_positions):
             raise ShardError(f"{self.path}: sample {i} points outside the file (corrupt index); rebuild the shards")
-        return Sample(input_ids=self.arrays.tokens[t0:t0 + length].astype(np.int64),
-                      objective=int(row["objective"]),
-                      segment_a_length=int(row["segment_a_length"]),
-                      is_random_next=int(row["is_random_next"]),
-                      masked_positions=self.arrays.masked_positions[m0:m0 + num_masked].astype(np.int64),
-                      masked_labels=self.arrays.masked_labels[m0:m0 + num_masked].astype(np.int64))
+        sample = Sample(input_ids=self.arrays.tokens[t0:t0 + length].astype(np.int64),
+                        objective=int(row["objective"]),
+                        segment_a_length=int(row["segment_a_length"]),
+                        is_random_next=int(row["is_random_next"]),
+                        masked_positions=self.arrays.masked_positions[m0:m0 + num_masked].astype(np.int64),
+                        masked_labels=self.arrays.masked_labels[m0:m0 + num_masked].astype(np.int64))
+        if self._bad_samples is None:
+            self._bad_samples = self._find_bad_samples()
+        if i in self._bad_samples:
+            self._check_sample(i, sample)
+        return sample
+
+    def _find_bad_samples(self) -> set[int] | range:
+        """Samples whose token ids or masked entries are out of range, found in one vectorised pass over this
+        shard's sections (on its first read; a few ms per 10 MB). Shards whose samples do not tile their sections
+        in order (never written by ``write_shard``) get every sample checked one by one instead."""
+        index, arrays = self.arrays.index, self.arrays
+        length = index["length"].astype(np.int64)
+        num_masked = index["num_masked"].astype(np.int64)
+        token_ends, mask_ends = np.cumsum(length), np.cumsum(num_masked)
+        tiled = (np.array_equal(index["token_offset"].astype(np.int64), token_ends - length)
+                 and np.array_equal(index["mask_offset"].astype(np.int64), mask_ends - num_masked)
+                 and (not len(index) or (token_ends[-1] == len(arrays.tokens)
+                                         and mask_ends[-1] == len(arrays.masked_positions))))
+        if not tiled:
+            return range(len(self))
+        bad: set[int] = set()
+        limit = self.vocab_size
+        if limit is not None and len(arrays.tokens) and int(arrays.tokens.max()) >= limit:
+            positions = np.flatnonzero(arrays.tokens >= limit)
+            bad.update(np.searchsorted(token_ends, positions, side="right").tolist())
+        if len(arrays.masked_positions):
+            owner_length = np.repeat(length, num_masked)
+            wrong = arrays.masked_positions >= owner_length
+            if limit is not None:
+                wrong |= arrays.masked_labels >= limit
+            if wrong.any():
+                bad.update(np.searchsorted(mask_ends, np.flatnonzero(wrong), side="right").tolist())
+        return bad
+
+    def _check_sample(self, i: int, sample: Sample) -> None:
+        """Token ids inside the vocabulary, masked positions inside the sample (a few comparisons per sample)."""
+        if self.vocab_size is not None:
+            for name in ("input_ids", "masked_labels"):
+                ids = getattr(sample, name)
+                if len(ids) and int(ids.max()) >= self.vocab_size:
+                    raise ShardError(f"{self.path}: sample {i}: {name} holds id {int(ids.max())}, not below the "
+                                     f"vocabulary size {self.vocab_size}; rebuild the shards")
+        positions = sample.masked_positions
+        if len(positions) and int(positions.max()) >= sample.length:
+            raise ShardError(f"{self.path}: sample {i}: masked position {int(positions.max())} is not inside its "
+                             f"{sample.length} tokens; rebuild the shards")
 
     def __iter__(self) -> Iterator[Sample]:
         return (self[i] for i in range(len(self)))
@@ -277,6 +350,11 @@ def read_manifest(directory: Path | str) -> dict[str, Any]:
     if not isinstance(shards, list) or not all(
             isinstance(e, dict) and all(isinstance(e.get(k), t) for k, t in entry_fields.items()) for e in shards):
         raise ShardError(f"{path}: 'shards' must list {{file, num_samples, bytes, sha256}} entries; rebuild the shards")
+    names = [e["file"] for e in shards]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise ShardError(f"{path}: shard(s) {twice} listed more than once (their samples would be trained twice); "
+                         "rebuild the shards")
     outside = [e["file"] for e in shards if Path(e["file"]).name != e["file"] or not e["file"].startswith("shard-")]
     if outside:
         raise ShardError(f"{path}: shard file(s) {outside} are not shard-*.bin names inside {directory}")
@@ -289,6 +367,11 @@ def read_manifest(directory: Path | str) -> dict[str, Any]:
     if manifest["token_dtype"] not in ("uint16", "uint32"):
         raise ShardError(f"{path}: token_dtype {manifest['token_dtype']!r} is not uint16 or uint32")
     return manifest
+
+
+def _vocab_size(vocab: dict[str, Any]) -> int | None:
+    size = vocab.get("size")
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
 
 
 class ShardDataset:
@@ -315,7 +398,8 @@ class ShardDataset:
             if path.stat().st_size != entry["bytes"]:
                 raise ShardError(f"{path}: {path.stat().st_size} bytes, the manifest records {entry['bytes']} "
                                  "(truncated or modified); rebuild the shards")
-            shard = ShardFile(path)
+            shard = ShardFile(path, vocab_size=_vocab_size(self.manifest["vocab"]),
+                              max_seq_len=self.manifest["max_seq_len"])
             if len(shard) != entry["num_samples"]:
                 raise ShardError(f"{path}: {len(shard)} samples, the manifest records {entry['num_samples']}")
             if shard.token_dtype.name != self.manifest["token_dtype"]:

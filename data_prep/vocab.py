@@ -1,5 +1,10 @@
 """WordPiece vocabularies: validate a BERT ``vocab.txt``, build the ``tokenizers`` encoder, train a new vocab.
 
+``resolve_vocab_source`` accepts a ``vocab.txt``, a Hugging Face model/tokenizer directory (``vocab.txt`` with
+``tokenizer_config.json``, or ``tokenizer.json``) or a ``tokenizer.json``, and reads the casing it states;
+``write_hf_tokenizer`` writes the files ``transformers.AutoTokenizer`` loads (``vocab.txt``,
+``tokenizer_config.json``, ``special_tokens_map.json``) so it tokenizes exactly as this encoder does.
+
 The encoder is HF ``tokenizers`` WordPiece with BERT's normaliser and pre-tokeniser. Cased by default (as
 UniLM); ``uncased=True`` lowercases and strips accents (BERT-uncased). Special tokens are deliberately *not*
 registered as added tokens, so a corpus that contains the literal text ``[SEP]`` or ``[MASK]`` is split into
@@ -9,6 +14,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -98,3 +105,119 @@ def train_vocab(documents: Iterable[str], size: int, out: Path, uncased: bool) -
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(f"{token}\n" for token, _ in by_id), encoding="utf-8")
     return load_vocab(out)
+
+
+HF_TOKENIZER_CONFIG = "tokenizer_config.json"
+HF_TOKENIZER_JSON = "tokenizer.json"
+HF_SPECIAL_TOKENS_MAP = "special_tokens_map.json"
+
+
+@dataclass(frozen=True)
+class VocabSource:
+    """What ``--vocab`` names: a vocab file (or the vocabulary text of a tokenizer.json) and the casing it states."""
+
+    description: str
+    vocab_file: Path | None
+    """a vocab.txt to use as it is; None when the vocabulary comes from a tokenizer.json"""
+    vocab_text: str | None
+    """vocab.txt content (one token per line, in id order) extracted from a tokenizer.json"""
+    uncased: bool | None
+    """casing stated by a tokenizer config; None for a bare vocab.txt"""
+    casing_from: str | None = None
+
+
+def resolve_vocab_source(path: Path | str) -> VocabSource:
+    """Read ``--vocab``: a vocab.txt, a Hugging Face model/tokenizer directory, or a tokenizer.json."""
+    path = Path(path)
+    if path.is_dir():
+        vocab_txt, config, tokenizer_json = path / "vocab.txt", path / HF_TOKENIZER_CONFIG, path / HF_TOKENIZER_JSON
+        if config.is_file():
+            uncased, casing_from = _config_casing(config), str(config)
+        elif tokenizer_json.is_file():
+            uncased, casing_from = _tokenizer_json(tokenizer_json)[1], str(tokenizer_json)
+        else:
+            uncased, casing_from = None, None
+        if vocab_txt.is_file():
+            return VocabSource(str(path), vocab_txt, None, uncased, casing_from)
+        if tokenizer_json.is_file():
+            return VocabSource(str(path), None, _tokenizer_json(tokenizer_json)[0], uncased, casing_from)
+        raise VocabError(f"vocab {path}: a directory without vocab.txt or tokenizer.json; pass a BERT vocab.txt, "
+                         "a Hugging Face BERT model directory, or a tokenizer.json")
+    if path.name.endswith(".json") and path.is_file():
+        vocab_text, uncased = _tokenizer_json(path)
+        return VocabSource(str(path), None, vocab_text, uncased, str(path))
+    return VocabSource(str(path), path, None, None)
+
+
+def resolve_casing(source: VocabSource, uncased_flag: bool | None) -> bool:
+    """The casing to encode with: the source's, the flag's, or cased; a flag that contradicts the source fails."""
+    if source.uncased is None:
+        return bool(uncased_flag)
+    if uncased_flag is not None and uncased_flag != source.uncased:
+        flag, states = ("--uncased", "keeps case") if uncased_flag else ("--cased", "lowercases")
+        raise VocabError(f"{flag} contradicts --vocab {source.description}: {source.casing_from} {states}; "
+                         "drop the flag (the casing comes from the tokenizer config)")
+    return source.uncased
+
+
+def _config_casing(config: Path) -> bool:
+    settings = _read_json(config)
+    uncased = bool(settings.get("do_lower_case", True))  # BertTokenizer's default
+    strip_accents = settings.get("strip_accents")
+    if strip_accents is not None and bool(strip_accents) != uncased:
+        raise VocabError(f"{config}: strip_accents {strip_accents} with do_lower_case {uncased} is not supported "
+                         "(this encoder strips accents exactly when it lowercases, as BERT does)")
+    return uncased
+
+
+def _tokenizer_json(path: Path) -> tuple[str, bool]:
+    """(vocab.txt text, uncased) of a WordPiece tokenizer.json with BERT's normaliser and pre-tokeniser."""
+    settings = _read_json(path)
+    model = settings.get("model") or {}
+    if model.get("type") != "WordPiece" or model.get("continuing_subword_prefix", "##") != "##":
+        raise VocabError(f"{path}: a {model.get('type')} tokenizer; only BERT WordPiece tokenizers (## "
+                         "continuation pieces) are supported")
+    pre_tokenizer = (settings.get("pre_tokenizer") or {}).get("type")
+    if pre_tokenizer != "BertPreTokenizer":
+        raise VocabError(f"{path}: pre-tokenizer {pre_tokenizer}, not BertPreTokenizer; the shards would not "
+                         "be tokenized as this tokenizer does")
+    normalizer = settings.get("normalizer") or {}
+    if normalizer.get("type") != "BertNormalizer":
+        raise VocabError(f"{path}: normalizer {normalizer.get('type')}, not BertNormalizer")
+    uncased = bool(normalizer.get("lowercase", True))
+    strip_accents = normalizer.get("strip_accents")
+    if (strip_accents is not None and bool(strip_accents) != uncased) or \
+            not normalizer.get("handle_chinese_chars", True):
+        raise VocabError(f"{path}: normalizer settings {normalizer} are not BERT's cased or uncased ones")
+    by_id = sorted((i, token) for token, i in model["vocab"].items())
+    if [i for i, _ in by_id] != list(range(len(by_id))):
+        raise VocabError(f"{path}: vocabulary ids are not 0..{len(by_id) - 1} without gaps")
+    return "".join(f"{token}\n" for _, token in by_id), uncased
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        settings = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise VocabError(f"{path}: not valid UTF-8 JSON ({err})") from None
+    if not isinstance(settings, dict):
+        raise VocabError(f"{path}: not a JSON object")
+    return settings
+
+
+def write_hf_tokenizer(vocab_path: Path | str, uncased: bool, out: Path | str) -> None:
+    """Write ``vocab.txt``, ``tokenizer_config.json`` and ``special_tokens_map.json`` for ``transformers``.
+
+    ``BertTokenizer(Fast)`` built from them normalises as ``load_encoder(…, uncased)`` does: lowercasing and
+    accent stripping together (``strip_accents`` None follows ``do_lower_case``), Chinese characters split.
+    """
+    vocab = load_vocab(vocab_path)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if vocab.path.resolve() != (out / "vocab.txt").resolve():
+        shutil.copyfile(vocab.path, out / "vocab.txt")
+    special = {f"{name}_token": token for name, token in SPECIAL_TOKENS.items()}
+    config = {"tokenizer_class": "BertTokenizer", "do_lower_case": uncased, "strip_accents": None,
+              "tokenize_chinese_chars": True, "do_basic_tokenize": True, **special}
+    (out / HF_TOKENIZER_CONFIG).write_text(json.dumps(config, indent=1, sort_keys=True) + "\n")
+    (out / HF_SPECIAL_TOKENS_MAP).write_text(json.dumps(special, indent=1, sort_keys=True) + "\n")

@@ -12,9 +12,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pretrain.config import REPO_ROOT, load_dataclass
+from pretrain.config import REPO_ROOT, check_field_types, load_dataclass
 
 TASKS = ("classify", "qa", "seq2seq")
+CPU_DEEPSPEED_CONFIG = "ds_configs/zero0_fp32_cpu.json"
+GPU_DEEPSPEED_CONFIGS = {"bf16": "ds_configs/zero2_bf16.json", "fp16": "ds_configs/zero2_fp16.json"}
+
+
+def default_deepspeed_config() -> str:
+    """The engine JSON fine-tuning uses when none is named: on a GPU, ZeRO-2 in bf16 where the device supports it,
+    else fp16 (dynamic loss scaling); on a CPU (DeepSpeed's CPU accelerator) fp32 ZeRO-0, since CPUs refuse fp16."""
+    from deepspeed.accelerator import get_accelerator
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cpu":
+        return CPU_DEEPSPEED_CONFIG
+    return GPU_DEEPSPEED_CONFIGS["bf16" if accelerator.is_bf16_supported() else "fp16"]
 
 
 @dataclass(frozen=True)
@@ -33,8 +45,9 @@ class FinetuneConfig:
     """vocab.txt to tokenise with; default: the one in `init` (a checkpoint needs it given)."""
     from_scratch: bool = False
     """Use only `init`'s architecture (config) and start from random weights: the no-pre-training baseline."""
-    deepspeed_config: str = "ds_configs/zero0_fp32_cpu.json"
-    """DeepSpeed JSON with engine settings only (ZeRO stage, precision)."""
+    deepspeed_config: str | None = None
+    """DeepSpeed JSON with engine settings only (ZeRO stage, precision); None picks one for the machine
+    (`default_deepspeed_config`: bf16 or fp16 ZeRO-2 on GPUs, fp32 ZeRO-0 on CPUs)."""
 
     epochs: int = 3
     """Passes over the training set (the paper's GLUE setting: at most 5)."""
@@ -93,6 +106,7 @@ class FinetuneConfig:
     """Evaluate on the first N dev examples only (None: all)."""
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
         for name in ("epochs", "batch_size", "micro_batch_size", "max_seq_len", "max_src_len", "max_tgt_len",
@@ -105,10 +119,18 @@ class FinetuneConfig:
             raise ValueError("need lr > 0, 0 <= warmup_ratio < 1 and 0 < mask_prob <= 1")
         if not 0 <= self.label_smoothing < 1 or self.aux_lm_weight < 0:
             raise ValueError("need 0 <= label_smoothing < 1 and aux_lm_weight >= 0")
+        for name in ("max_steps", "exit_at_step", "eval_max_examples"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 (or null), got {getattr(self, name)}")
+        for name in ("weight_decay", "grad_clip", "seed"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
     @property
     def deepspeed_config_path(self) -> Path:
-        path = Path(self.deepspeed_config)
+        path = Path(self.deepspeed_config if self.deepspeed_config is not None else default_deepspeed_config())
         return path if path.exists() or path.is_absolute() else REPO_ROOT / path
 
     @property

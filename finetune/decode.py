@@ -30,7 +30,9 @@ from pathlib import Path
 
 import torch
 
+from pretrain.accelerator import default_device
 from pretrain.masks import SEQ2SEQ, build_segment_ids
+from pretrain.outputs import check_output, write_file_atomically
 
 from .task_files import read_jsonl, write_jsonl
 from .metrics import generation_metrics
@@ -181,13 +183,17 @@ def block_repeated_trigrams(log_probs: torch.Tensor, hypotheses: list[list[int]]
 
     log_probs Float[N, V]; hypotheses: N token lists.
     """
+    rows, banned_tokens = [], []
     for row, tokens in enumerate(hypotheses):
         if len(tokens) < 3:
             continue
         last_two = (tokens[-2], tokens[-1])
         banned = {tokens[i + 2] for i in range(len(tokens) - 2) if (tokens[i], tokens[i + 1]) == last_two}
-        if banned:
-            log_probs[row, list(banned)] = -math.inf
+        rows += [row] * len(banned)
+        banned_tokens += sorted(banned)
+    if rows:  # one indexed write on log_probs' device: the ids travel, the distribution stays
+        index = torch.tensor([rows, banned_tokens], device=log_probs.device)
+        log_probs[index[0], index[1]] = -math.inf
 
 
 @dataclass(frozen=True)
@@ -203,21 +209,24 @@ class Hypothesis:
 @torch.inference_mode()
 def generate(model: torch.nn.Module, sources: list[list[int]], special: SpecialIds,
              config: DecodeConfig) -> list[Hypothesis]:
-    """Best hypothesis per source. `sources`: packed `[CLS] src [SEP]` id lists (one batch)."""
+    """Best hypothesis per source. `sources`: packed `[CLS] src [SEP]` id lists (one batch).
+
+    Runs on the model's device: the log-probabilities, the length/trigram bans, the beam scores and the top-k over
+    beams × vocabulary stay there; each step brings only the 2·beam candidates per example (score, row, token) to
+    the host for the finished/alive bookkeeping and sends back the chosen rows and tokens."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     beams, batch_size = config.beam_size, len(sources)
     rows = [s for s in sources for _ in range(beams)]  # row = example * beams + beam
     stepper = (CachedStepper if config.use_cache else FullStepper)(model, rows, special, device)
-    scores = torch.full((batch_size, beams), -math.inf)
+    scores = torch.full((batch_size, beams), -math.inf, device=device)
     scores[:, 0] = 0.0  # all beams start identical: only the first may expand
     hypotheses: list[list[int]] = [[] for _ in rows]
     finished: list[list[Hypothesis]] = [[] for _ in range(batch_size)]
     done = [False] * batch_size
     log_probs = stepper.start()
     for length in range(1, config.max_tgt_len + 1):  # length of the hypotheses after this step
-        log_probs = log_probs.cpu()
         if length <= config.min_tgt_len:
             log_probs[:, special.sep_id] = -math.inf
         if config.trigram_block:
@@ -225,11 +234,12 @@ def generate(model: torch.nn.Module, sources: list[list[int]], special: SpecialI
         vocab = log_probs.shape[1]
         total = (scores.view(-1, 1) + log_probs).view(batch_size, beams * vocab)
         top_scores, top_index = total.topk(min(2 * beams, total.shape[1]), dim=1)
+        top_scores, top_index = top_scores.tolist(), top_index.tolist()  # [B, 2·beams] candidates, not [B, V]
         next_rows, next_tokens, next_scores = [], [], []
         for example in range(batch_size):
             alive = []
             if not done[example]:
-                for rank, (score, index) in enumerate(zip(top_scores[example].tolist(), top_index[example].tolist())):
+                for rank, (score, index) in enumerate(zip(top_scores[example], top_index[example])):
                     row, token = example * beams + index // vocab, index % vocab
                     if token == special.sep_id:
                         if rank < beams and score > -math.inf:
@@ -248,17 +258,18 @@ def generate(model: torch.nn.Module, sources: list[list[int]], special: SpecialI
                 next_tokens.append(token)
                 next_scores.append(score)
         hypotheses = [hypotheses[row] + [token] for row, token in zip(next_rows, next_tokens)]
-        scores = torch.tensor(next_scores).view(batch_size, beams)
+        scores = torch.tensor(next_scores, device=device).view(batch_size, beams)
         if all(done) or length == config.max_tgt_len:
             break
-        stepper.reorder(torch.tensor(next_rows))
-        log_probs = stepper.step(torch.tensor(next_tokens))
+        stepper.reorder(torch.tensor(next_rows, device=device))
+        log_probs = stepper.step(torch.tensor(next_tokens, device=device))
+    final_scores = scores.tolist()
     best = []
     for example in range(batch_size):
         candidates = list(finished[example])
         if not done[example]:  # maximum length reached: unfinished beams compete as they are
             for beam in range(beams):
-                score = scores[example, beam].item()
+                score = final_scores[example][beam]
                 if score > -math.inf:
                     tokens = hypotheses[example * beams + beam]
                     normalised = score / length_penalty(len(tokens), config.length_penalty)
@@ -279,6 +290,8 @@ def pack_source(tokenizer: Tokenizer, text: str, max_src_len: int) -> tuple[list
 def decode_records(model: torch.nn.Module, tokenizer: Tokenizer, records: list[dict], config: DecodeConfig,
                    max_src_len: int, batch_size: int = 8, progress: bool = False) -> tuple[list[str], int]:
     """Predicted text per record (`src` field) and how many sources were truncated."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     check_vocab(model, tokenizer)
     budget = model.cfg.max_position_embeddings - config.max_tgt_len - 3
     if max_src_len > budget:
@@ -306,6 +319,13 @@ def metrics_path(output: str | Path) -> Path:
     return output.with_name(output.name.removesuffix(".jsonl") + ".metrics.json")
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description="UniLM seq2seq decoding (greedy / beam search with a KV cache)")
@@ -319,10 +339,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--length-penalty", type=float, default=0.0, help="GNMT alpha")
     parser.add_argument("--no-trigram-block", action="store_true")
     parser.add_argument("--no-cache", action="store_true", help="recompute everything each step (proves the cache)")
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=_positive_int, default=8, help="sources decoded together (>= 1)")
+    parser.add_argument("--device", default=None,
+                        help="torch device to decode on (default: this process's GPU when there is one, else cpu)")
+    parser.add_argument("--force", action="store_true", help="replace an existing non-empty --output")
     args = parser.parse_args(argv)
+    try:
+        check_output(args.output, [args.input, args.model], force=args.force)
+    except (ValueError, FileExistsError) as error:
+        parser.error(str(error))
 
     finetuned = load_finetuned(args.model, expect_task="seq2seq")
+    device = torch.device(args.device) if args.device else default_device()
+    finetuned.model.to(device)
     config = DecodeConfig(args.beam_size, args.max_tgt_len, args.min_tgt_len, args.length_penalty,
                           not args.no_trigram_block, not args.no_cache)
     max_src_len = args.max_src_len or finetuned.run_settings.get("max_src_len", 448)
@@ -331,12 +360,16 @@ def main(argv: list[str] | None = None) -> None:
     predictions, truncated = decode_records(finetuned.model, finetuned.tokenizer, records, config, max_src_len,
                                             args.batch_size, progress=True)
     seconds = time.perf_counter() - began
-    write_jsonl(({**record, "prediction": p} for record, p in zip(records, predictions)), args.output)
+    if len(predictions) != len(records):
+        raise RuntimeError(f"{len(predictions)} predictions for {len(records)} input records; nothing written")
+    write_file_atomically(args.output, lambda tmp: write_jsonl(
+        ({**record, "prediction": p} for record, p in zip(records, predictions)), tmp))
     print(f"[decode] {len(records)} inputs in {seconds:.1f}s ({truncated} sources truncated to {max_src_len} "
           f"word pieces) → {args.output}")
     if all(isinstance(r.get("tgt"), str) for r in records):
         scores = generation_metrics(predictions, [r["tgt"] for r in records])
-        metrics_path(args.output).write_text(json.dumps(scores, indent=2) + "\n")
+        write_file_atomically(metrics_path(args.output),
+                              lambda tmp: tmp.write_text(json.dumps(scores, indent=2) + "\n"))
         print("[decode] " + "  ".join(f"{k} {v:.2f}" for k, v in scores.items()) + f" → {metrics_path(args.output)}")
 
 

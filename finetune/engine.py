@@ -31,9 +31,11 @@ import torch
 
 from pretrain import checkpoint as ckpt
 from pretrain.batch_plan import BatchPlan, plan_batch
+from pretrain.data import to_device
 from pretrain.engine import (NonFiniteLossError, any_rank, build_engine, engine_config, init_distributed,
                              nonfinite_gradient_norm, optimizer_step, read_engine_json, resume_rng, seed_everything,
                              zero_stage)
+from pretrain.outputs import write_file_atomically
 
 from .config import FinetuneConfig
 from .model_io import save_finetuned
@@ -84,22 +86,36 @@ class Progress:
     """The record of the best epoch so far (by the task's primary metric)."""
     epoch_losses: list[float] = dataclasses.field(default_factory=list)
     """Step losses of the epoch in progress."""
-    last_checkpoint: str | None = None
+    last_checkpoint: ckpt.Saved | None = None
 
     def client_state(self) -> dict[str, Any]:
         return {"history": self.history, "best": self.best, "epoch_losses": self.epoch_losses}
 
 
 def fit(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer) -> dict[str, Any]:
-    """Train `task` per `cfg` on this rank (resuming automatically); returns the summary.json content."""
-    started = time.perf_counter()
+    """Train `task` per `cfg` on this rank (resuming automatically); returns the summary.json content. The
+    process group holds the run lock of `cfg.out` throughout (`pretrain.checkpoint.RunLock`)."""
     rank, world_size = init_distributed()
+    run_lock = ckpt.lock_run_directory(cfg.out, rank)
+    try:
+        return _fit_locked(cfg, task, tokenizer, rank, world_size)
+    finally:
+        if run_lock is not None:
+            run_lock.release()
+
+
+def _fit_locked(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer, rank: int,
+                world_size: int) -> dict[str, Any]:
+    """``fit`` once this process group holds the run lock of ``cfg.out``: its steps, in order."""
+    started = time.perf_counter()
     plan = plan_batch(cfg.batch_size, cfg.micro_batch_size, world_size)
     steps_per_epoch, total_steps, warmup_steps = schedule(cfg, task.train_size)
     identity = run_identity(cfg, dataclasses.asdict(task.module.backbone.cfg), tokenizer)
     engine_json = read_engine_json(cfg.deepspeed_config_path)
     resume = ckpt.find_resume_point(cfg.checkpoint_dir, "auto", identity, world_size, zero_stage(engine_json),
                                     report=print if rank == 0 else None)
+    if rank == 0:
+        print(f"[finetune] DeepSpeed config {cfg.deepspeed_config_path}", flush=True)
     engine = build_engine(
         task.module, deepspeed_config(cfg, plan, engine_json, total_steps, warmup_steps,
                                       load_universal=resume is not None and resume.universal),
@@ -112,7 +128,7 @@ def fit(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer) -> dict[str,
         (out / "run_config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
     meta = dict(identity, run_config=cfg.to_dict(), code_version=ckpt.code_version(), world_size=world_size,
                 zero_stage=engine.zero_optimization_stage())
-    log = open(out / LOG_FILE, "a") if rank == 0 else None
+    log = open(out / LOG_FILE, "a" if resume is not None else "w") if rank == 0 else None
     engine.train()
     try:
         while progress.step < total_steps:
@@ -144,7 +160,7 @@ def fit(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer) -> dict[str,
                "world_size": world_size, "finished": progress.step >= total_steps,
                "wall_s_this_launch": time.perf_counter() - started, **task.meta}
     if rank == 0:
-        (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
+        write_file_atomically(out / SUMMARY_FILE, lambda tmp: tmp.write_text(json.dumps(summary, indent=1) + "\n"))
     return summary
 
 
@@ -158,7 +174,7 @@ def restore_progress(engine: Any, resume: ckpt.ResumePoint | None, seed: int, ra
     resume_rng(state["rng_states"], seed, state["step"], rank, world_size)
     if rank == 0:
         print(f"[finetune] resumed {resume.tag}: step {state['step']}/{total_steps}", flush=True)
-    return Progress(state["step"], state["history"], state["best"], state["epoch_losses"], resume.tag)
+    return Progress(state["step"], state["history"], state["best"], state["epoch_losses"], resume.saved)
 
 
 def train_step(cfg: FinetuneConfig, engine: Any, task: TaskSetup, plan: BatchPlan, progress: Progress, epoch: int,
@@ -172,12 +188,12 @@ def train_step(cfg: FinetuneConfig, engine: Any, task: TaskSetup, plan: BatchPla
     micro_batches = []
     for begin in range(0, per_rank, cfg.micro_batch_size):
         batch = task.make_batch(mine[begin: begin + cfg.micro_batch_size], epoch)
-        micro_batches.append({k: v.to(engine.device) for k, v in batch.items()})
+        micro_batches.append(to_device(batch, engine.device))
     losses: list[float] = []
 
     def stop_if_nonfinite(what: str, stopped: str) -> None:
         message = (f"{what} at step {progress.step + 1} (epoch {epoch + 1}); stopped {stopped}; "
-                   f"the last complete checkpoint ({progress.last_checkpoint or 'none'}) in {cfg.checkpoint_dir} "
+                   f"the last complete checkpoint ({progress.last_checkpoint.tag if progress.last_checkpoint else 'none'}) in {cfg.checkpoint_dir} "
                    "is intact. Check the learning rate and the precision (fp16 loss scaling: try bf16)")
         if log:
             log.write(json.dumps({"step": progress.step + 1, "event": "nonfinite", "message": message}) + "\n")

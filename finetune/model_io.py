@@ -3,19 +3,27 @@
 A fine-tuning output directory is a Hugging Face BERT directory plus what HF BERT cannot hold:
 
     config.json, model.safetensors   `pretrain.hf.save_hf_bert` (loads in `transformers`)
-    vocab.txt, tokenizer_config.json the vocabulary it was trained with (`finetune.tokenizer`)
+    vocab.txt, tokenizer_config.json the vocabulary it was trained with and its casing, and
+    special_tokens_map.json          (`data_prep.vocab.write_hf_tokenizer`: `AutoTokenizer` loads them)
     finetune_extra.safetensors       the task head (`head.*`) and all 6 segment rows
                                      (`embeddings.segment.weight`: HF keeps only 2, seq2seq uses rows 4/5)
-    finetune.json                    format version, task, labels, model config, run settings
+    finetune.json                    format version, task, labels, model config, run settings, and the sha256
+                                     of every file above (written last: it vouches for a complete set)
+
+Saving writes the files beside their names and renames them into place, `finetune.json` last (removed first),
+so an interrupted save is detected on load instead of mixing an old head with new weights.
 
 `load_init` accepts that, a plain HF BERT directory, or a pre-training checkpoint (a DeepSpeed tag directory
-with our `complete.json` marker, or its parent `checkpoints/` directory; consolidated by
-`pretrain.export.load_consolidated`, which needs `--vocab`: a checkpoint carries only the vocab's hash).
+with our `complete.json` marker, or its parent `checkpoints/` directory; its `model_weights.safetensors` is read
+after the marker's hashes check out, by `pretrain.export.load_consolidated`, which needs `--vocab`: a checkpoint
+carries only the vocab's hash). Nothing is unpickled.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,12 +31,13 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from data_prep.vocab import write_hf_tokenizer
 from pretrain import checkpoint as ckpt
 from pretrain.export import load_consolidated
 from pretrain.hf import load_hf_bert, save_hf_bert
 from pretrain.model import UniLMModel
 
-from .tokenizer import Tokenizer, load_tokenizer, save_tokenizer
+from .tokenizer import Tokenizer, load_tokenizer
 
 FORMAT_VERSION = 1
 META_FILE = "finetune.json"
@@ -96,17 +105,45 @@ def check_vocab(model: UniLMModel, tokenizer: Tokenizer) -> None:
 
 def save_finetuned(out_dir: str | Path, model: UniLMModel, head: torch.nn.Module | None, tokenizer: Tokenizer,
                    task: str, extra_meta: dict[str, Any]) -> Path:
-    """Write the directory described in the module docstring (rank 0 only)."""
+    """Write the directory described in the module docstring (rank 0 only); other files in it are left alone."""
+    from data_prep.shard_format import sha256_file
+
     out = Path(out_dir)
-    save_hf_bert(model, out)
-    tensors = {SEGMENT_WEIGHT: model.embeddings.segment.weight.detach().cpu().contiguous()}
-    if head is not None:
-        tensors.update({f"head.{k}": v.detach().cpu().contiguous() for k, v in head.state_dict().items()})
-    save_file(tensors, out / EXTRA_FILE)
-    save_tokenizer(tokenizer, out)
-    meta = {"format_version": FORMAT_VERSION, "task": task, "model_config": dataclasses.asdict(model.cfg), **extra_meta}
-    (out / META_FILE).write_text(json.dumps(meta, indent=1, default=str) + "\n")
+    out.mkdir(parents=True, exist_ok=True)
+    staging = out / f".model.partial-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        save_hf_bert(model, staging)
+        tensors = {SEGMENT_WEIGHT: model.embeddings.segment.weight.detach().cpu().contiguous()}
+        if head is not None:
+            tensors.update({f"head.{k}": v.detach().cpu().contiguous() for k, v in head.state_dict().items()})
+        save_file(tensors, staging / EXTRA_FILE)
+        write_hf_tokenizer(tokenizer.vocab_path, tokenizer.lowercase, staging)
+        files = sorted(p.name for p in staging.iterdir())
+        meta = {"format_version": FORMAT_VERSION, "task": task, "model_config": dataclasses.asdict(model.cfg),
+                **extra_meta, "files": {name: sha256_file(staging / name) for name in files}}
+        (staging / META_FILE).write_text(json.dumps(meta, indent=1, default=str) + "\n")
+        for name in files + [META_FILE]:
+            with open(staging / name, "rb") as handle:
+                os.fsync(handle.fileno())
+        (out / META_FILE).unlink(missing_ok=True)  # no longer vouches for files about to be replaced
+        for name in files + [META_FILE]:
+            os.replace(staging / name, out / name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return out
+
+
+def check_complete(directory: Path, meta: dict[str, Any]) -> None:
+    """Every file `finetune.json` lists has the sha256 it recorded (an interrupted save or a mixed directory
+    is refused, naming the file)."""
+    from data_prep.shard_format import sha256_file
+
+    for name, digest in meta.get("files", {}).items():
+        path = directory / name
+        if Path(name).name != name or not path.is_file() or sha256_file(path) != digest:
+            raise ValueError(f"{directory}: {name} is missing or is not the file {META_FILE} records (an interrupted "
+                             "save, or files from another model); re-run the fine-tuning or restore the directory")
 
 
 def load_finetuned(path: str | Path, expect_task: str | None = None) -> Finetuned:
@@ -120,6 +157,7 @@ def load_finetuned(path: str | Path, expect_task: str | None = None) -> Finetune
                              f"this code reads {FORMAT_VERSION}")
         if expect_task and meta.get("task") != expect_task:
             raise ValueError(f"{directory} was fine-tuned for {meta.get('task')!r}, not {expect_task!r}")
+        check_complete(directory, meta)
     model = _load_model_dir(directory)
     tokenizer = load_tokenizer(directory)
     check_vocab(model, tokenizer)

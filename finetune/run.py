@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
+from pretrain import checkpoint as ckpt
 from pretrain.config import keys_help
 from pretrain.engine import RunStopped, seed_everything
+from pretrain.outputs import check_output
 from pretrain.model import build_model
 
 from .config import TASKS, FinetuneConfig, load_config
@@ -43,14 +46,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--deepspeed-config")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any config key")
+    parser.add_argument("--force", action="store_true",
+                        help="start a fresh run in a non-empty --out that holds no checkpoint of a run to resume")
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # the deepspeed launcher passes it
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    flags = {k: v for k, v in vars(args).items() if k not in ("config", "set", "local_rank")}
+    flags = {k: v for k, v in vars(args).items() if k not in ("config", "set", "local_rank", "force")}
     cfg = load_config(args.config, flags, args.set)
+    check_run_output(cfg.out, [cfg.init, cfg.train, cfg.dev, cfg.vocab], args.force)
     backbone, tokenizer = load_init(cfg.init, cfg.vocab)
     seed_everything(cfg.seed)  # the same head (and, from scratch, backbone) initialisation on every rank
     if cfg.from_scratch:
@@ -61,6 +67,14 @@ def main(argv: list[str] | None = None) -> dict:
     except RunStopped as error:  # a diagnosis (non-finite loss, checkpoint not written), not a crash: no traceback
         print(f"[stop] {error}", file=sys.stderr, flush=True)
         sys.exit(error.exit_code)
+
+
+def check_run_output(out: str, inputs: list[str | None], force: bool) -> None:
+    """Refuse an output directory that is one of the inputs, or that holds something other than a run to
+    resume (its checkpoints) unless `force`."""
+    has_checkpoint = any(p.is_dir() and ckpt.step_of_tag(p.name) is not None
+                         for p in (Path(out) / "checkpoints").glob("global_step*"))
+    check_output(out, inputs, force=force or has_checkpoint)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@ Converters (`python -m finetune.task_files --samples data/samples --out data/fin
 - the SQuAD sample (`squad.json`) is copied as is (too few questions to split: train = dev, smoke only).
 
 Splits are deterministic and independent of file order: an example goes to dev when a hash of its text (the
-article body, the review) falls below `dev_fraction`; repeated texts are dropped (counted) so none leaks from
-train into dev.
+article body, the review) falls below `dev_fraction`, to test (only with `--test-fraction` > 0: a held-out split
+for final numbers, never used for choices) when it falls in the next `test_fraction`; repeated texts are dropped
+(counted) so none leaks between splits. Dev is the same set with or without a test split.
 """
 from __future__ import annotations
 
@@ -31,8 +32,13 @@ from pathlib import Path
 def read_jsonl(path: str | Path) -> list[dict]:
     """Every record of a JSONL file; a line that is not a JSON object fails with its file and line number."""
     records = []
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for line_number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{path}:{line_number}: not UTF-8 text (byte {raw[err.start]:#04x} at column "
+                                 f"{err.start + 1}); re-encode the file as UTF-8") from None
             if not line.strip():
                 continue
             try:
@@ -58,10 +64,15 @@ def write_jsonl(records: Iterable[dict], path: str | Path) -> int:
     return count
 
 
-def is_dev(key: str, dev_fraction: float) -> bool:
-    """Deterministic split: a stable hash of `key` mapped to [0, 1) is below `dev_fraction`."""
+def split_position(key: str) -> float:
+    """A stable hash of `key` mapped to [0, 1)."""
     digest = hashlib.sha256(key.encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64 < dev_fraction
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def is_dev(key: str, dev_fraction: float) -> bool:
+    """Deterministic split: `split_position(key)` is below `dev_fraction`."""
+    return split_position(key) < dev_fraction
 
 
 def bbc_articles(samples_dir: str | Path) -> Iterator[tuple[str, str, str, str]]:
@@ -86,21 +97,33 @@ def rotten_reviews(samples_dir: str | Path) -> Iterator[tuple[str, str, str]]:
                 yield f"rotten/{row_number}", row["text"].strip(), row["category"]
 
 
-def split(keyed: Iterable[tuple[str, dict]], dev_fraction: float) -> tuple[list[dict], list[dict], int]:
-    """(train, dev, duplicates dropped). The split key is the record's text, so repeated texts (the BBC set
-    has about a hundred repeated articles) cannot leak from train into dev; only the first copy is kept."""
-    train, dev, seen, duplicates = [], [], set(), 0
+def split(keyed: Iterable[tuple[str, dict]], dev_fraction: float,
+          test_fraction: float = 0.0) -> tuple[list[dict], list[dict], list[dict], int]:
+    """(train, dev, test, duplicates dropped). The split key is the record's text, so repeated texts (the BBC set
+    has about a hundred repeated articles) cannot leak between splits; only the first copy is kept."""
+    if dev_fraction < 0 or test_fraction < 0 or dev_fraction + test_fraction >= 1:
+        raise ValueError(f"need dev_fraction >= 0, test_fraction >= 0 and their sum < 1, got {dev_fraction} "
+                         f"and {test_fraction}")
+    train, dev, test, seen, duplicates = [], [], [], set(), 0
     for text, record in keyed:
         if text in seen:
             duplicates += 1
             continue
         seen.add(text)
-        (dev if is_dev(text, dev_fraction) else train).append(record)
-    return train, dev, duplicates
+        position = split_position(text)
+        if position < dev_fraction:
+            dev.append(record)
+        elif position < dev_fraction + test_fraction:
+            test.append(record)
+        else:
+            train.append(record)
+    return train, dev, test, duplicates
 
 
-def convert_samples(samples_dir: str | Path, out_dir: str | Path, dev_fraction: float = 0.1) -> dict[str, int]:
-    """Write `{bbc_topic,bbc_headline,rotten}.{train,dev}.jsonl` and `squad.json` into `out_dir`; return counts."""
+def convert_samples(samples_dir: str | Path, out_dir: str | Path, dev_fraction: float = 0.1,
+                    test_fraction: float = 0.0) -> dict[str, int]:
+    """Write `{bbc_topic,bbc_headline,rotten}.{train,dev}.jsonl` (and `.test.jsonl` when `test_fraction` > 0) and
+    `squad.json` into `out_dir`; return counts."""
     out = Path(out_dir)
     articles = list(bbc_articles(samples_dir))
     tasks = {
@@ -110,9 +133,11 @@ def convert_samples(samples_dir: str | Path, out_dir: str | Path, dev_fraction: 
     }
     counts = {}
     for name, keyed in tasks.items():
-        train, dev, counts[f"{name}.duplicates_dropped"] = split(keyed, dev_fraction)
+        train, dev, test, counts[f"{name}.duplicates_dropped"] = split(keyed, dev_fraction, test_fraction)
         counts[f"{name}.train"] = write_jsonl(train, out / f"{name}.train.jsonl")
         counts[f"{name}.dev"] = write_jsonl(dev, out / f"{name}.dev.jsonl")
+        if test_fraction > 0:
+            counts[f"{name}.test"] = write_jsonl(test, out / f"{name}.test.jsonl")
     shutil.copyfile(Path(samples_dir) / "squad.json", out / "squad.json")
     return counts
 
@@ -122,8 +147,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--samples", default="data/samples", help="folder written by `make sample-corpus`")
     parser.add_argument("--out", default="data/finetune")
     parser.add_argument("--dev-fraction", type=float, default=0.1)
+    parser.add_argument("--test-fraction", type=float, default=0.0,
+                        help="also write a held-out *.test.jsonl split of this share (default: none)")
     args = parser.parse_args(argv)
-    for name, count in convert_samples(args.samples, args.out, args.dev_fraction).items():
+    for name, count in convert_samples(args.samples, args.out, args.dev_fraction, args.test_fraction).items():
         print(f"[task_files] {name}: {count}")
 
 

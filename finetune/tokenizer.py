@@ -4,12 +4,12 @@ The vocabulary is validated and encoded exactly as the shard builder does (HF `t
 BERT's normaliser and pre-tokeniser), so fine-tuning text is split the way pre-training text was. Casing comes
 from `tokenizer_config.json` (`do_lower_case`) when the directory has one (Hugging Face BERT directories do),
 otherwise from the vocabulary itself: a vocabulary without upper-case word pieces is uncased.
-`save_tokenizer` writes both files next to an exported model so `finetune.decode --model DIR` finds them.
+Exports and fine-tuning outputs carry both files (`data_prep.vocab.write_hf_tokenizer`), so `finetune.decode
+--model DIR` and `AutoTokenizer` find them.
 """
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,13 +81,3 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     else:
         lowercase = _vocab_is_uncased(vocab)
     return Tokenizer(vocab, load_encoder(str(vocab_path), vocab.sha256, lowercase), lowercase)
-
-
-def save_tokenizer(tokenizer: Tokenizer, out_dir: str | Path) -> None:
-    """Copy `vocab.txt` and write `tokenizer_config.json` (casing) into `out_dir`."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if tokenizer.vocab_path.resolve() != (out / VOCAB_FILE).resolve():
-        shutil.copyfile(tokenizer.vocab_path, out / VOCAB_FILE)
-    (out / TOKENIZER_CONFIG).write_text(json.dumps({"do_lower_case": tokenizer.lowercase,
-                                                    "tokenizer_class": "BertTokenizer"}))

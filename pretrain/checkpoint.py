@@ -8,38 +8,61 @@ Layout of ``out_dir/checkpoints/``::
                                   version, step, consumed_samples, world size, ZeRO stage, model config, run
                                   config, manifest and vocab hashes, code version)
     global_step{N}_universal/     DeepSpeed universal checkpoint, made on demand when the world size changes
-    latest                        tag of the newest complete checkpoint; we write it atomically after the
-                                  marker (DeepSpeed's own ``latest`` update is switched off)
+    global_step{N}/model_weights.safetensors
+                                  the module's full fp32 weights (gathered from every ZeRO partition), the only
+                                  file read outside a resume: exports and fine-tuning's ``--init`` load it after
+                                  the marker's hashes check out, and never unpickle anything
+    latest                        tag of the checkpoint to resume; we write it atomically after the marker
+                                  (DeepSpeed's own ``latest`` update is switched off)
+    out_dir/run.lock              held (``flock``) by the run's rank 0 while it runs: pid, host, start time
 
-A tag without a valid marker (a rank died mid-save, a file was truncated or its bytes changed after the save)
-is never resumed from; auto-resume says which tag it skips and why. Every file, the marker and ``latest`` are
-fsync'ed (with their directories) before the next step counts on them, so a power loss leaves either a complete
-checkpoint or one that is detected and skipped.
+One validity test, ``verify_tag`` (every file's size and sha256 against the marker), decides resume, ``latest``
+and pruning. A tag without a valid marker (a rank died mid-save, a file was truncated or its bytes changed after
+the save) is never resumed from, exported or loaded; auto-resume says which tag it skips and why.
+
+Which checkpoint auto-resume takes (``choose_resume_tag``): the one ``latest`` names, when valid — or a valid
+checkpoint saved right after it whose ``latest`` update a crash cut off (its marker names ``latest``'s save as
+its parent). If ``latest`` is missing or invalid: the newest valid checkpoint. Valid checkpoints newer than the
+one chosen belong to an abandoned history (a run rolled back with ``train.resume=DIR/TAG``): they are named,
+kept, and never picked silently. Pruning (``prune``) keeps the checkpoint just written, everything newer than it,
+and the ``keep_last - 1`` newest valid ones before it; it deletes only older ones.
+
+Every file, the marker and ``latest`` are fsync'ed (with their directories) before the next step counts on them,
+so a power loss leaves either a complete checkpoint or one that is detected and skipped.
 
 DeepSpeed does not save RNG states: ``client_state["rng_states"]`` holds every rank's torch, numpy and Python
-states (gathered), so resuming on the same world size reproduces the uninterrupted losses bit for bit.
+states and, on GPUs, the CUDA generator of the rank's device (gathered), so resuming on the same world size
+continues every rank's dropout stream (on CPUs: reproduces the uninterrupted losses bit for bit).
 
-One procedure serves pre-training and fine-tuning: `save` (stale marker removed, DeepSpeed's files, fsync,
-marker, ``latest``, prune; a full disk becomes `CheckpointWriteError`), `find_resume_point` (the newest
-complete checkpoint, hash-verified and checked against this run; converted to a universal checkpoint when
-the world size or ZeRO stage changed) and `load`.
+One procedure serves pre-training and fine-tuning: `save` (stale marker removed, DeepSpeed's files and the
+safetensors weights, fsync, marker, ``latest``, prune; a full disk becomes `CheckpointWriteError`),
+`find_resume_point` (``choose_resume_tag``'s checkpoint, hash-verified and checked against this run; converted to
+a universal checkpoint when the world size or ZeRO stage changed) and `load`. RNG capture and restore are
+``pretrain.engine``'s.
 """
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import errno
+import fcntl
 import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
+import uuid
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as torch_dist
+from deepspeed.utils import safe_get_full_fp32_param
+from safetensors.torch import load_file, save_file
 
 from data_prep.shard_format import sha256_file
 from pretrain.engine import RunStopped, gather_objects, portable_rng_state
@@ -118,29 +141,63 @@ def _write_durably(path: Path, text: str) -> None:
     _fsync(path.parent)
 
 
-def write_marker(tag_dir: Path, meta: dict[str, Any]) -> None:
+def write_marker(tag_dir: Path, meta: dict[str, Any]) -> str:
     """Record every file of a finished save with its size and sha256; call on one rank after all ranks saved
-    (and fsync'ed) and passed a barrier."""
+    (and fsync'ed) and passed a barrier. ``meta["parent_save_id"]`` names the save this run continued from (None
+    for a fresh run); returns this save's id (random, unique), which its successor records as its parent."""
     files = _listing(tag_dir)
-    record = dict(meta, format_version=FORMAT_VERSION, files=files,
+    if not files:
+        raise RuntimeError(f"{tag_dir}: no files to vouch for; the save wrote nothing")
+    record = dict(meta, format_version=FORMAT_VERSION, save_id=meta.get("save_id") or uuid.uuid4().hex, files=files,
                   sha256={name: sha256_file(tag_dir / name) for name in files})
     fsync_tree(tag_dir)
     _write_durably(tag_dir / MARKER, json.dumps(record, indent=1, default=str))
+    return record["save_id"]
 
 
-def verify_tag(tag_dir: Path, hashes: bool = False) -> tuple[dict[str, Any] | None, str | None]:
-    """``(marker, None)`` for a complete checkpoint, else ``(None, why not)``. Sizes are always checked against
-    the marker; with ``hashes`` the sha256 recorded at save time too (reads every byte)."""
+class CheckpointPathError(ValueError):
+    """A ``latest`` or tag path that points outside its checkpoint directory (the message names it)."""
+
+
+class UnvouchedCheckpointError(ValueError):
+    """A checkpoint whose weights cannot be read without unpickling (no marker-listed safetensors file)."""
+
+
+def _file_problem(tag_dir: Path, name: str) -> str | None:
+    """Why the marker's file entry ``name`` cannot be trusted (a path leaving the tag directory, a link)."""
+    relative = Path(name)
+    if relative.is_absolute() or ".." in relative.parts or not relative.parts:
+        return f"the marker lists {name!r}, a path outside the checkpoint"
+    path = tag_dir / relative
+    if path.is_symlink():
+        return f"{name} is a symbolic link"
+    return None
+
+
+def verify_tag(tag_dir: Path, hashes: bool = True) -> tuple[dict[str, Any] | None, str | None]:
+    """``(marker, None)`` for a valid checkpoint, else ``(None, why not)``: the marker lists at least one file,
+    each is a plain file inside the tag directory with the size and sha256 recorded at save time. This one test
+    decides resume, ``latest``, pruning and loading. ``hashes=False`` (sizes only) is for quick listings."""
     try:
         record = json.loads((tag_dir / MARKER).read_text())
     except FileNotFoundError:
         return None, f"no {MARKER} (the save did not finish)"
     except (OSError, ValueError) as error:
         return None, f"unreadable {MARKER} ({error})"
+    if not isinstance(record, dict):
+        return None, f"{MARKER} is not a JSON object"
     if record.get("format_version") != FORMAT_VERSION:
         raise CheckpointMismatchError(
             f"{tag_dir}: checkpoint format_version {record.get('format_version')} != {FORMAT_VERSION}")
-    for name, size in record.get("files", {}).items():
+    files, digests = record.get("files"), record.get("sha256")
+    if not isinstance(files, dict) or not files:
+        return None, f"{MARKER} lists no files (a marker must vouch for every file of the save)"
+    if not isinstance(digests, dict) or set(digests) != set(files):
+        return None, f"{MARKER} does not record a sha256 for every file it lists"
+    for name, size in files.items():
+        problem = _file_problem(tag_dir, name)
+        if problem is not None:
+            return None, problem
         path = tag_dir / name
         if not path.is_file():
             return None, f"{name} is missing"
@@ -149,20 +206,50 @@ def verify_tag(tag_dir: Path, hashes: bool = False) -> tuple[dict[str, Any] | No
             return None, (f"{name} has {actual} bytes, the marker recorded {size} "
                           + ("(truncated)" if actual < size else "(rewritten)"))
     if hashes:
-        for name, digest in record.get("sha256", {}).items():
+        for name, digest in digests.items():
             if sha256_file(tag_dir / name) != digest:
                 return None, f"{name} does not match the sha256 recorded at save time (corrupted)"
     return record, None
 
 
-def read_marker(tag_dir: Path, hashes: bool = False) -> dict[str, Any] | None:
-    """The marker of a complete checkpoint, or None if it is missing, unreadable or files differ from it."""
+def read_marker(tag_dir: Path, hashes: bool = True) -> dict[str, Any] | None:
+    """The marker of a valid checkpoint (``verify_tag``), or None."""
     return verify_tag(tag_dir, hashes)[0]
 
 
 def update_latest(checkpoint_dir: Path, tag: str) -> None:
     """Atomically and durably point ``latest`` at ``tag``."""
     _write_durably(checkpoint_dir / LATEST, tag)
+
+
+def read_latest(checkpoint_dir: Path) -> str | None:
+    """The tag ``latest`` names (None without a ``latest``); refuses anything but a ``global_stepN`` name, so
+    ``latest`` can never lead outside ``checkpoint_dir`` (an absolute path, ``..``, a sub-path)."""
+    path = checkpoint_dir / LATEST
+    if not path.is_file():
+        return None
+    tag = path.read_text().strip()
+    if step_of_tag(tag) is None:
+        raise CheckpointPathError(f"{path} names {tag!r}, not a tag (global_stepN) inside {checkpoint_dir}; "
+                                  "refusing to follow it (fix or delete the file)")
+    return tag
+
+
+def resolve_tag_dir(path: str | Path) -> tuple[Path, str]:
+    """(checkpoints directory, tag) for a checkpoints directory (its ``latest``) or one tag directory, refusing
+    a ``latest`` or a tag that is not a ``global_stepN`` entry of the checkpoints directory itself."""
+    path = Path(path)
+    if (path / LATEST).is_file():
+        directory, tag = path, read_latest(path)
+    else:
+        directory, tag = path.parent, path.name
+        if step_of_tag(tag) is None:
+            raise CheckpointPathError(f"{path} is neither a checkpoints directory (with {LATEST}) nor a tag "
+                                      "directory (global_stepN)")
+    if (directory / tag).resolve().parent != directory.resolve():
+        raise CheckpointPathError(f"{directory / tag} resolves to {(directory / tag).resolve()}, outside "
+                                  f"{directory}; refusing it")
+    return directory, tag
 
 
 def _tags(checkpoint_dir: Path) -> list[str]:
@@ -172,14 +259,13 @@ def _tags(checkpoint_dir: Path) -> list[str]:
                   key=step_of_tag)
 
 
-def complete_tags(checkpoint_dir: Path) -> list[str]:
-    """Tags with a valid marker (sizes checked), oldest first."""
-    return [t for t in _tags(checkpoint_dir) if read_marker(checkpoint_dir / t) is not None]
+def complete_tags(checkpoint_dir: Path, hashes: bool = True) -> list[str]:
+    """Valid tags (``verify_tag``), oldest first."""
+    return [t for t in _tags(checkpoint_dir) if read_marker(checkpoint_dir / t, hashes) is not None]
 
 
-def newest_complete_tag(checkpoint_dir: Path, hashes: bool = False, report: Any = None) -> str | None:
-    """The newest tag with a valid marker (with ``hashes``: whose bytes match it too); ``report(line)`` is told
-    which newer tags were skipped and why."""
+def newest_complete_tag(checkpoint_dir: Path, hashes: bool = True, report: Any = None) -> str | None:
+    """The newest valid tag; ``report(line)`` is told which newer tags were skipped and why."""
     for tag in reversed(_tags(checkpoint_dir)):
         _, problem = verify_tag(checkpoint_dir / tag, hashes)
         if problem is None:
@@ -189,22 +275,230 @@ def newest_complete_tag(checkpoint_dir: Path, hashes: bool = False, report: Any 
     return None
 
 
-def prune(checkpoint_dir: Path, keep_last: int) -> list[str]:
-    """Delete all but the newest ``keep_last`` complete checkpoints, and incomplete ones older than the
-    newest complete one (never a save that may still be in progress). Returns the deleted tags."""
-    complete = complete_tags(checkpoint_dir)
-    if not complete:
+def choose_resume_tag(checkpoint_dir: Path, report: Any = None) -> str | None:
+    """The checkpoint auto-resume continues from (the rule is in the module docstring), or None.
+
+    ``report(line)`` is told which tags were skipped and why, and which valid newer tags are left alone."""
+    say = report or (lambda line: None)
+    tags = _tags(checkpoint_dir)
+    latest = read_latest(checkpoint_dir)
+    skipped: set[str] = set()
+
+    def valid(tag: str) -> dict[str, Any] | None:
+        meta, problem = verify_tag(checkpoint_dir / tag)
+        if problem is not None and tag not in skipped:
+            say(f"[resume] skipping {checkpoint_dir / tag}: {problem}")
+            skipped.add(tag)
+        return meta
+
+    chosen = None
+    latest_meta = valid(latest) if latest in tags else None
+    if latest is not None and latest not in tags:
+        say(f"[resume] {checkpoint_dir / LATEST} names {latest}, which does not exist")
+    if latest_meta is not None:
+        chosen = latest
+        # a save whose marker was written but whose `latest` update a crash cut off continues latest's history
+        for tag in reversed(tags):
+            if step_of_tag(tag) <= step_of_tag(latest):
+                break
+            meta = valid(tag)
+            parent = meta.get("parent_save_id", latest_meta.get("save_id")) if meta is not None else None
+            if meta is not None and parent == latest_meta.get("save_id"):
+                chosen = tag
+                break
+    else:
+        chosen = next((tag for tag in reversed(tags) if valid(tag) is not None), None)
+    if chosen is not None:
+        abandoned = [t for t in tags if step_of_tag(t) > step_of_tag(chosen) and t not in skipped
+                     and read_marker(checkpoint_dir / t, hashes=False) is not None]
+        if abandoned:
+            say(f"[resume] not resuming {', '.join(abandoned)} in {checkpoint_dir}: newer than {chosen} but not "
+                f"its continuation (`{LATEST}` names {latest}); they come from an abandoned run history and are "
+                "kept (resume one explicitly with train.resume=DIR/TAG, or delete them)")
+    return chosen
+
+
+def prune(checkpoint_dir: Path, keep_last: int, just_written: str | None = None) -> list[str]:
+    """Delete old checkpoints and return their tags, oldest first.
+
+    Kept: ``just_written`` (default: the newest valid tag), every tag newer than it (a valid one may be the
+    abandoned history a rolled-back run keeps; an invalid one may be a save in progress), and the
+    ``keep_last - 1`` newest valid tags older than it. Deleted: every other older tag, valid or not."""
+    tags = _tags(checkpoint_dir)
+    anchor = just_written or newest_complete_tag(checkpoint_dir)
+    if anchor is None:
         return []
-    newest_step = step_of_tag(complete[-1])
-    doomed = set(complete[:-keep_last])
-    for path in checkpoint_dir.iterdir():
-        step = step_of_tag(path.name)
-        if path.is_dir() and step is not None and step < newest_step and path.name not in complete:
-            doomed.add(path.name)
+    kept_before = 0
+    doomed = []
+    for tag in reversed([t for t in tags if step_of_tag(t) < step_of_tag(anchor)]):
+        if kept_before < keep_last - 1 and read_marker(checkpoint_dir / tag) is not None:
+            kept_before += 1
+        else:
+            doomed.append(tag)
     for tag in doomed:
         shutil.rmtree(checkpoint_dir / tag, ignore_errors=True)
         shutil.rmtree(checkpoint_dir / f"{tag}_universal", ignore_errors=True)
     return sorted(doomed, key=step_of_tag)
+
+
+# --- model weights outside DeepSpeed's pickles ---------------------------------------------------------------
+
+WEIGHTS = "model_weights.safetensors"
+
+
+def gather_full_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's full state dict on CPU, every parameter in fp32 from the optimizer's master copy where
+    DeepSpeed keeps one (ZeRO-1/2/3, bf16) and gathered from every partition (ZeRO-3). Collective: every rank
+    calls it, in the same order. Without a master copy (ZeRO-0 fp32, where the module holds fp32 weights, or
+    ZeRO-0 fp16, whose fp32 copy DeepSpeed does not expose per parameter) the module's own values are taken."""
+    full: dict[int, torch.Tensor] = {}
+    state: dict[str, torch.Tensor] = {}
+    for name, parameter in module.named_parameters(remove_duplicate=False):
+        if id(parameter) not in full:
+            master = safe_get_full_fp32_param(parameter) if parameter.requires_grad else None
+            if master is None:
+                master = parameter.detach()
+            full[id(parameter)] = master.detach().float().cpu().clone()
+        state[name] = full[id(parameter)]
+    for name, buffer in module.named_buffers():
+        state[name] = buffer.detach().cpu().clone()
+    return state
+
+
+def write_weights(tag_dir: Path, state: dict[str, torch.Tensor]) -> None:
+    """Write ``state`` as ``WEIGHTS`` into the tag directory (before its marker, which then lists and hashes it)."""
+    tmp = tag_dir / (WEIGHTS + ".tmp")
+    tensors, seen = {}, set()
+    for name, tensor in state.items():  # tied weights share storage under two names: safetensors stores copies
+        storage = tensor.untyped_storage().data_ptr()
+        tensors[name] = tensor.clone() if storage in seen else tensor.contiguous()
+        seen.add(storage)
+    save_file(tensors, str(tmp))
+    os.replace(tmp, tag_dir / WEIGHTS)
+
+
+def load_weights(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(marker, fp32 state dict) of a checkpoint: a checkpoints directory (its ``latest``) or one tag directory.
+
+    The weights come only from ``WEIGHTS`` after the marker's sizes and sha256 check out; DeepSpeed's pickled
+    files are never read here. A checkpoint saved without ``WEIGHTS`` is refused with how to make one."""
+    directory, tag = resolve_tag_dir(path)
+    meta, problem = verify_tag(directory / tag)
+    if meta is None:
+        raise FileNotFoundError(f"{directory / tag} is not a valid checkpoint: {problem}")
+    if WEIGHTS not in meta["files"]:
+        raise UnvouchedCheckpointError(
+            f"{directory / tag} has no {WEIGHTS} (it was saved by an older version of this code): its weights "
+            "exist only in DeepSpeed's pickled files, which are never loaded outside a resume. Make a checkpoint "
+            f"with {WEIGHTS} by resuming the run for one more save (the same command with "
+            f"train.exit_at_step={meta.get('step', 'N') + 1 if isinstance(meta.get('step'), int) else 'N+1'})")
+    return meta, load_file(directory / tag / WEIGHTS)
+
+
+# --- one run per directory --------------------------------------------------------------------------------
+
+LOCK_FILE = "run.lock"
+
+
+class RunLockedError(RunStopped):
+    """Another live process holds the run directory's lock (the message names it)."""
+    exit_code = 5
+
+
+def _holder_text(info: dict[str, Any]) -> str:
+    return (f"pid {info.get('pid')} on {info.get('host')}, started {info.get('started')}"
+            + (f" ({' '.join(map(str, info['command']))})" if info.get("command") else ""))
+
+
+def _pid_running(pid: Any) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError, TypeError, OverflowError):
+        return True
+    return True
+
+
+class RunLock:
+    """An exclusive ``flock`` on ``out_dir/run.lock`` for as long as the run lives.
+
+    The kernel drops it when the process exits in any way (kill -9 included), so it never outlives its holder.
+    The file records the holder (pid, host, start time, command): a second run stops at once naming it, and a
+    record left behind by a holder that died without releasing is reported as stale when the next run takes
+    over. On a shared filesystem the lock spans nodes where the filesystem supports ``flock`` (NFSv4 maps it to
+    its byte-range locks; Lustre needs the ``flock`` mount option); ``make preflight`` runs on every host."""
+
+    def __init__(self, path: Path, handle: Any) -> None:
+        self.path, self.handle = path, handle
+
+    @classmethod
+    def acquire(cls, out_dir: str | Path, report: Any = print) -> "RunLock":
+        path = Path(out_dir) / LOCK_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "a+")
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            info = _parse_lock(handle.read())
+            handle.close()
+            stale = info.get("host") == socket.gethostname() and not _pid_running(info.get("pid"))
+            alive = " — that pid is no longer running, so a process it started still holds the lock" if stale else ""
+            raise RunLockedError(f"{Path(out_dir)} is in use by another run: {_holder_text(info)}{alive}. Wait for "
+                                 f"it to end (or stop it), or use another out_dir") from None
+        handle.seek(0)
+        previous = _parse_lock(handle.read())
+        if previous:
+            report(f"[lock] {path}: the previous holder ({_holder_text(previous)}) ended without releasing it "
+                   "(killed or crashed); taking it over")
+        info = {"pid": os.getpid(), "host": socket.gethostname(),
+                "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                "command": [Path(sys.argv[0]).name, *sys.argv[1:]]}
+        handle.seek(0)
+        handle.truncate()
+        handle.write(json.dumps(info) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+        return cls(path, handle)
+
+    def release(self) -> None:
+        """Empty the record (a clean end) and drop the lock."""
+        if self.handle.closed:
+            return
+        self.handle.seek(0)
+        self.handle.truncate()
+        self.handle.flush()
+        self.handle.close()
+
+
+def _parse_lock(text: str) -> dict[str, Any]:
+    try:
+        info = json.loads(text) if text.strip() else {}
+    except ValueError:
+        return {"pid": "?", "host": "?", "started": f"? (unreadable record {text[:80]!r})"}
+    return info if isinstance(info, dict) else {}
+
+
+def lock_run_directory(out_dir: str | Path, rank: int) -> RunLock | None:
+    """Rank 0 takes the run lock of ``out_dir``; every rank raises ``RunLockedError`` if it is held elsewhere.
+    Call after the process group exists and before anything is written under ``out_dir``."""
+    lock, error = None, None
+    if rank == 0:
+        try:
+            lock = RunLock.acquire(out_dir)
+        except RunLockedError as exc:
+            error = str(exc)
+    if torch_dist.is_initialized() and torch_dist.get_world_size() > 1:
+        shared = [error]
+        # NCCL moves the object through this rank's GPU: name it (the process group may not have set one yet)
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) \
+            if torch_dist.get_backend() == "nccl" else None
+        torch_dist.broadcast_object_list(shared, src=0, device=device)
+        error = shared[0]
+    if error is not None:
+        raise RunLockedError(error)
+    return lock
 
 
 # --- compatibility ----------------------------------------------------------------------------------------
@@ -252,16 +546,26 @@ def to_universal(checkpoint_dir: Path, tag: str) -> str:
 
 # --- the procedure both training loops call -------------------------------------------------------------------
 
+@dataclasses.dataclass(frozen=True)
+class Saved:
+    """A complete checkpoint of this run: the newest one resumed from or written."""
+
+    tag: str
+    save_id: str | None
+    """Its marker's ``save_id`` (the next save records it as its parent; None for a checkpoint without one)."""
+
+
 def save(engine: Any, checkpoint_dir: Path, step: int, meta: dict[str, Any], client_state: dict[str, Any],
-         keep_last: int, previous: str | None) -> str:
-    """Save a complete checkpoint of ``step`` on every rank (a collective) and return its tag.
+         keep_last: int, previous: Saved | None) -> Saved:
+    """Save a complete checkpoint of ``step`` on every rank (a collective) and return it.
 
     ``meta`` (run metadata and progress such as ``consumed_samples``) goes into the marker and the client
     state; ``client_state`` only into the latter, with every rank's RNG states. Rank 0 removes a marker left by
-    an earlier save of this tag (it must not vouch for the files now rewritten); each rank's files are
-    fsync'ed before the barrier, then rank 0 writes the marker, moves ``latest`` and prunes to ``keep_last``.
-    A full disk or an I/O error removes the partial tag and raises `CheckpointWriteError`, naming ``previous``
-    (the last complete checkpoint, still intact).
+    an earlier save of this tag (it must not vouch for the files now rewritten); DeepSpeed's files and the full
+    fp32 weights (``WEIGHTS``, gathered from every partition) are fsync'ed on each rank before the barrier, then
+    rank 0 writes the marker (whose parent is ``previous``), moves ``latest`` and prunes to ``keep_last``. A full
+    disk or an I/O error removes the partial tag and raises `CheckpointWriteError`, naming ``previous`` (the last
+    complete checkpoint, still intact).
     """
     rank = torch_dist.get_rank()
     tag = tag_for_step(step)
@@ -271,6 +575,9 @@ def save(engine: Any, checkpoint_dir: Path, step: int, meta: dict[str, Any], cli
         (tag_dir / MARKER).unlink(missing_ok=True)
     try:
         engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state=state, save_latest=False)
+        weights = gather_full_weights(engine.module)  # collective under ZeRO
+        if rank == 0:
+            write_weights(tag_dir, weights)
         fsync_tree(tag_dir)  # this rank's files are on disk before they count
     except (OSError, RuntimeError) as error:  # a full disk surfaces as OSError or as torch's RuntimeError
         free = shutil.disk_usage(checkpoint_dir).free
@@ -283,15 +590,15 @@ def save(engine: Any, checkpoint_dir: Path, step: int, meta: dict[str, Any], cli
         raise CheckpointWriteError(
             f"rank {rank} could not write checkpoint {tag_dir}: "
             f"{'No space left on device' if full else 'I/O error'} ({free / 2**20:.1f} MiB free there; {error}). "
-            f"The last complete checkpoint ({previous or 'none'}) is intact: free disk space (make preflight "
+            f"The last complete checkpoint ({previous.tag if previous else 'none'}) is intact: free disk space (make preflight "
             "estimates what a run needs) and rerun the same command to continue from it") from error
     torch_dist.barrier()  # every rank's files are written before the marker
+    save_id = None
     if rank == 0:
-        write_marker(tag_dir, dict(meta, step=step))
+        save_id = write_marker(tag_dir, dict(meta, step=step, parent_save_id=previous.save_id if previous else None))
         update_latest(checkpoint_dir, tag)
-        prune(checkpoint_dir, keep_last)
-    torch_dist.barrier()
-    return tag
+        prune(checkpoint_dir, keep_last, just_written=tag)
+    return Saved(tag, gather_objects(save_id)[0])  # also the barrier: the save is complete on every rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,13 +616,17 @@ class ResumePoint:
     def universal(self) -> bool:
         return self.load_tag != self.tag
 
+    @property
+    def saved(self) -> Saved:
+        return Saved(self.tag, self.meta.get("save_id"))
+
 
 def find_resume_point(checkpoint_dir: Path, resume: str, identity: dict[str, Any], world_size: int,
                       zero_stage: int, report: Callable[[str], None] | None = None) -> ResumePoint | None:
     """The checkpoint to resume (a collective when a conversion is needed).
 
-    ``resume``: ``auto`` (the newest complete checkpoint of ``checkpoint_dir`` whose bytes match its marker;
-    ``report(line)`` hears which newer tags were skipped and why), ``never``, or a tag directory. The choice is
+    ``resume``: ``auto`` (`choose_resume_tag`'s checkpoint of ``checkpoint_dir``, ``latest`` repaired to name
+    it; ``report(line)`` hears which tags were skipped and why), ``never``, or a tag directory. The choice is
     checked against ``identity`` (`check_compatible`) and converted to a universal checkpoint when the world
     size or the ZeRO stage changed (rank 0 converts, the others wait).
     """
@@ -323,12 +634,13 @@ def find_resume_point(checkpoint_dir: Path, resume: str, identity: dict[str, Any
         return None
     if resume == "auto":
         directory = Path(checkpoint_dir)
-        tag = newest_complete_tag(directory, hashes=True, report=report)
+        tag = choose_resume_tag(directory, report=report)
         if tag is None:
             return None
+        if torch_dist.get_rank() == 0 and read_latest(directory) != tag:  # `latest` always names a valid checkpoint
+            update_latest(directory, tag)
     else:
-        path = Path(resume)
-        directory, tag = path.parent, path.name
+        directory, tag = resolve_tag_dir(resume)
     meta, problem = verify_tag(directory / tag, hashes=True)
     if meta is None:
         raise FileNotFoundError(f"{directory / tag} is not a complete checkpoint: {problem}")

@@ -18,6 +18,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import math
 import re
 import textwrap
 import types
@@ -31,6 +32,42 @@ import yaml
 from pretrain.model import ModelConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _has_type(option: Any, value: Any) -> bool:
+    if option is type(None):
+        return value is None
+    if option is bool:
+        return isinstance(value, bool)
+    if option is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if option is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if option is str:
+        return isinstance(value, str)
+    if typing.get_origin(option) is tuple:
+        return isinstance(value, (tuple, list)) and all(_has_type(float, v) for v in value)
+    if typing.get_origin(option) is dict:
+        return isinstance(value, dict)
+    return True
+
+
+def check_field_types(instance: Any, prefix: str = "") -> None:
+    """Every field of dataclass ``instance`` holds a value of its annotated type (a bool is not a number, an int
+    serves where a float is expected) and every number is finite; the error names the key. Config
+    ``__post_init__`` methods call this before their range checks, so a config built from any source (YAML,
+    CLI flags, code) is checked before anything is built from it."""
+    hints = typing.get_type_hints(type(instance))
+    for f in dataclasses.fields(instance):
+        hint, value = hints[f.name], getattr(instance, f.name)
+        if dataclasses.is_dataclass(hint):
+            continue
+        options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+        if not any(_has_type(option, value) for option in options):
+            raise ValueError(f"{prefix}{f.name}={value!r} is not a valid {hint}")
+        numbers = value if isinstance(value, (tuple, list)) else [value]
+        if any(isinstance(v, float) and not math.isfinite(v) for v in numbers):
+            raise ValueError(f"{prefix}{f.name}={value!r}: must be a finite number")
 
 
 @dataclass(frozen=True)
@@ -48,10 +85,14 @@ class DataConfig:
     shard set) so a flipped byte never trains silently; opening always checks sizes, headers and the vocab."""
 
     def __post_init__(self) -> None:
+        check_field_types(self, "data.")
         if not self.shards:
             raise ValueError("data.shards is required (a directory with manifest.json)")
         if self.prefetch_steps < 1:
             raise ValueError(f"data.prefetch_steps must be >= 1, got {self.prefetch_steps}")
+        if self.max_seq_len is not None and self.max_seq_len < 1:
+            raise ValueError(f"data.max_seq_len must be >= 1 (or null: the model's max_position_embeddings), "
+                             f"got {self.max_seq_len}")
 
 
 @dataclass(frozen=True)
@@ -65,6 +106,7 @@ class ModelSection:
     ``preset: null`` and no ``init_from``, the complete model config."""
 
     def __post_init__(self) -> None:
+        check_field_types(self, "model.")
         if not self.preset and not self.init_from and not self.overrides:
             raise ValueError("set model.preset, model.init_from, or a full model config in model.overrides")
 
@@ -87,6 +129,9 @@ class OptimConfig:
     """Global gradient-norm clipping (DeepSpeed ``gradient_clipping``); 0 disables."""
 
     def __post_init__(self) -> None:
+        check_field_types(self, "optim.")
+        if self.eps <= 0:
+            raise ValueError(f"optim.eps must be > 0, got {self.eps}")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ValueError(f"need 0 <= optim.min_lr <= optim.lr and lr > 0, got lr={self.lr} min_lr={self.min_lr}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
@@ -126,6 +171,9 @@ class TrainConfig:
     change when resuming."""
 
     def __post_init__(self) -> None:
+        check_field_types(self, "train.")
+        if self.seed < 0:
+            raise ValueError(f"train.seed must be >= 0, got {self.seed}")
         for name in ("global_batch_size", "micro_batch_size", "max_steps", "save_interval", "keep_last"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
@@ -153,6 +201,7 @@ class RunConfig:
     """Batch sizes, run length, checkpointing, resume and early exit."""
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if not self.out_dir:
             raise ValueError("out_dir is required")
         if self.train.eval_interval and not self.data.eval_shards:

@@ -121,14 +121,63 @@ class SampleOrder:
         return [flat[i:i + plan.micro_batch_size] for i in range(0, len(flat), plan.micro_batch_size)]
 
 
+def to_device(batch: dict[str, torch.Tensor], device: torch.device | str | None) -> dict[str, torch.Tensor]:
+    """``batch`` on ``device``. CPU (or None): the same tensors, no copy. An accelerator: each tensor through pinned
+    (page-locked) host memory and a ``non_blocking`` copy, ordered on the current stream of ``device`` — the
+    consumer must not read the result on another stream without waiting for this one (`PretrainLoader` does)."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cpu":
+        return batch
+    # torch's own pinning: its caching host allocator recycles these per-step buffers once their copy is done
+    # (DeepSpeed's accelerator.pin_memory adds every call to a never-decreasing process-wide tally)
+    return {name: tensor.pin_memory().to(device, non_blocking=True) for name, tensor in batch.items()}
+
+
+class _DeviceFeed:
+    """Issues a step's host→device copies on a side stream of the rank's device from the loader thread, so they
+    overlap the compute of earlier steps; ``receive`` (trainer thread) makes the compute stream wait for them."""
+
+    def __init__(self, device: torch.device) -> None:
+        from deepspeed.accelerator import get_accelerator
+        self.accelerator = get_accelerator()
+        index = device.index if device.index is not None else self.accelerator.current_device()
+        self.device = torch.device(device.type, index)
+        self.stream = None
+
+    def send(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[list[dict[str, torch.Tensor]], Any]:
+        """In the loader thread: (batches on the device, the event that marks their copies done)."""
+        if self.stream is None:  # the CUDA current device is per thread: bind this one too
+            self.accelerator.set_device(self.device.index)
+            self.stream = self.accelerator.Stream(device=self.device)
+        with self.accelerator.stream(self.stream):
+            moved = [to_device(batch, self.device) for batch in micro_batches]
+            copied = self.accelerator.Event()
+            copied.record(self.stream)
+        return moved, copied
+
+    def receive(self, micro_batches: list[dict[str, torch.Tensor]], copied: Any) -> list[dict[str, torch.Tensor]]:
+        """In the trainer thread: the compute stream waits for the copies; the caching allocator learns that the
+        tensors are used there (else it could hand their memory to the side stream again too early)."""
+        compute = self.accelerator.current_stream(self.device.index)
+        compute.wait_event(copied)
+        for batch in micro_batches:
+            for tensor in batch.values():
+                tensor.record_stream(compute)
+        return micro_batches
+
+
 class PretrainLoader:
-    """Yields, per optimizer step, this rank's list of collated micro-batches; a daemon thread reads and
-    collates ``prefetch_steps`` steps ahead. ``wait_seconds`` accumulates the time the trainer spent blocked."""
+    """Yields, per optimizer step, this rank's list of collated micro-batches on ``device``; a daemon thread reads,
+    collates and (on an accelerator) copies ``prefetch_steps`` steps ahead: pinned host memory, ``non_blocking``
+    copies on a side stream, so the transfers overlap compute. On the CPU batches are handed over as collated (no
+    copy). ``wait_seconds`` accumulates the time the trainer spent blocked."""
 
     def __init__(self, dataset: Any, order: SampleOrder, plan: BatchPlan, rank: int, consumed_samples: int,
-                 pad_id: int, max_len: int, prefetch_steps: int = 4) -> None:
+                 pad_id: int, max_len: int, prefetch_steps: int = 4, device: torch.device | str | None = None) -> None:
         self.dataset, self.order, self.plan, self.rank = dataset, order, plan, rank
         self.pad_id, self.max_len = pad_id, max_len
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self._feed = _DeviceFeed(self.device) if self.device.type != "cpu" else None
         self.consumed_samples = consumed_samples
         self.wait_seconds = 0.0
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch_steps)
@@ -142,8 +191,11 @@ class PretrainLoader:
             while not self._stop.is_set():
                 micro_batches = [collate([self.dataset[int(i)] for i in indices], self.pad_id, self.max_len)
                                  for indices in self.order.rank_step_indices(consumed, self.plan, self.rank)]
+                copied = None
+                if self._feed is not None:
+                    micro_batches, copied = self._feed.send(micro_batches)
                 consumed += self.plan.global_batch_size
-                item: Any = (consumed, micro_batches)
+                item: Any = (consumed, micro_batches, copied)
                 while not self._stop.is_set():
                     try:
                         self._queue.put(item, timeout=0.1)
@@ -151,16 +203,18 @@ class PretrainLoader:
                     except queue.Full:
                         continue
         except BaseException as error:  # surfaced in the trainer's thread by next_step
-            self._queue.put((None, error))
+            self._queue.put((None, error, None))
 
     def next_step(self) -> list[dict[str, torch.Tensor]]:
         """This rank's micro-batches for the next optimizer step; advances ``consumed_samples``."""
         started = time.perf_counter()
-        consumed, payload = self._queue.get()
+        consumed, payload, copied = self._queue.get()
         self.wait_seconds += time.perf_counter() - started
         if consumed is None:
             raise RuntimeError("data loader thread failed") from payload
         self.consumed_samples = consumed
+        if self._feed is not None:
+            payload = self._feed.receive(payload, copied)
         return payload
 
     def close(self) -> None:

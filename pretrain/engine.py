@@ -17,6 +17,7 @@ import math
 import os
 import random
 import socket
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as torch_dist
 from deepspeed.accelerator import get_accelerator
 
+from pretrain.accelerator import apply_deepspeed_arch_list, bind_local_device, collective_device, local_rank
 from pretrain.batch_plan import BatchPlan
 from pretrain.kernels import retain_freed_memory
 
@@ -51,10 +53,17 @@ class NonFiniteLossError(RunStopped):
 # ------------------------------------------------------------------------------------------- process group
 def init_distributed() -> tuple[int, int]:
     """Join the process group of whichever launcher started us; plain ``python`` becomes a 1-rank group.
-    On a CPU-only machine also keeps freed memory in the process (`pretrain.kernels.retain_freed_memory`).
-    Returns (rank, world size)."""
-    if get_accelerator().device_name() == "cpu":
+    Returns (rank, world size).
+
+    First binds the rank's device (``LOCAL_RANK``, `pretrain.accelerator.bind_local_device`) and puts
+    ``TORCH_CUDA_ARCH_LIST`` in the form DeepSpeed's op builder reads; on a CPU-only machine keeps freed memory in
+    the process instead (`pretrain.kernels.retain_freed_memory`)."""
+    device = bind_local_device()
+    if device.type == "cpu":
         retain_freed_memory()
+    arch_note = apply_deepspeed_arch_list()
+    if arch_note and local_rank() == 0:
+        print(f"[ops] {arch_note}", file=sys.stderr, flush=True)
 
     launched = all(k in os.environ for k in ("RANK", "WORLD_SIZE")) or "OMPI_COMM_WORLD_SIZE" in os.environ \
         or "PMI_SIZE" in os.environ
@@ -146,20 +155,44 @@ def precision(engine: Any) -> str:
 
 # ----------------------------------------------------------------------------------------------------- RNG
 def seed_everything(seed: int) -> None:
+    """Seed Python, numpy and torch; ``torch.manual_seed`` seeds every accelerator device's generator too (CUDA),
+    so a per-rank seed gives each rank its own dropout stream on GPUs as on CPUs."""
     torch.manual_seed(seed)
     np.random.seed(seed % 2**32)
     random.seed(seed)
 
 
+def _accelerator_generator() -> tuple[Any, str, int] | None:
+    """(DeepSpeed accelerator, its device type, the current device index) when the process runs on an accelerator
+    with its own generators (CUDA), else None (the CPU generator is torch's)."""
+    accelerator = get_accelerator()
+    name = accelerator.device_name()
+    if name == "cpu" or not accelerator.is_available():
+        return None
+    return accelerator, name, int(accelerator.current_device())
+
+
 def rng_state() -> dict[str, Any]:
-    """This process's torch, numpy and Python RNG states."""
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """This process's torch, numpy and Python RNG states, and on an accelerator the generator of its current device
+    (``"accelerator": {"device": "cuda", "state": ByteTensor}``: dropout on a GPU draws from it)."""
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    found = _accelerator_generator()
+    if found is not None:
+        accelerator, name, index = found
+        state["accelerator"] = {"device": name, "state": accelerator.get_rng_state(index)}
+    return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore ``rng_state()``'s values. The accelerator generator is restored when the state has one for this
+    process's device type; a state without one (saved before it was recorded, or on a CPU) leaves it as seeded."""
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
+    saved, found = state.get("accelerator"), _accelerator_generator()
+    if saved is not None and found is not None and saved["device"] == found[1]:
+        accelerator, _, index = found
+        accelerator.set_rng_state(saved["state"].cpu(), index)
 
 
 def portable_rng_state() -> dict[str, Any]:
@@ -207,7 +240,7 @@ def optimizer_step(engine: Any, micro_batches: Sequence[dict[str, torch.Tensor]]
 
 def any_rank(flag: bool) -> bool:
     """Whether ``flag`` is set on any rank (a collective)."""
-    tensor = torch.tensor([float(flag)], dtype=torch.float64)
+    tensor = torch.tensor([float(flag)], dtype=torch.float64, device=collective_device())
     torch_dist.all_reduce(tensor)
     return tensor.item() > 0
 

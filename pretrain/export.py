@@ -1,46 +1,66 @@
 """Export a training checkpoint to a Hugging Face BERT directory.
 
-    python -m pretrain.export runs/tiny/checkpoints OUT            # newest complete checkpoint (`latest`)
+    python -m pretrain.export runs/tiny/checkpoints OUT            # the checkpoint `latest` names
     python -m pretrain.export runs/tiny/checkpoints/global_step40 OUT
 
-Consolidates the (possibly ZeRO-partitioned) weights with DeepSpeed's zero_to_fp32, rebuilds the model from the
-model config recorded in the checkpoint, and writes it through ``pretrain.hf.save_hf_bert``.
+Reads only the checkpoint's ``model_weights.safetensors`` (the full fp32 weights written at save time), after
+its completion marker's sizes and sha256 check out; DeepSpeed's pickled files are never loaded. Rebuilds the
+model from the model config recorded in the checkpoint and writes it through ``pretrain.hf.save_hf_bert`` into a
+new directory beside OUT, renamed into place when complete. An existing non-empty OUT is refused without
+``--force``; with it, OUT is replaced whole (no file of it survives).
+The tokenizer comes along: the run config in the checkpoint names the shard directory (``data.shards``, or
+``--shards DIR`` if it moved), whose manifest names the vocabulary and its casing; its hash must be the one the
+checkpoint recorded. ``vocab.txt``, ``tokenizer_config.json`` and ``special_tokens_map.json`` make
+``AutoTokenizer.from_pretrained(OUT)`` tokenize as the shards were tokenized.
 """
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-import torch
-from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
+from data_prep.shard_format import read_manifest, sha256_file
+from data_prep.vocab import write_hf_tokenizer
 from pretrain import checkpoint as ckpt
 from pretrain.hf import save_hf_bert
 from pretrain.model import ModelConfig, UniLMModel, build_model
+from pretrain.outputs import check_output, replace_directory
 
 
 def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
     """(checkpoints directory, tag) for a checkpoints directory (its ``latest``) or a tag directory."""
-    path = Path(path)
-    if (path / ckpt.LATEST).is_file():
-        return path, (path / ckpt.LATEST).read_text().strip()
-    return path.parent, path.name
+    return ckpt.resolve_tag_dir(path)
 
 
 def load_consolidated(path: str | Path) -> UniLMModel:
-    """The model of a complete checkpoint with fp32 weights gathered from every ZeRO partition."""
-    directory, tag = resolve_checkpoint(path)
-    meta = ckpt.read_marker(directory / tag)
-    if meta is None:
-        raise FileNotFoundError(f"{directory / tag} is not a complete checkpoint (no valid {ckpt.MARKER})")
+    """The model of a valid checkpoint with its full fp32 weights (``pretrain.checkpoint.load_weights``)."""
+    meta, state = ckpt.load_weights(path)
     model = build_model(ModelConfig.from_dict(meta["model_config"]))
-    if meta["zero_stage"] == 0:  # no partitions: the module state is stored whole
-        state = torch.load(directory / tag / "mp_rank_00_model_states.pt", map_location="cpu",
-                           weights_only=False)["module"]
-    else:
-        state = get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=tag)
-    model.load_state_dict({k: v.float() for k, v in state.items()})
+    model.load_state_dict(state)
     return model
+
+
+def shard_vocabulary(checkpoint: str | Path, shards: str | Path | None = None) -> tuple[Path, bool]:
+    """(vocab.txt, uncased) of the shards a checkpoint was trained on, checked against its recorded vocab hash."""
+
+    directory, tag = resolve_checkpoint(checkpoint)
+    meta, problem = ckpt.verify_tag(directory / tag)
+    if meta is None:
+        raise FileNotFoundError(f"{directory / tag} is not a valid checkpoint: {problem}")
+    if shards is None:
+        recorded = meta.get("run_config", {}).get("data", {}).get("shards")
+        if recorded is None:
+            raise ValueError(f"{directory / tag}: its marker records no run config naming the shards it was trained "
+                             "on; pass --shards DIR (the shard directory whose vocabulary the model uses)")
+        shards = recorded
+    shards = Path(shards)
+    manifest = read_manifest(shards)  # names the directory when the shards moved: pass --shards DIR then
+    vocab = shards / manifest["vocab"]["file"]
+    digest = sha256_file(vocab) if vocab.is_file() else None
+    if digest is None or digest != meta.get("vocab_hash", digest):
+        raise ValueError(f"{vocab}: {'missing' if digest is None else 'not the vocabulary'} the checkpoint "
+                         f"{directory / tag} was trained with (sha256 {str(meta.get('vocab_hash'))[:12]}…); "
+                         "pass --shards DIR for the shard directory of that run")
+    return vocab, bool(manifest["vocab"].get("uncased", False))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -49,8 +69,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out", help="output Hugging Face directory")
     parser.add_argument("--architecture", default="BertForPreTraining",
                         choices=["BertForPreTraining", "BertForMaskedLM", "BertModel"])
+    parser.add_argument("--shards", help="the run's shard directory, if it is no longer at the run config's "
+                                         "data.shards (the tokenizer comes from its manifest)")
+    parser.add_argument("--force", action="store_true", help="replace an existing non-empty OUT entirely")
     args = parser.parse_args(argv)
-    print(save_hf_bert(load_consolidated(args.checkpoint), args.out, architecture=args.architecture))
+    try:
+        out = check_output(args.out, inputs=[args.checkpoint], force=args.force, replaced_whole=True)
+        vocab, uncased = shard_vocabulary(args.checkpoint, args.shards)  # before writing anything
+    except (ValueError, FileExistsError) as error:
+        parser.error(str(error))
+    model = load_consolidated(args.checkpoint)
+
+    def write(directory: Path) -> Path:
+        written = save_hf_bert(model, directory, architecture=args.architecture)
+        write_hf_tokenizer(vocab, uncased, directory)
+        return written
+    print(replace_directory(out, write))
 
 
 if __name__ == "__main__":

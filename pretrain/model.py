@@ -30,6 +30,7 @@ Face BERT names (table in `pretrain.hf`).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -96,8 +97,9 @@ class ModelConfig:
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"ModelConfig.{name} must be in [0, 1), got {getattr(self, name)!r}")
-        if self.layer_norm_eps <= 0 or self.initializer_range <= 0:
-            raise ValueError("ModelConfig.layer_norm_eps and initializer_range must be > 0")
+        if not (self.layer_norm_eps > 0 and self.initializer_range > 0) or \
+                not all(map(math.isfinite, (self.layer_norm_eps, self.initializer_range))):
+            raise ValueError("ModelConfig.layer_norm_eps and initializer_range must be finite and > 0")
 
     @classmethod
     def from_dict(cls, values: dict) -> "ModelConfig":

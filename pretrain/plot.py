@@ -5,7 +5,6 @@ Left: total training loss (and eval loss, if any) per step; right: per-objective
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 
@@ -15,7 +14,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    from pretrain.trainer import read_metrics
+    records = read_metrics(run_dir / "metrics.jsonl")  # a line being written by a live run is skipped
     records = [r for r in records if "loss" in r]
     if not records:
         raise ValueError(f"{run_dir}/metrics.jsonl has no training steps yet")

@@ -5,15 +5,31 @@ For the run config and hostfile it verifies, before any rank starts:
   * every host is reachable (password-less ssh, as DeepSpeed's launcher needs; local names run in-process);
   * every host runs the same code version (``git describe`` / package version) as this one;
   * every host sees the shards with the same manifest hash (and opens them: sizes, magic, version);
-  * every host has free disk for ``keep_last + 1`` checkpoints (≈16 bytes per parameter each, an estimate).
+  * every host has free disk for ``keep_last + 1`` checkpoints (≈20 bytes per parameter each, an estimate);
+  * every host's ``TORCH_CUDA_ARCH_LIST`` is one DeepSpeed's op builder can read (else the exact value to set).
+  * a checkpoint can be written within the launcher's SIGTERM grace period (a warning otherwise: see below).
+
+A host whose ssh connects but stalls is reported as a problem after ``SSH_TIMEOUT_S`` and the other hosts are
+still checked.
+
+SIGTERM: the run saves a checkpoint and exits when it gets SIGTERM (a scheduler's preemption), but DeepSpeed's
+launcher (0.19.8, ``deepspeed/launcher/launch.py``) forwards SIGTERM to the ranks and SIGKILLs them
+``LAUNCHER_GRACE_S`` = 30 s later; the period is fixed in its code, with no setting. A save that takes longer is
+cut off (the previous complete checkpoint stays valid, so only the steps since it are lost). The preflight
+measures the write speed under ``out_dir`` and warns when the estimated checkpoint time exceeds the period;
+then save more often (``train.save_interval``) and stop before the allocation ends with
+``train.exit_after_minutes`` instead of relying on SIGTERM, or send SIGTERM to the ranks directly (torchrun
+and mpirun do not impose that limit).
 
     python -m pretrain.preflight --config pretrain/configs/tiny.yaml --hostfile hostfiles/localhost [k=v ...]
+    python -m pretrain.preflight --config pretrain/configs/tiny.yaml --local-ranks 8 [k=v ...]   # this machine only
 """
 from __future__ import annotations
 
 import argparse
 import ipaddress
 import json
+import os
 import re
 import shlex
 import shutil
@@ -24,12 +40,16 @@ from pathlib import Path
 from typing import Any
 
 from data_prep.shard_format import MANIFEST_NAME, ShardDataset, sha256_file
+from pretrain.accelerator import deepspeed_arch_list
 from pretrain.batch_plan import InfeasibleBatchError, plan_batch
 from pretrain.checkpoint import code_version
 from pretrain.config import REPO_ROOT, RunConfig, load_config
 from pretrain.trainer import resolve_model_config
 
-CHECKPOINT_BYTES_PER_PARAMETER = 16  # fp32 weights + Adam moments (12) + low-precision copy / slack
+CHECKPOINT_BYTES_PER_PARAMETER = 20  # fp32 weights + Adam moments (12) + low-precision copy / slack + safetensors fp32 (4)
+SSH_TIMEOUT_S = 120
+LAUNCHER_GRACE_S = 30  # deepspeed.launcher.launch.terminate_process_tree: psutil.wait_procs(timeout=30), then kill
+WRITE_PROBE_BYTES = 64 * 2**20
 LOCAL_NAMES = {"localhost", "127.0.0.1", socket.gethostname(), socket.getfqdn()}
 # RFC 1123 host names: dot-separated labels of letters, digits and inner hyphens (so never an ssh option "-o...")
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
@@ -81,7 +101,57 @@ def probe(cfg: RunConfig) -> dict[str, Any]:
     while not target.exists():
         target = target.parent
     report["free_bytes"] = shutil.disk_usage(target).free
+    report["cuda_arch_list"] = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    report["write_bytes_per_s"] = write_speed(target)
     return report
+
+
+def arch_list_note(value: str | None) -> tuple[str | None, bool]:
+    """(what to tell about a host's ``TORCH_CUDA_ARCH_LIST``, whether it is a problem). A value DeepSpeed's builder
+    cannot parse but the trainer rewrites (``9.0a``) is a note with the value to set; an unreadable one a problem."""
+    if value is None or not value.strip():
+        return None, False
+    try:
+        normalised = deepspeed_arch_list(value)
+    except ValueError as error:
+        return str(error), True
+    if normalised == value:
+        return None, False
+    return (f"TORCH_CUDA_ARCH_LIST={value!r} cannot be parsed by DeepSpeed's op builder; the trainer builds for "
+            f"{normalised!r}. Set TORCH_CUDA_ARCH_LIST=\"{normalised}\" (e.g. in .deepspeed_env) to prebuild ops"), False
+
+
+
+def write_speed(directory: Path, size: int = WRITE_PROBE_BYTES) -> float | None:
+    """Bytes per second of one fsync'ed write of ``size`` bytes into ``directory`` (None if it cannot write)."""
+    import os
+    import tempfile
+    import time
+
+    block = os.urandom(1 << 20)
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".preflight-write-") as handle:
+            started = time.perf_counter()
+            for _ in range(size // len(block)):
+                handle.write(block)
+            handle.flush()
+            os.fsync(handle.fileno())
+            return size / max(time.perf_counter() - started, 1e-9)
+    except OSError:
+        return None
+
+
+def sigterm_save_warning(checkpoint_size: int, write_bytes_per_s: float | None, host: str) -> str | None:
+    """A warning when writing one checkpoint at the measured speed may outlast the launcher's grace period."""
+    if not write_bytes_per_s:
+        return None
+    seconds = checkpoint_size / write_bytes_per_s
+    if seconds <= LAUNCHER_GRACE_S:
+        return None
+    return (f"{host}: a checkpoint (~{checkpoint_size / 2**30:.1f} GiB at {write_bytes_per_s / 2**20:.0f} MiB/s "
+            f"measured) takes ~{seconds:.0f} s, longer than the {LAUNCHER_GRACE_S} s the deepspeed launcher waits "
+            "after SIGTERM before SIGKILL: a preempted run loses the steps since its last checkpoint. Set "
+            "train.save_interval to bound that loss and train.exit_after_minutes to stop before the allocation ends")
 
 
 def checkpoint_bytes(cfg: RunConfig) -> int:
@@ -94,17 +164,23 @@ def checkpoint_bytes(cfg: RunConfig) -> int:
 def remote_probe(host: str, config: str, overrides: list[str]) -> dict[str, Any]:
     command = (f"cd {shlex.quote(str(REPO_ROOT))} && {shlex.quote(sys.executable)} -m pretrain.preflight --probe "
                f"--config {shlex.quote(config)} " + " ".join(shlex.quote(o) for o in overrides))
-    result = subprocess.run(["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", host, command],
-                            capture_output=True, text=True, timeout=120)
+    try:
+        result = subprocess.run(["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", host, command],
+                                capture_output=True, text=True, timeout=SSH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return {"host": host, "unreachable": f"ssh connected but gave no answer within {SSH_TIMEOUT_S} s (stalled)"}
     if result.returncode != 0:
         return {"host": host, "unreachable": (result.stderr or result.stdout).strip()[-500:]}
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    try:
+        return json.loads(result.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"host": host, "unreachable": f"no probe report in its answer ({result.stdout[-200:]!r})"}
 
 
-def preflight(config: str, overrides: list[str], hostfile: str | None) -> list[str]:
-    """Problems found (empty = ready)."""
+def preflight(config: str, overrides: list[str], hostfile: str | None, local_ranks: int = 1) -> list[str]:
+    """Problems found (empty = ready). Without a hostfile: this machine alone with ``local_ranks`` ranks."""
     cfg = load_config(config, overrides)
-    hosts = read_hostfile(hostfile) if hostfile else {"localhost": 1}
+    hosts = read_hostfile(hostfile) if hostfile else {"localhost": local_ranks}
     world = sum(hosts.values())
     problems = []
     if not cfg.deepspeed_config_path.is_file():
@@ -121,12 +197,21 @@ def preflight(config: str, overrides: list[str], hostfile: str | None) -> list[s
         if "unreachable" in report:
             problems.append(f"{host}: not reachable by ssh ({report['unreachable']})")
             continue
+        note, is_problem = arch_list_note(report.get("cuda_arch_list"))
+        if note is not None:
+            if is_problem:
+                problems.append(f"{host}: {note}")
+            else:
+                print(f"[preflight] {host}: {note}")
         if report["code_version"] != local["code_version"]:
             problems.append(f"{host}: code version {report['code_version']} != {local['code_version']} here")
         if "shards_error" in report:
             problems.append(f"{host}: shards {cfg.data.shards}: {report['shards_error']}")
         elif report["manifest_hash"] != local.get("manifest_hash"):
             problems.append(f"{host}: shards {cfg.data.shards} differ from this host's (manifest hash)")
+        warning = sigterm_save_warning(checkpoint_bytes(cfg), report.get("write_bytes_per_s"), host)
+        if warning is not None:
+            print(f"[preflight] WARNING: {warning}", file=sys.stderr)
         if report["free_bytes"] < needed:
             problems.append(f"{host}: {report['free_bytes'] / 2**30:.1f} GiB free under {cfg.out_dir}, "
                             f"need ~{needed / 2**30:.1f} GiB for {cfg.train.keep_last + 1} checkpoints")
@@ -139,14 +224,18 @@ def preflight(config: str, overrides: list[str], hostfile: str | None) -> list[s
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True)
-    parser.add_argument("--hostfile", default=None)
+    parser.add_argument("--hostfile", default=None, help="DeepSpeed hostfile (default: this machine only)")
+    parser.add_argument("--local-ranks", type=int, default=1,
+                        help="ranks on this machine when there is no hostfile (make pretrain: one per GPU)")
     parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)  # run on each host over ssh
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     if args.probe:
         print(json.dumps(probe(load_config(args.config, args.overrides))))
         return 0
-    problems = preflight(args.config, args.overrides, args.hostfile)
+    if args.local_ranks < 1:
+        parser.error(f"--local-ranks must be >= 1, got {args.local_ranks}")
+    problems = preflight(args.config, args.overrides, args.hostfile, args.local_ranks)
     for problem in problems:
         print(f"[preflight] PROBLEM: {problem}", file=sys.stderr)
     print("[preflight] ready" if not problems else f"[preflight] {len(problems)} problem(s)")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import signal
 import sys
 import time
@@ -29,7 +30,8 @@ from data_prep.shard_format import MANIFEST_NAME, ShardDataset, sha256_file
 from pretrain import checkpoint as ckpt
 from pretrain.batch_plan import BatchPlan, plan_batch
 from pretrain.config import RunConfig
-from pretrain.data import PretrainLoader, SampleOrder, collate, sample_objectives
+from pretrain.accelerator import collective_device
+from pretrain.data import PretrainLoader, SampleOrder, collate, sample_objectives, to_device
 from pretrain.engine import (NonFiniteLossError, build_engine, engine_config, init_distributed,
                              nonfinite_gradient_norm, optimizer_step, precision, read_engine_json, resume_rng,
                              seed_everything, zero_stage)
@@ -83,20 +85,64 @@ def shard_identity(dataset: ShardDataset) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- metrics
+def read_metrics(path: Path, report: Any = print) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl``; a line that is not a JSON object (a write cut short by a kill) is
+    skipped and reported with its line number."""
+    records = []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict):
+            report(f"[metrics] {path}:{number}: skipping a torn or unreadable line ({line[:60]!r})")
+            continue
+        records.append(record)
+    return records
+
+
+def prepare_metrics_file(path: Path, resumed_step: int | None, report: Any = print) -> None:
+    """Make ``metrics.jsonl`` continue the run being started.
+
+    Resumed at step N: records past N (steps being redone) and torn lines are dropped, by writing the kept
+    records beside the file and renaming it over the old one, so a kill leaves the old or the new file. A fresh
+    run (no checkpoint) never destroys an existing history: the old file is renamed ``metrics.N.jsonl``."""
+    if not path.exists():
+        return
+    if resumed_step is None:
+        number = 1
+        while path.with_name(f"{path.stem}.{number}{path.suffix}").exists():
+            number += 1
+        kept = path.with_name(f"{path.stem}.{number}{path.suffix}")
+        os.replace(path, kept)
+        report(f"[metrics] {path} belongs to an earlier run that left no checkpoint here; kept as {kept.name}")
+        return
+    records = read_metrics(path, report)
+    kept = [r for r in records if r.get("step", 0) <= resumed_step]
+    text = "".join(json.dumps(r) + "\n" for r in kept)
+    if len(kept) == len(records) and path.read_text(errors="replace") == text:
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
 class Metrics:
     """Rank 0's ``metrics.jsonl`` (one JSON object per optimizer step) and progress bar."""
 
-    def __init__(self, path: Path, start_step: int, max_steps: int, enabled: bool) -> None:
+    def __init__(self, path: Path, resumed_step: int | None, max_steps: int, enabled: bool) -> None:
         self.enabled = enabled
         self.path = path
         self.bar = None
         if not enabled:
             return
-        if path.exists():  # drop records past the resume point: they belong to steps being redone
-            kept = [line for line in path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= start_step]
-            path.write_text("".join(line + "\n" for line in kept))
-        self.bar = tqdm(total=max_steps, initial=start_step, desc="pretrain", unit="step", file=sys.stderr,
+        prepare_metrics_file(path, resumed_step)
+        self.bar = tqdm(total=max_steps, initial=resumed_step or 0, desc="pretrain", unit="step", file=sys.stderr,
                         mininterval=1.0, dynamic_ncols=True, disable=None)
 
     def write(self, record: dict[str, Any]) -> None:
@@ -114,6 +160,28 @@ class Metrics:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def check_trainable(dataset: Any, model_cfg: ModelConfig, where: str) -> None:
+    """Refuse a shard recipe this model cannot learn from, before step 1: a masked-LM model needs masked
+    positions (GPT-recipe shards have none), a causal LM predicts every next token and would learn to predict
+    the [MASK] tokens of masked-LM shards."""
+    recipe = dataset.manifest.get("recipe")
+    if recipe == "gpt" and not model_cfg.causal_lm:
+        raise ValueError(f"{where}: GPT-recipe shards (no masked positions) cannot train a masked-LM model "
+                         "(nothing to predict); use model.preset=gpt or set model.overrides.causal_lm=true, or "
+                         "build unilm/bert shards")
+    if recipe in ("unilm", "bert") and model_cfg.causal_lm:
+        raise ValueError(f"{where}: {recipe}-recipe shards hold [MASK]ed inputs for a masked-LM model, but the "
+                         "model is a causal LM (model.causal_lm); build GPT-recipe shards or use a masked-LM preset")
+
+
+def check_predicted_tokens(stats: dict[str, Any], step: int, where: str) -> None:
+    """A step whose loss counted no predicted token (on any rank) is an error, not a loss of zero."""
+    if not stats["objectives"]:
+        raise ValueError(f"step {step}: the global batch has no predicted token (no masked position, no next "
+                         f"token, no NSP label), so its loss would be a meaningless 0; check the shards {where} "
+                         "(data_prep.inspect) and the model's recipe")
 
 
 class StepSums:
@@ -140,7 +208,7 @@ class StepSums:
         values = [self.loss, micro_batches, self.tokens, float(stop)]
         for name in REPORTED_OBJECTIVES:
             values += [self.objective_sums.get(name, 0.0), self.objective_counts.get(name, 0.0)]
-        tensor = torch.tensor(values, dtype=torch.float64)
+        tensor = torch.tensor(values, dtype=torch.float64, device=collective_device())
         torch_dist.all_reduce(tensor)
         values = tensor.tolist()
         objectives = {}
@@ -175,18 +243,29 @@ class Progress:
     """Optimizer steps done."""
     consumed_samples: int = 0
     """Samples of the global order consumed (= step × global batch)."""
-    last_checkpoint: str | None = None
-    """Tag of the newest complete checkpoint (resumed from or saved)."""
+    last_checkpoint: ckpt.Saved | None = None
+    """The newest complete checkpoint (resumed from or saved)."""
 
 
 def train(cfg: RunConfig) -> dict[str, Any]:
     """Run (or continue) the pre-training run ``cfg`` on this rank. Returns rank-local summary values."""
     started = time.monotonic()
     rank, world_size = init_distributed()
+    run_lock = ckpt.lock_run_directory(cfg.out_dir, rank)  # before anything under out_dir is read or written
+    try:
+        return _train_locked(cfg, rank, world_size, started)
+    finally:
+        if run_lock is not None:
+            run_lock.release()
+
+
+def _train_locked(cfg: RunConfig, rank: int, world_size: int, started: float) -> dict[str, Any]:
+    """``train`` once this process group holds the run lock of ``cfg.out_dir``: its steps, in order."""
     # Fail before building anything if the batch cannot be split over this world size.
     plan = plan_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
     dataset = open_shards(cfg, rank)
     model_cfg = resolve_model_config(cfg)
+    check_trainable(dataset, model_cfg, cfg.data.shards)
     check_vocabulary_fits(dataset, model_cfg)
     identity = dict(shard_identity(dataset), model_config=dataclasses.asdict(model_cfg), seed=cfg.train.seed)
     engine_json = read_engine_json(cfg.deepspeed_config_path)
@@ -194,10 +273,11 @@ def train(cfg: RunConfig) -> dict[str, Any]:
                                     zero_stage(engine_json), report=print if rank == 0 else None)
     engine, num_parameters = build_training_engine(cfg, model_cfg, plan, engine_json, resume)
     progress = restore_progress(engine, resume, cfg.train.seed, rank, world_size)
-    loader = build_loader(cfg, dataset, model_cfg, plan, rank, progress.consumed_samples)
+    loader = build_loader(cfg, dataset, model_cfg, plan, rank, progress.consumed_samples, engine.device)
     eval_set = EvalSet(cfg, plan, rank, world_size, loader.pad_id, loader.max_len) if cfg.train.eval_interval else None
     write_run_config(cfg, rank)
-    metrics = Metrics(Path(cfg.out_dir) / "metrics.jsonl", progress.step, cfg.train.max_steps, enabled=rank == 0)
+    metrics = Metrics(Path(cfg.out_dir) / "metrics.jsonl", progress.step if resume else None, cfg.train.max_steps,
+                      enabled=rank == 0)
     meta = dict(identity, run_config=cfg.to_dict(), code_version=ckpt.code_version(), world_size=world_size,
                 zero_stage=zero_stage(engine_json), precision=precision(engine))
     stop_requested = StopRequest(started, cfg.train.exit_after_minutes)
@@ -208,7 +288,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         metrics.close()
         stop_requested.close()
     return {"step": progress.step, "consumed_samples": progress.consumed_samples,
-            "last_checkpoint": progress.last_checkpoint, "data_wait_s": loader.wait_seconds,
+            "last_checkpoint": last_tag(progress), "data_wait_s": loader.wait_seconds,
             "wall_s": time.monotonic() - started}
 
 
@@ -253,15 +333,15 @@ def restore_progress(engine: Any, resume: ckpt.ResumePoint | None, seed: int, ra
     if rank == 0:
         print(f"[resume] {resume.tag}: step {state['step']}, consumed_samples {state['consumed_samples']}",
               flush=True)
-    return Progress(state["step"], state["consumed_samples"], resume.tag)
+    return Progress(state["step"], state["consumed_samples"], resume.saved)
 
 
 def build_loader(cfg: RunConfig, dataset: ShardDataset, model_cfg: ModelConfig, plan: BatchPlan, rank: int,
-                 consumed_samples: int) -> PretrainLoader:
+                 consumed_samples: int, device: torch.device) -> PretrainLoader:
     order = SampleOrder(sample_objectives(dataset), cfg.train.seed)
     max_len = cfg.data.max_seq_len or model_cfg.max_position_embeddings
     return PretrainLoader(dataset, order, plan, rank, consumed_samples, dataset.special_tokens["pad"], max_len,
-                          cfg.data.prefetch_steps)
+                          cfg.data.prefetch_steps, device=device)
 
 
 def write_run_config(cfg: RunConfig, rank: int) -> None:
@@ -317,7 +397,7 @@ def run_steps(cfg: RunConfig, engine: Any, loader: PretrainLoader, eval_set: Eva
                 how = ("rerun without train.exit_at_step (or with a later one) to continue" if at_exit_step
                        else "rerun the same command to continue")
                 reason = "exit_at_step" if at_exit_step else "time limit / SIGTERM"
-                print(f"[exit] {reason}: saved {progress.last_checkpoint} at step {progress.step}; {how}", flush=True)
+                print(f"[exit] {reason}: saved {progress.last_checkpoint.tag} at step {progress.step}; {how}", flush=True)
             break
 
 
@@ -337,13 +417,14 @@ def train_step(engine: Any, loader: PretrainLoader, plan: BatchPlan, metrics: Me
 
     def before_update() -> None:
         summary.update(sums.reduce(len(micro_batches), bool(stop_requested)))
+        check_predicted_tokens(summary, progress.step + 1, loader.dataset.directory)
         summary["lr"] = engine.get_lr()[0]  # the rate this optimizer step applies
         if not math.isfinite(summary["loss"]):
             if not math.isfinite(sums.loss):
                 print(f"[rank {rank}] non-finite local loss at step {progress.step + 1}", file=sys.stderr)
             message = nonfinite_diagnostic(progress.step + 1, loader.consumed_samples - plan.global_batch_size,
                                            summary, summary["lr"], engine.optimizer.cur_scale if fp16 else None,
-                                           progress.last_checkpoint)
+                                           last_tag(progress))
             metrics.write({"step": progress.step + 1, "event": "nonfinite_loss", "message": message})
             raise NonFiniteLossError(message)
 
@@ -355,7 +436,7 @@ def train_step(engine: Any, loader: PretrainLoader, plan: BatchPlan, metrics: Me
     bad_norm = nonfinite_gradient_norm(engine)
     if bad_norm is not None:
         message = nonfinite_diagnostic(progress.step, progress.consumed_samples - plan.global_batch_size, summary,
-                                       summary["lr"], None, progress.last_checkpoint, grad_norm=bad_norm)
+                                       summary["lr"], None, last_tag(progress), grad_norm=bad_norm)
         metrics.write({"step": progress.step, "event": "nonfinite_gradient", "message": message})
         raise NonFiniteLossError(message)
     record = {
@@ -373,6 +454,10 @@ def train_step(engine: Any, loader: PretrainLoader, plan: BatchPlan, metrics: Me
             print(f"[step {progress.step}] fp16 overflow: optimizer step skipped, loss scale now "
                   f"{engine.optimizer.cur_scale}", file=sys.stderr)
     return record, summary["stop"]
+
+
+def last_tag(progress: Progress) -> str | None:
+    return progress.last_checkpoint.tag if progress.last_checkpoint else None
 
 
 def _maybe_float(value: Any) -> float | None:
@@ -410,6 +495,7 @@ class EvalSet:
         engine.eval()
         sums = StepSums()
         for batch in self.batches:
+            batch = to_device(batch, engine.device)
             sums.add(batch, engine(**batch))
         stats = sums.reduce(len(self.batches), False)
         return {"eval_loss": stats["loss"], **{f"eval_loss_{k}": v for k, v in stats["objectives"].items()}}

@@ -23,8 +23,26 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return env
 
 
+# The CPU suite runs on DeepSpeed's CPU accelerator even on a GPU machine (bit-exact gloo runs, 2 ranks on any
+# machine). GPU tests (`-m gpu`) start their runs in child processes with GPU_ENV: in this process the accelerator
+# is chosen once, on the first `get_accelerator()`.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
+GPU_ENV = {"DS_ACCELERATOR": "cuda"}
+"""Extra environment of a GPU test's child process (DeepSpeed's CUDA accelerator, NCCL)."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`@pytest.mark.gpu` tests are skipped, saying why, where torch sees no CUDA device."""
+    if not any(item.get_closest_marker("gpu") for item in items):
+        return
+    import torch
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run with -m gpu on a GPU machine)")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -26,6 +26,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from pretrain.accelerator import choose_ds_accelerator
 from pretrain.config import REPO_ROOT
 
 SECTIONS = ("data", "model", "train", "decode", "gpu")
@@ -246,7 +247,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--shards", default="data/shards/unilm-128", help="shards for the training benchmark")
     parser.add_argument("--repeat", type=int, default=3, help="repeats of the data benchmark (best kept)")
     args = parser.parse_args(argv)
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    choose_ds_accelerator()
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO_ROOT / ".cache" / "torch_extensions"))
     args.out.mkdir(parents=True, exist_ok=True)
     info = machine()

@@ -6,7 +6,10 @@ read once, and
              (what any consumer of the tokenizer must do), one thread; also ``encode_batch_fast``, the
              offset-free variant the builder calls, so the cost on top of the builder's own tokenization shows;
   build    — the full ``data_prep.build`` pipeline from a JSONL of the same documents (read, clean, split,
-             encode, instances, masking, packing, writing shards + manifest) with 1 and with 2 workers.
+             encode, instances, masking, packing, writing shards + manifest) with 1 and with 2 workers;
+  wiki     — the build straight from the Wikipedia dump (``.xml.bz2``: decompression and XML parsing in the
+             main process, markup clean-up and everything after it in the workers) with 1 and with 2 workers,
+             measured side by side, so the 1 → 2 worker ratio shows what the workers take over.
 Tokens/s counts the same corpus tokens for both, so ratio = raw time / build time (target ≥ 0.8). Each
 measurement is repeated (interleaved) and the fastest run kept, because the machine may be shared; the
 ratio is also given by CPU time of the process, which other load barely disturbs. Tokenizer threads are
@@ -15,6 +18,7 @@ off (``TOKENIZERS_PARALLELISM=false``) so 1 worker compares with 1 core; the 2-w
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import tempfile
@@ -22,6 +26,7 @@ import time
 from pathlib import Path
 
 from data_prep.build import BuildConfig, build, iter_chunks
+from data_prep.sources import ReadOptions, Unit
 from data_prep.instances import InstanceConfig
 from data_prep.sources import read_documents
 from data_prep.text import clean_document, split_sentences
@@ -38,7 +43,8 @@ def _timed(function) -> tuple[float, float]:
 
 
 def measure(inputs: list[str] = DEFAULT_INPUTS, vocab: Path | None = None, recipe: str = "unilm",
-            max_seq_len: int = 128, chunk_chars: int = 500_000, repeat: int = 3) -> dict:
+            max_seq_len: int = 128, chunk_chars: int = 500_000, repeat: int = 3,
+            wiki_dump: str | None = DEFAULT_INPUTS[0]) -> dict:
     """Time raw tokenization and the shard build on the same corpus; returns the measurements (``main`` prints
     them, ``tools.bench_all`` tabulates them)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # before the first encode: one thread, like one worker
@@ -58,7 +64,7 @@ def measure(inputs: list[str] = DEFAULT_INPUTS, vocab: Path | None = None, recip
         vocab_file = load_vocab(vocab_path)
         tokenizer = load_encoder(str(vocab_path), vocab_file.sha256, False)
         batches = [[s for text in chunk.records for s in split_sentences(clean_document(text[0]))]
-                   for chunk in iter_chunks([str(corpus)], chunk_chars)]
+                   for chunk in iter_chunks(0, Unit(str(corpus)), ReadOptions(), chunk_chars)]
         num_tokens = sum(len(e.ids) for batch in batches for e in tokenizer.encode_batch(batch, add_special_tokens=False))
 
         def raw() -> None:
@@ -75,6 +81,10 @@ def measure(inputs: list[str] = DEFAULT_INPUTS, vocab: Path | None = None, recip
         runs = {"raw": raw, "raw_fast": raw_fast,
                 "build_1": lambda: build(cfg, work / "shards1", workers=1, overwrite=True, progress=False),
                 "build_2": lambda: build(cfg, work / "shards2", workers=2, overwrite=True, progress=False)}
+        wiki_cfg = dataclasses.replace(cfg, inputs=(wiki_dump,), chunk_chars=chunk_chars // 4) if wiki_dump else None
+        if wiki_cfg:  # smaller chunks: the excerpt is a few MB, and two workers need several chunks to share
+            runs["wiki_1"] = lambda: build(wiki_cfg, work / "wiki1", workers=1, overwrite=True, progress=False)
+            runs["wiki_2"] = lambda: build(wiki_cfg, work / "wiki2", workers=2, overwrite=True, progress=False)
         times = {name: float("inf") for name in runs}
         cpu = {name: float("inf") for name in runs}
         for _ in range(repeat):  # interleaved, so load from other processes hits all alike
@@ -82,9 +92,19 @@ def measure(inputs: list[str] = DEFAULT_INPUTS, vocab: Path | None = None, recip
                 wall, used = _timed(run)
                 times[name], cpu[name] = min(times[name], wall), min(cpu[name], used)
         same = (work / "shards1/shard-00000.bin").read_bytes() == (work / "shards2/shard-00000.bin").read_bytes()
+        wiki = {}
+        if wiki_cfg:
+            manifest = json.loads((work / "wiki1/manifest.json").read_text())
+            wiki = {"wiki_dump": wiki_dump, "wiki_dump_bytes": Path(wiki_dump).stat().st_size,
+                    "wiki_articles": manifest["documents"]["read"], "wiki_tokens": manifest["num_tokens"],
+                    "wiki_tokens_per_s": {k: manifest["num_tokens"] / times[k] for k in ("wiki_1", "wiki_2")},
+                    "wiki_speedup_2_workers": times["wiki_1"] / times["wiki_2"],
+                    "wiki_identical_bytes_1_vs_2_workers": (work / "wiki1/shard-00000.bin").read_bytes()
+                    == (work / "wiki2/shard-00000.bin").read_bytes()}
     return {"inputs": list(inputs), "num_tokens": num_tokens, "recipe": recipe, "max_seq_len": max_seq_len,
-            "repeat": repeat, "wall_s": times, "cpu_s": cpu, "identical_bytes_1_vs_2_workers": same,
-            "tokens_per_s": {name: num_tokens / seconds for name, seconds in times.items()},
+            "repeat": repeat, "wall_s": times, "cpu_s": cpu, "identical_bytes_1_vs_2_workers": same, **wiki,
+            "tokens_per_s": {name: num_tokens / seconds for name, seconds in times.items()
+                             if not name.startswith("wiki")},
             "ratio_build_vs_raw": times["raw"] / times["build_1"],
             "ratio_build_vs_raw_cpu": cpu["raw"] / cpu["build_1"],
             "ratio_build_vs_raw_fast": times["raw_fast"] / times["build_1"],
@@ -119,6 +139,12 @@ def main(argv: list[str] | None = None) -> None:
           f" (CPU time {cpu['raw_fast'] / cpu['build_1']:.2f})")
     print(f"[bench-data] speed-up 1 -> 2 workers: {build2_rate / build_rate:.2f}x  (identical bytes: {same}; "
           f"{os.cpu_count()} CPUs)")
+    if "wiki_tokens" in result:
+        rates = result["wiki_tokens_per_s"]
+        print(f"[bench-data] Wikipedia dump {result['wiki_dump']} ({result['wiki_dump_bytes'] / 1e6:.1f} MB, "
+              f"{result['wiki_articles']} pages, {result['wiki_tokens']:,} tokens): 1 worker {rates['wiki_1']:,.0f} "
+              f"tokens/s, 2 workers {rates['wiki_2']:,.0f} tokens/s: {result['wiki_speedup_2_workers']:.2f}x "
+              f"(identical bytes: {result['wiki_identical_bytes_1_vs_2_workers']})")
 
 
 if __name__ == "__main__":

@@ -87,9 +87,12 @@ def memory_worker(stage: int, preset_name: str, result: str) -> None:
     import deepspeed
     import torch.distributed as dist
 
+    from pretrain.accelerator import bind_local_device, collective_device
+    from pretrain.data import to_device
     from pretrain.model import build_model, preset
     from pretrain.engine import parameter_groups
 
+    bind_local_device()
     deepspeed.init_distributed(verbose=False)
     model = build_model(preset(preset_name))
     parameters = model.num_parameters()
@@ -106,7 +109,7 @@ def memory_worker(stage: int, preset_name: str, result: str) -> None:
     batch = {"input_ids": torch.randint(5, 1000, (2, 64)), "objective": torch.zeros(2, dtype=torch.long),
              "len_a": torch.full((2,), 32), "length": length, "is_random_next": torch.zeros(2, dtype=torch.long),
              "masked_positions": torch.arange(1, 11).repeat(2, 1), "masked_labels": torch.randint(5, 1000, (2, 10))}
-    engine.backward(engine(**batch).loss)
+    engine.backward(engine(**to_device(batch, engine.device)).loss)
     engine.step()
     gc.collect()
     storages = {}
@@ -117,8 +120,8 @@ def memory_worker(stage: int, preset_name: str, result: str) -> None:
                 storages[storage.data_ptr()] = storage.nbytes()
         except Exception:  # some tensor subclasses / freed storages refuse; they hold nothing we count
             continue
-    measured = torch.tensor([float(sum(storages.values()))])
-    gathered = [torch.zeros(1) for _ in range(dist.get_world_size())]
+    measured = torch.tensor([float(sum(storages.values()))], device=collective_device())
+    gathered = [torch.zeros_like(measured) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, measured)
     if dist.get_rank() == 0:
         Path(result).write_text(json.dumps({"parameters": parameters, "bytes_per_rank": [g.item() for g in gathered]}))

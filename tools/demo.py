@@ -14,8 +14,10 @@ walk-through of the real workflow:
     plot      python -m pretrain.plot                          loss curves, total and per objective
     export    python -m pretrain.export                        Hugging Face BERT directory
     finetune  python -m finetune.task_files; python -m tools.finetune_demo
-              pre-trained vs from scratch on BBC topics + headlines, beam-5 headlines
-    report    OUT/REPORT.md
+              pipeline check: the tiny model pre-trained vs from scratch on BBC topics + headlines
+    headlines python -m finetune.run --config finetune/configs/bert-headline.yaml --init <the samples' BERT> --max-steps 300;
+              python -m finetune.decode --beam-size 5: a real BERT fine-tuned by the seq2seq recipe
+    report    OUT/REPORT.md (with the table of `make ablation` when ablation_out/ holds one)
 
 A finished stage leaves ``OUT/stages/NAME.json`` (its wall time and results) and is skipped when the demo runs
 again; ``--from STAGE`` redoes that stage and every later one.
@@ -25,29 +27,30 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import shutil
-import socket
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from pretrain.config import REPO_ROOT
+from tools.ablation import find_bert
+from tools.stages import Stages, driver_environment, machine_line
+from tools.stages import duration as _duration
 
-STAGES = ("corpus", "vocab", "shards", "pretrain", "resume", "plot", "export", "finetune", "report")
+STAGES = ("corpus", "vocab", "shards", "pretrain", "resume", "plot", "export", "finetune", "headlines", "report")
 CONFIG = "pretrain/configs/tiny.yaml"
-HOSTFILE = "hostfiles/localhost"
+BERT_HEADLINE_CONFIG = "finetune/configs/bert-headline.yaml"
 
 
-class Demo:
+class Demo(Stages):
     """Paths and settings shared by the stages; each stage is a method returning its results (a dict)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        self.out = Path(args.out)
+        super().__init__(Path(args.out), "demo")
+        self.ablation_out = Path(args.ablation_out)
         self.samples = Path(args.samples)
         self.steps = args.steps
         self.half = args.steps // 2
@@ -63,46 +66,17 @@ class Demo:
         self.finetune_dir = self.out / "finetune-bbc"
         self.train_inputs = [str(self.samples / "wiki/enwiki-excerpt.xml.bz2"), str(self.samples / "books.jsonl")]
         self.heldout_inputs = [str(self.samples / "news/lee.txt")]
-        self.python = sys.executable
-        self.deepspeed = str(Path(sys.executable).parent / "deepspeed")
+        self.bert_headline_dir = self.out / "bert-headline"
 
     # ------------------------------------------------------------------------------------------ helpers
-    def marker(self, stage: str) -> Path:
-        return self.out / "stages" / f"{stage}.json"
-
-    def done(self, stage: str) -> dict[str, Any] | None:
-        path = self.marker(stage)
-        return json.loads(path.read_text()) if path.is_file() else None
-
-    def command(self, argv: list[str], log: Path | None = None, env: dict[str, str] | None = None) -> str:
-        """Run one command, its output streamed to the terminal (and to ``log``); fail the demo if it fails.
-        Returns the output."""
-        shown = " ".join(Path(a).name if a in (self.python, self.deepspeed) else a for a in argv)
-        print(f"[demo]   $ {shown}", flush=True)
-        process = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   text=True, env=dict(os.environ, **(env or {})), bufsize=1)
-        lines = []
-        with open(log, "a") if log else open(os.devnull, "w") as sink:
-            for line in process.stdout:
-                sys.stdout.write(line)
-                sys.stdout.flush()
-                sink.write(line)
-                lines.append(line)
-        if process.wait():
-            raise SystemExit(f"[demo] failed (exit code {process.returncode}): {shown}")
-        return "".join(lines)
-
     def inspect(self, directory: Path) -> dict[str, Any]:
         return json.loads(subprocess.run([self.python, "-m", "data_prep.inspect", str(directory), "--json"],
                                          cwd=REPO_ROOT, check=True, capture_output=True, text=True).stdout)
 
     def train_command(self, *overrides: str) -> list[str]:
-        """The cluster command, on the localhost hostfile (two ranks, no ssh)."""
-        with socket.socket() as probe:  # a free rendezvous port: other DeepSpeed jobs may hold 29500
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        return [self.deepspeed, "--hostfile", HOSTFILE, "--no_ssh_check", "--master_addr", "127.0.0.1",
-                "--master_port", str(port), "pretrain/train.py", "--config", CONFIG,
+        """The cluster command on this machine alone (no ssh): the localhost hostfile's two ranks on a CPU, one rank
+        per GPU on a GPU machine, at most two (the tiny run's batch of 24 = 4 × 3 × 2 splits over 1 or 2)."""
+        return [*self.launcher(max_gpus=2), "pretrain/train.py", "--config", CONFIG,
                 f"out_dir={self.run_dir}", f"data.shards={self.shards}", f"data.eval_shards={self.heldout}",
                 f"train.max_steps={self.steps}", f"optim.warmup_steps={self.warmup}",
                 f"train.eval_interval={self.eval_interval}", f"train.save_interval={self.half}", *overrides]
@@ -170,7 +144,8 @@ class Demo:
         return {"png": "loss.png"}
 
     def export(self) -> dict[str, Any]:
-        self.command([self.python, "-m", "pretrain.export", str(self.run_dir / "checkpoints"), str(self.hf_dir)])
+        self.command([self.python, "-m", "pretrain.export", str(self.run_dir / "checkpoints"), str(self.hf_dir),
+                      "--force"])  # the demo's own directory: a rerun replaces it
         shutil.copy(self.vocab, self.hf_dir / "vocab.txt")  # the export holds weights + config only
         import transformers  # the proof that the export is a Hugging Face checkpoint: transformers loads it whole
         _, info = transformers.BertForPreTraining.from_pretrained(self.hf_dir, output_loading_info=True)
@@ -187,6 +162,26 @@ class Demo:
                       "--vocab", str(self.vocab), "--data", str(self.finetune_data), "--out", str(self.finetune_dir)],
                      self.out / "logs" / "finetune.log")
         return {"summary": json.loads((self.finetune_dir / "summary.json").read_text())}
+
+    def headlines(self) -> dict[str, Any]:
+        """The samples' real BERT fine-tuned by the seq2seq recipe (300 steps of 16: its MLM head is new and must
+        learn), then beam-5 headlines for a few dev articles: what generation with this pipeline looks like on a real
+        model."""
+        bert, dev = find_bert(self.samples), self.finetune_data / "bbc_headline.dev.jsonl"
+        self.command([self.python, "-m", "finetune.run", "--config", BERT_HEADLINE_CONFIG, "--init", str(bert),
+                      "--train", str(self.finetune_data / "bbc_headline.train.jsonl"), "--dev", str(dev),
+                      "--out", str(self.bert_headline_dir), "--epochs", "3", "--max-steps", "300"],
+                     self.out / "logs" / "headlines.log")
+        sample_input, output = self.bert_headline_dir / "samples.src.jsonl", self.bert_headline_dir / "samples.jsonl"
+        sample_input.write_text("".join(line + "\n" for line in dev.read_text().splitlines()[:8]))
+        self.command([self.python, "-m", "finetune.decode", "--model", str(self.bert_headline_dir), "--input",
+                      str(sample_input), "--output", str(output), "--beam-size", "5", "--max-tgt-len", "24"])
+        samples = [json.loads(line) for line in output.read_text().splitlines()]
+        for sample in samples:
+            print(f"[demo]   {sample['tgt']!r:60} → {sample['prediction']!r}", flush=True)
+        best = json.loads((self.bert_headline_dir / "summary.json").read_text())["best"]
+        return {"bert": str(bert), "best_dev": best, "samples": [{k: s[k] for k in ("tgt", "prediction")}
+                                                                   for s in samples]}
 
     def report(self) -> dict[str, Any]:
         path = self.out / "REPORT.md"
@@ -277,7 +272,7 @@ def render_report(demo: Demo) -> str:
                   + ". A Hugging Face BERT has 2 segment types: the left-to-right, right-to-left and seq2seq segment "
                   "rows stay in the pre-training checkpoint, which is what fine-tuning for generation starts from.", ""]
 
-    lines += ["## Fine-tuning: pre-trained vs from scratch", ""]
+    lines += ["## Pipeline check: the tiny model fine-tuned, pre-trained vs from scratch", ""]
     finetune = stages["finetune"]
     if finetune:
         table = (demo.finetune_dir / "table.md").read_text().strip()
@@ -288,7 +283,28 @@ def render_report(demo: Demo) -> str:
                   table, ""]
     else:
         lines += ["Not run yet.", ""]
+    lines += headline_lines(demo, stages["headlines"])
     return "\n".join(lines)
+
+
+def headline_lines(demo: Demo, stage: dict[str, Any]) -> list[str]:
+    """The real BERT's generated headlines, and the table of `make ablation` when one exists."""
+    lines = ["## Generation: a real BERT fine-tuned by the seq2seq recipe", ""]
+    if stage:
+        best = stage["best_dev"]
+        lines += [f"`{stage['bert']}` (6-layer MiniLM BERT) fine-tuned on BBC article → headline with "
+                  f"`{BERT_HEADLINE_CONFIG}` (target masking 0.7, label smoothing 0.1) for 300 steps of 16; dev ROUGE-1/2/L "
+                  f"{best['rouge1']:.1f} / {best['rouge2']:.1f} / {best['rougeL']:.1f} (greedy). Beam-5 headlines for "
+                  "dev articles:", "", "| reference | generated |", "|---|---|"]
+        lines += [f"| {s['tgt']} | {s['prediction']} |" for s in stage["samples"]] + [""]
+    table = demo.ablation_out / "table.md"
+    if table.is_file():
+        lines += [f"Does continuing its pre-training with UniLM's objectives help? `make ablation` "
+                  f"(`{demo.ablation_out / 'REPORT.md'}`):", "", table.read_text().strip(), ""]
+    else:
+        lines += ["`make ablation` compares this BERT with the same BERT after continued pre-training with the `bert` "
+                  "and the `unilm` recipes; its table appears here once `ablation_out/` holds one.", ""]
+    return lines
 
 
 OBJECTIVE_COLUMNS = ("bidirectional_mlm", "nsp", "left_to_right", "right_to_left", "seq2seq")
@@ -301,6 +317,7 @@ STAGE_SUMMARY = {
     "plot": "`python -m pretrain.plot`",
     "export": "`python -m pretrain.export`",
     "finetune": "`python -m finetune.task_files`, `python -m tools.finetune_demo` (2 tasks × 2 inits × 3 seeds, then beam search)",
+    "headlines": f"`python -m finetune.run --config {BERT_HEADLINE_CONFIG}` (the samples' BERT), `finetune.decode`",
 }
 
 
@@ -319,21 +336,6 @@ def throughput_lines(records: list[dict[str, Any]], half: int) -> list[str]:
             + (f"; held-out loss {evals[0]['eval_loss']:.3f} (step {evals[0]['step']}) → "
                f"{evals[-1]['eval_loss']:.3f} (step {evals[-1]['step']})" if evals else "") + ".", ""]
     return text
-
-
-def machine_line() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"
-
-
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "—"
-    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
 
 
 def _reasons(stats: dict[str, Any]) -> str:
@@ -361,38 +363,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=600, help="pre-training steps (stops and resumes at half)")
     parser.add_argument("--vocab-size", type=int, default=8000)
     parser.add_argument("--from", dest="redo_from", choices=STAGES, help="redo this stage and all later ones")
+    parser.add_argument("--ablation-out", default="ablation_out", help="where `make ablation` wrote its table")
     args = parser.parse_args(argv)
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO_ROOT / ".cache" / "torch_extensions"))
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    driver_environment()
     demo = Demo(args)
     demo.out.mkdir(parents=True, exist_ok=True)
     (demo.out / "logs").mkdir(exist_ok=True)
     runners = {"corpus": demo.corpus, "vocab": demo.vocab_stage, "shards": demo.shards_stage,
                "pretrain": demo.pretrain_stage, "resume": demo.resume, "plot": demo.plot, "export": demo.export,
-               "finetune": demo.finetune, "report": demo.report}
+               "finetune": demo.finetune, "headlines": demo.headlines, "report": demo.report}
     if args.redo_from:
-        for name in STAGES[STAGES.index(args.redo_from):]:
-            demo.marker(name).unlink(missing_ok=True)
         if STAGES.index(args.redo_from) <= STAGES.index("resume"):  # a new run, not a continuation
             shutil.rmtree(demo.run_dir, ignore_errors=True)
         if STAGES.index(args.redo_from) <= STAGES.index("finetune"):
             shutil.rmtree(demo.finetune_dir, ignore_errors=True)
-    started = time.monotonic()
-    for number, name in enumerate(STAGES, 1):
-        previous = demo.done(name)
-        if previous is not None and name != "report":
-            print(f"[demo] ({number}/{len(STAGES)}) {name}: done earlier ({_duration(previous['wall_s'])}), skipped",
-                  flush=True)
-            continue
-        print(f"[demo] ({number}/{len(STAGES)}) {name} ...", flush=True)
-        stage_started = time.monotonic()
-        result = runners[name]()
-        result["wall_s"] = time.monotonic() - stage_started
-        demo.marker(name).parent.mkdir(exist_ok=True)
-        demo.marker(name).write_text(json.dumps(result, indent=1) + "\n")
-        print(f"[demo] ({number}/{len(STAGES)}) {name}: done in {_duration(result['wall_s'])}", flush=True)
-    print(f"[demo] finished in {_duration(time.monotonic() - started)}; report: {demo.out / 'REPORT.md'}", flush=True)
+        if STAGES.index(args.redo_from) <= STAGES.index("headlines"):
+            shutil.rmtree(demo.bert_headline_dir, ignore_errors=True)
+    wall = demo.run(runners, args.redo_from)
+    print(f"[demo] finished in {_duration(wall)}; report: {demo.out / 'REPORT.md'}", flush=True)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ def finetune_once(task: str, init_name: str, seed: int, args: argparse.Namespace
         print(f"[demo] fine-tuning {task} from {init_name}, seed {seed} → {out}", flush=True)
         argv = ["--config", str(CONFIGS / config), "--train", f"{args.data}/{stem}.train.jsonl",
                 "--dev", f"{args.data}/{stem}.dev.jsonl", "--init", args.pretrained, "--out", str(out),
-                "--seed", str(seed)]
+                "--seed", str(seed), "--force"]  # the demo's own directory: a run cut short restarts
         if args.vocab:
             argv += ["--vocab", args.vocab]
         if init_name == "scratch":
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
     dev = [json.loads(line) for line in Path(f"{args.data}/bbc_headline.dev.jsonl").read_text().splitlines()]
     sample_input.write_text("".join(json.dumps(r) + "\n" for r in dev[: args.headlines]))
     decode.main(["--model", str(out / f"headline-pretrained-seed{args.seeds[0]}"), "--input", str(sample_input),
-                 "--output", str(out / "headline_samples.jsonl"), "--beam-size", "5", "--max-tgt-len", "24"])
+                 "--output", str(out / "headline_samples.jsonl"), "--beam-size", "5", "--max-tgt-len", "24", "--force"])
     samples = [json.loads(line) for line in (out / "headline_samples.jsonl").read_text().splitlines()]
 
     text = table(results)

@@ -113,3 +113,16 @@ def test_seq2seq_fine_tuning_then_decoding_reproduces_memorised_targets(tiny_ini
         config = DecodeConfig(beam_size=2, max_tgt_len=10, use_cache=use_cache)
         decoded = [tokenizer.decode(h.tokens) for h in generate(backbone, sources, SpecialIds.of(tokenizer), config)]
         assert decoded == [r["tgt"] for r in records]
+
+
+def test_a_test_split_is_held_out_from_train_and_leaves_dev_unchanged(task_files, samples_dir, tmp_path):
+    counts = convert_samples(samples_dir, tmp_path, dev_fraction=0.1, test_fraction=0.1)
+    assert (tmp_path / "bbc_headline.dev.jsonl").read_bytes() == (task_files / "bbc_headline.dev.jsonl").read_bytes()
+    splits = {name: {r["src"] for r in read_jsonl(tmp_path / f"bbc_headline.{name}.jsonl")}
+              for name in ("train", "dev", "test")}
+    assert not splits["train"] & splits["test"] and not splits["dev"] & splits["test"]
+    assert 0.05 < counts["bbc_headline.test"] / sum(len(s) for s in splits.values()) < 0.15
+    without = {r["src"] for r in read_jsonl(task_files / "bbc_headline.train.jsonl")}
+    assert without == splits["train"] | splits["test"]  # the test articles come out of train only
+    with pytest.raises(ValueError, match="sum < 1"):
+        convert_samples(samples_dir, tmp_path, dev_fraction=0.5, test_fraction=0.5)

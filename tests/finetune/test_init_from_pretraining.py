@@ -19,10 +19,12 @@ from pretrain.model import ModelConfig, build_model
 
 
 def _pretraining_checkpoint(model: torch.nn.Module, out: Path) -> Path:
-    """A ZeRO-0 pre-training checkpoint as `pretrain.trainer` lays it out (module state + marker + latest)."""
+    """A ZeRO-0 pre-training checkpoint as `pretrain.trainer` lays it out (DeepSpeed's module state, the fp32
+    weights as safetensors, marker, latest)."""
     tag_dir = out / "checkpoints" / ckpt.tag_for_step(7)
     tag_dir.mkdir(parents=True)
     torch.save({"module": model.state_dict()}, tag_dir / "mp_rank_00_model_states.pt")
+    ckpt.write_weights(tag_dir, model.state_dict())
     ckpt.write_marker(tag_dir, {"step": 7, "zero_stage": 0, "model_config": dataclasses.asdict(model.cfg)})
     ckpt.update_latest(out / "checkpoints", tag_dir.name)
     return out / "checkpoints"

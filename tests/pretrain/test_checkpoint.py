@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from pretrain import checkpoint as ckpt
+from pretrain import engine
 
 
 def fake_save(directory: Path, step: int, complete: bool = True) -> str:
@@ -85,3 +89,32 @@ def test_activation_checkpointing_stored_by_older_checkpoints_is_no_mismatch() -
     for stored in (False, True):
         ckpt.check_compatible(dict(current, model_config={"hidden_size": 64, "activation_checkpointing": stored}),
                               current, "ckpt")
+def test_rng_state_holds_an_accelerator_generator_only_on_an_accelerator() -> None:
+    from deepspeed.accelerator import get_accelerator
+
+    state = engine.rng_state()
+    if get_accelerator().device_name() == "cpu":  # the CPU suite: torch's CPU generator is "torch"
+        assert set(state) == {"torch", "numpy", "python"}
+    else:
+        assert state["accelerator"]["device"] == get_accelerator().device_name()
+        assert state["accelerator"]["state"].dtype == torch.uint8
+
+
+def test_portable_rng_states_load_with_weights_only_and_old_or_foreign_ones_still_restore(tmp_path: Path) -> None:
+    from pretrain.engine import portable_rng_state, restore_rng_state
+
+    engine.seed_everything(5)
+    torch.save(portable_rng_state(), tmp_path / "rng.pt")
+    first = (torch.rand(3), np.random.rand(3), random.random())
+    saved = torch.load(tmp_path / "rng.pt", weights_only=True)
+    restore_rng_state(saved)
+    assert torch.equal(torch.rand(3), first[0]) and np.array_equal(np.random.rand(3), first[1])
+    assert random.random() == first[2]
+    # a checkpoint written before accelerator generators were recorded, and one written on a GPU (its CUDA state,
+    # a ByteTensor, travels through weights_only loading; a CPU process restores the rest and leaves CUDA alone)
+    older = {k: v for k, v in saved.items() if k != "accelerator"}
+    from_gpu = dict(older, accelerator={"device": "cuda", "state": torch.zeros(16, dtype=torch.uint8)})
+    torch.save(from_gpu, tmp_path / "gpu_rng.pt")
+    for state in (older, torch.load(tmp_path / "gpu_rng.pt", weights_only=True)):
+        restore_rng_state(state)
+        assert torch.equal(torch.rand(3), first[0]) and random.random() == first[2]

@@ -104,3 +104,23 @@ def test_prefetching_loader_streams_the_rank_slice_and_resumes(dataset: ShardDat
                 for c in range(0, 60, 12)]
     assert full == expected
     assert stream(1, 36, 2) == full[3:]  # resume at consumed_samples: no replay, no gap
+
+
+def test_on_the_cpu_batches_are_handed_over_without_a_copy(dataset: ShardDataset) -> None:
+    from pretrain.data import to_device
+
+    batch = collate([dataset[i] for i in range(4)], dataset.special_tokens["pad"], 64)
+    for device in (None, "cpu", torch.device("cpu")):
+        moved = to_device(batch, device)
+        assert moved is batch  # zero-copy: the very tensors the collate made
+    order, plan = SampleOrder(sample_objectives(dataset), seed=5), plan_batch(6, 3, 1)
+    loader = PretrainLoader(dataset, order, plan, 0, 0, dataset.special_tokens["pad"], 64, prefetch_steps=1,
+                            device="cpu")
+    try:
+        assert loader.device == torch.device("cpu") and loader._feed is None  # no side stream, no pinning
+        for micro_batch, indices in zip(loader.next_step(), order.rank_step_indices(0, plan, 0)):
+            expected = collate([dataset[int(i)] for i in indices], dataset.special_tokens["pad"], 64)
+            assert all(torch.equal(micro_batch[k], expected[k]) and micro_batch[k].device.type == "cpu"
+                       for k in expected)
+    finally:
+        loader.close()

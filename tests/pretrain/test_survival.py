@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import subprocess_env
+from conftest import GPU_ENV, subprocess_env
 from training_runs import check, launch, losses, metrics, train_command
 
 from pretrain import checkpoint as ckpt
@@ -65,7 +65,7 @@ def test_kills_during_checkpoint_writes_resume_from_the_newest_complete_one(
         ("save_begin@4", None, set()),                                      # before DeepSpeed wrote anything
         (f"after:{MODEL_FILE}@4", "global_step2", {MODEL_FILE}),            # between model and optimizer files
         (f"after:{OPTIM_FILE}@4", "global_step2", {MODEL_FILE, OPTIM_FILE}),  # all files, not yet fsync'ed
-        ("before_marker@4", "global_step2", {MODEL_FILE, OPTIM_FILE}),      # fsync'ed, marker not written
+        ("before_marker@4", "global_step2", {MODEL_FILE, OPTIM_FILE, ckpt.WEIGHTS}),  # fsync'ed, no marker
         ("before_latest@6", "global_step2", None),                          # step 6 complete, `latest` still 4
     ]
     for fault, resumed_from, left in crashes:
@@ -243,8 +243,8 @@ def test_an_inf_gradient_stops_with_step_and_objectives_and_keeps_the_checkpoint
 @pytest.mark.slow
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="fp16 needs a CUDA GPU")
 def test_fp16_skips_an_inf_gradient_through_the_loss_scaler_and_logs_it(common: list[str], tmp_path: Path) -> None:
-    process = check(train(common + [f"out_dir={tmp_path}", "deepspeed_config=ds_configs/zero2_fp16.json"],
-                          fault="inf_grad@3"))
+    process = check(launch(common + [f"out_dir={tmp_path}", "deepspeed_config=ds_configs/zero2_fp16.json"],
+                           extra_env={FAULT_ENV: "inf_grad@3", **GPU_ENV}, module="fault_injection"))
     assert "[step 3] fp16 overflow: optimizer step skipped" in process.stderr
     records = metrics(tmp_path)
     assert [r["step"] for r in records] == list(range(1, 9))
@@ -281,8 +281,9 @@ def test_valid_hostfile_entries_are_accepted(tmp_path: Path) -> None:
     assert read_hostfile(hostfile) == {"node-001": 8, "10.0.0.2": 8, "fd00::2": 1, "n3.cluster.local": 2}
 
 
-# torch.load calls allowed to unpickle: DeepSpeed checkpoints this project wrote (checked complete first).
-UNPICKLING_ALLOWED = {("pretrain/export.py", "load_consolidated")}
+# torch.load calls allowed to unpickle: none (exports and --init read model_weights.safetensors; only DeepSpeed's
+# own loader unpickles, on resume, after the marker's hashes check out).
+UNPICKLING_ALLOWED: set[tuple[str, str]] = set()
 
 
 def test_nothing_is_unpickled_or_run_through_a_shell_except_our_own_deepspeed_checkpoints() -> None:

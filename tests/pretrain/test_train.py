@@ -139,6 +139,22 @@ def test_export_writes_a_hugging_face_bert(runs: dict, tmp_path: Path) -> None:
             assert torch.equal(reloaded[name], value), name
 
 
+def test_export_writes_the_tokenizer_the_shards_were_built_with(runs: dict, unilm_shards: Path, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from data_prep.vocab import load_encoder, load_vocab
+    from pretrain.export import main
+
+    main([str(runs["full"] / "checkpoints"), str(tmp_path / "hf")])
+    assert (tmp_path / "hf" / "vocab.txt").read_bytes() == (unilm_shards / "vocab.txt").read_bytes()
+    hf = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    vocab = load_vocab(unilm_shards / "vocab.txt")
+    ours = load_encoder(str(vocab.path), vocab.sha256, False)
+    text = "The Dutch East India Company traded in Asia; Zürich and ZÜRICH differ here."
+    assert hf.do_lower_case is False
+    assert hf(text, add_special_tokens=False)["input_ids"] == ours.encode(text, add_special_tokens=False).ids
+
+
 def test_nan_loss_stops_with_a_diagnostic_and_keeps_the_last_checkpoint(unilm_shards: Path, tmp_path: Path) -> None:
     process = launch([f"data.shards={unilm_shards}", "model.overrides.vocab_size=4000", f"out_dir={tmp_path}",
                       "train.max_steps=8", "train.save_interval=2", "train.global_batch_size=8",
@@ -194,3 +210,19 @@ def test_sigterm_saves_a_checkpoint_and_the_rerun_continues(unilm_shards: Path, 
     assert f"saved global_step{stopped_at + 2}" in rerun.stdout
     steps = [record["step"] for record in metrics(tmp_path)]
     assert steps == list(range(1, stopped_at + 3))  # nothing repeated, nothing skipped
+
+
+def test_saved_weights_equal_deepspeeds_fp32_consolidation(runs: dict) -> None:
+    """model_weights.safetensors (gathered at save time from the ZeRO-2 partitions of 2 ranks) holds exactly the
+    fp32 weights DeepSpeed's own zero_to_fp32 consolidates from the pickled optimizer shards."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from pretrain import checkpoint as ckpt
+
+    checkpoints = runs["full"] / "checkpoints"
+    meta, ours = ckpt.load_weights(checkpoints / "global_step24")
+    assert meta["zero_stage"] == 2 and ckpt.WEIGHTS in meta["files"] and ckpt.WEIGHTS in meta["sha256"]
+    reference = get_fp32_state_dict_from_zero_checkpoint(str(checkpoints), tag="global_step24")
+    assert set(reference) <= set(ours)
+    for name, value in reference.items():
+        assert torch.equal(ours[name], value.float()), name

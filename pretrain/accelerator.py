@@ -1,0 +1,141 @@
+"""The rank's device, through DeepSpeed's accelerator API, and what DeepSpeed's CUDA op builder needs.
+
+On a CPU machine (``DS_ACCELERATOR=cpu``, or DeepSpeed finding no GPU) every function here is a no-op or answers
+``cpu``, so CPU runs stay exactly as they were. On GPUs:
+  * ``bind_local_device`` makes the process use GPU ``LOCAL_RANK`` before anything touches CUDA (NCCL, RNG, the
+    model and the loader's copies all follow the current device);
+  * ``collective_device`` is where a tensor handed to a collective must live (NCCL refuses CPU tensors);
+  * ``deepspeed_arch_list`` rewrites ``TORCH_CUDA_ARCH_LIST`` into the ``X.Y`` / ``X.Y+PTX`` tokens DeepSpeed's JIT
+    op builder parses (``deepspeed/ops/op_builder/builder.py`` reads each token as ``int`` major and minor, so the
+    arch-specific ``9.0a`` that CUDA images set fails its FusedAdam build with ``invalid literal for int()``).
+"""
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import MutableMapping
+
+import torch
+
+# MPI launchers name the local rank before DeepSpeed's MPI discovery copies it into LOCAL_RANK.
+_LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
+_ARCH = re.compile(r"^(\d+)\.(\d+)([a-z]?)(\+PTX)?$")
+# torch.utils.cpp_extension's named architectures (DeepSpeed's builder knows none of them)
+_NAMED_ARCHES = {"Kepler+Tesla": "3.7", "Kepler": "3.5+PTX", "Maxwell+Tegra": "5.3", "Maxwell": "5.0;5.2+PTX",
+                 "Pascal": "6.0;6.1+PTX", "Volta+Tegra": "7.2", "Volta": "7.0+PTX", "Turing": "7.5+PTX",
+                 "Ampere+Tegra": "8.7", "Ampere": "8.0;8.6+PTX", "Ada": "8.9+PTX", "Hopper": "9.0+PTX"}
+
+
+def accelerator_name() -> str:
+    """``cuda`` (or another DeepSpeed accelerator's device type), or ``cpu``."""
+    from deepspeed.accelerator import get_accelerator
+    return get_accelerator().device_name()
+
+
+def local_rank() -> int:
+    """This process's rank on its machine, from whichever launcher started it (0 for plain ``python``)."""
+    for name in _LOCAL_RANK_VARIABLES:
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
+
+
+def bind_local_device() -> torch.device:
+    """Make device ``LOCAL_RANK`` this process's current device; returns it (``cpu`` on a CPU accelerator).
+
+    Without it every rank of a node would start on GPU 0: NCCL would hang or fail, and CUDA RNG states and
+    pinned copies would belong to the wrong device."""
+    from deepspeed.accelerator import get_accelerator
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cpu":
+        return torch.device("cpu")
+    index = local_rank()
+    if index >= accelerator.device_count():
+        raise RuntimeError(f"local rank {index} has no {accelerator.device_name()} device: this machine shows "
+                           f"{accelerator.device_count()}; launch at most that many ranks per machine "
+                           "(hostfile slots=N or --num_gpus N)")
+    accelerator.set_device(index)
+    return torch.device(accelerator.device_name(index))
+
+
+def collective_device() -> torch.device:
+    """Where tensors passed to ``torch.distributed`` collectives must live: the CPU under gloo, the rank's current
+    accelerator device under NCCL (or any other device backend)."""
+    import torch.distributed as torch_dist
+    if torch_dist.get_backend() == "gloo":
+        return torch.device("cpu")
+    from deepspeed.accelerator import get_accelerator
+    return torch.device(get_accelerator().current_device_name())
+
+
+def default_device() -> torch.device:
+    """The device a single process (decoding, evaluation) runs on: the current accelerator device, else the CPU."""
+    from deepspeed.accelerator import get_accelerator
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cpu" or not accelerator.is_available():
+        return torch.device("cpu")
+    return torch.device(accelerator.current_device_name())
+
+
+# ------------------------------------------------------------------------------------------- one-machine launch
+LOCALHOST_HOSTFILE = "hostfiles/localhost"
+
+
+def choose_ds_accelerator(environ: MutableMapping[str, str] = os.environ) -> str:
+    """``DS_ACCELERATOR`` for the processes this one starts: the user's value when set; ``cpu`` when torch sees no
+    GPU (it also silences DeepSpeed's fallback warning); else left unset for DeepSpeed to detect the GPU."""
+    if "DS_ACCELERATOR" not in environ and not torch.cuda.is_available():
+        environ["DS_ACCELERATOR"] = "cpu"
+    return environ.get("DS_ACCELERATOR", "auto")
+
+
+def local_launch_arguments(environ: MutableMapping[str, str] = os.environ, max_gpus: int | None = None) -> list[str]:
+    """``deepspeed`` launcher arguments for a run on this machine alone (no ssh): one rank per visible GPU (at most
+    ``max_gpus``), or the two ranks of ``hostfiles/localhost`` on a CPU accelerator."""
+    on_cpu = environ.get("DS_ACCELERATOR") == "cpu" or not torch.cuda.is_available()
+    gpus = torch.cuda.device_count() if max_gpus is None else min(max_gpus, torch.cuda.device_count())
+    where = ["--hostfile", LOCALHOST_HOSTFILE] if on_cpu else ["--num_gpus", str(gpus)]
+    return [*where, "--no_ssh_check", "--master_addr", "127.0.0.1"]
+
+
+# ---------------------------------------------------------------------------------- op builds (TORCH_CUDA_ARCH_LIST)
+def deepspeed_arch_list(value: str) -> str:
+    """``TORCH_CUDA_ARCH_LIST`` in the form DeepSpeed's op builder parses: ``;``-separated ``X.Y`` or ``X.Y+PTX``.
+
+    Accepts what torch accepts: ``;`` or spaces between entries, arch-specific suffixes (``9.0a``, ``10.0f``:
+    dropped, the base ``sm_90`` code runs there; DeepSpeed's ops use no arch-specific instructions), ``+PTX``
+    (kept), torch's named architectures (``Hopper`` → ``9.0+PTX``). Duplicates merge (``+PTX`` if any had it),
+    sorted ascending as the builder sorts them. Raises ``ValueError`` naming an entry it cannot read.
+
+    >>> deepspeed_arch_list("9.0a")
+    '9.0'
+    >>> deepspeed_arch_list("8.0 8.6+PTX;9.0a")
+    '8.0;8.6+PTX;9.0'
+    """
+    entries = [entry for entry in re.split(r"[;\s]+", value.strip()) if entry]
+    archs: dict[tuple[int, int], bool] = {}
+    for entry in entries:
+        for token in _NAMED_ARCHES.get(entry, entry).split(";"):
+            match = _ARCH.match(token)
+            if match is None:
+                raise ValueError(f"TORCH_CUDA_ARCH_LIST={value!r}: cannot read {entry!r}; use compute capabilities "
+                                 "such as '8.0;9.0' or '9.0+PTX' (nvidia-smi --query-gpu=compute_cap --format=csv)")
+            key = (int(match.group(1)), int(match.group(2)))
+            archs[key] = archs.get(key, False) or bool(match.group(4))
+    if not archs:
+        raise ValueError(f"TORCH_CUDA_ARCH_LIST={value!r} names no architecture; unset it or set e.g. '9.0'")
+    return ";".join(f"{major}.{minor}{'+PTX' if ptx else ''}" for (major, minor), ptx in sorted(archs.items()))
+
+
+def apply_deepspeed_arch_list(environ: MutableMapping[str, str] = os.environ) -> str | None:
+    """Rewrite ``environ["TORCH_CUDA_ARCH_LIST"]`` for DeepSpeed's builder before any op is built; returns a line
+    saying what changed (None when unset or already in that form)."""
+    value = environ.get("TORCH_CUDA_ARCH_LIST")
+    if value is None or not value.strip():
+        return None
+    normalised = deepspeed_arch_list(value)
+    if normalised == value:
+        return None
+    environ["TORCH_CUDA_ARCH_LIST"] = normalised
+    return (f"TORCH_CUDA_ARCH_LIST={value!r} is not in the form DeepSpeed's op builder parses: building ops for "
+            f"{normalised!r} (set TORCH_CUDA_ARCH_LIST=\"{normalised}\" to silence this and to prebuild them)")

@@ -1,0 +1,124 @@
+"""Outputs appear complete or not at all and never replace an input: decoding, exports, fine-tuning outputs."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from finetune import decode, run
+from finetune.task_files import write_jsonl
+from finetune.model_io import load_finetuned, save_finetuned
+from finetune.tokenizer import load_tokenizer
+from pretrain import checkpoint as ckpt
+from pretrain.hf import load_hf_bert
+from pretrain.model import build_model
+
+
+@pytest.fixture
+def sources(tmp_path: Path) -> Path:
+    path = tmp_path / "sources.jsonl"
+    write_jsonl([{"src": f"the minister said on day {i} that talks would go on"} for i in range(5)], path)
+    return path
+
+
+def decode_args(model: Path, source: Path, output: Path, *extra: str) -> list[str]:
+    return ["--model", str(model), "--input", str(source), "--output", str(output), "--beam-size", "1",
+            "--max-tgt-len", "3", *extra]
+
+
+@pytest.mark.parametrize("batch_size", ["-1", "0"])
+def test_decode_refuses_a_batch_size_below_one_and_writes_nothing(tiny_init, sources, tmp_path, batch_size, capsys):
+    output = tmp_path / "out.jsonl"
+    with pytest.raises(SystemExit) as exit_info:
+        decode.main(decode_args(tiny_init, sources, output, "--batch-size", batch_size))
+    assert exit_info.value.code == 2 and f"must be >= 1, got {batch_size}" in capsys.readouterr().err
+    assert not output.exists()
+
+
+def test_decode_refuses_an_output_equal_to_its_input_and_keeps_the_input(tiny_init, sources, capsys):
+    before = sources.read_bytes()
+    with pytest.raises(SystemExit):
+        decode.main(decode_args(tiny_init, sources, sources))
+    assert "is (or contains) the input" in capsys.readouterr().err
+    assert sources.read_bytes() == before
+
+
+def test_decode_writes_one_prediction_per_record_and_replaces_output_only_with_force(tiny_init, sources, tmp_path,
+                                                                                    capsys, monkeypatch):
+    output = tmp_path / "out.jsonl"
+    decode.main(decode_args(tiny_init, sources, output, "--batch-size", "2"))
+    assert [json.loads(line)["src"] for line in output.read_text().splitlines()] == \
+        [json.loads(line)["src"] for line in sources.read_text().splitlines()]
+    first = output.read_bytes()
+    with pytest.raises(SystemExit):
+        decode.main(decode_args(tiny_init, sources, output))
+    assert "exists and is not empty; pass --force" in capsys.readouterr().err
+
+    real = decode.decode_records
+    monkeypatch.setattr(decode, "decode_records", lambda *a, **k: (real(*a, **k)[0][:-1], 0))  # one lost
+    with pytest.raises(RuntimeError, match="4 predictions for 5 input records; nothing written"):
+        decode.main(decode_args(tiny_init, sources, output, "--force"))
+    assert output.read_bytes() == first and [p.name for p in tmp_path.glob(".*partial*")] == []
+
+
+def test_export_into_a_finetuning_directory_needs_force_and_leaves_no_old_head(tiny_init, unilm_shards, tmp_path,
+                                                                               capsys):
+    from pretrain import export
+
+    model = load_hf_bert(tiny_init)
+    finetuned = tmp_path / "finetuned"
+    save_finetuned(finetuned, model, torch.nn.Linear(32, 5), load_tokenizer(tiny_init), task="classify",
+                   extra_meta={"labels": list("abcde")})
+    checkpoints = tmp_path / "checkpoints"
+    (checkpoints / "global_step4").mkdir(parents=True)
+    torch.manual_seed(1)
+    ckpt.write_weights(checkpoints / "global_step4", build_model(model.cfg).state_dict())
+    ckpt.write_marker(checkpoints / "global_step4", {"step": 4, "model_config": dataclasses.asdict(model.cfg)})
+    ckpt.update_latest(checkpoints, "global_step4")
+    with pytest.raises(SystemExit):
+        export.main([str(checkpoints), str(finetuned), "--shards", str(unilm_shards)])
+    assert "pass --force" in capsys.readouterr().err
+    assert load_finetuned(finetuned).task == "classify"  # untouched
+    export.main([str(checkpoints), str(finetuned), "--force", "--shards", str(unilm_shards)])
+    assert sorted(p.name for p in finetuned.iterdir()) == [
+        "config.json", "model.safetensors", "special_tokens_map.json", "tokenizer_config.json", "vocab.txt"]
+    with pytest.raises(SystemExit):  # replacing the run directory would delete the checkpoint exported
+        export.main([str(checkpoints / "global_step4"), str(tmp_path), "--force", "--shards", str(unilm_shards)])
+    assert "is (or contains) the input" in capsys.readouterr().err
+
+
+def test_a_finetuning_directory_with_mixed_files_is_refused(tiny_init, tmp_path):
+    model = load_hf_bert(tiny_init)
+    out = tmp_path / "finetuned"
+    save_finetuned(out, model, torch.nn.Linear(32, 5), load_tokenizer(tiny_init), task="classify", extra_meta={})
+    torch.manual_seed(5)
+    other = tmp_path / "other"
+    from pretrain.hf import save_hf_bert
+    save_hf_bert(build_model(model.cfg), other)
+    (other / "model.safetensors").replace(out / "model.safetensors")  # what an export over it used to leave
+    with pytest.raises(ValueError, match="model.safetensors is missing or is not the file finetune.json records"):
+        load_finetuned(out)
+
+
+def test_finetuning_refuses_an_output_that_is_an_input_or_holds_other_files(small_tasks, tiny_init, tmp_path):
+    args = ["--task", "classify", "--train", str(small_tasks["bbc_topic.train"]), "--dev",
+            str(small_tasks["bbc_topic.dev"]), "--init", str(tiny_init), "--batch-size", "8", "--epochs", "1"]
+    with pytest.raises(ValueError, match="is \\(or contains\\) the input"):
+        run.main(args + ["--out", str(tiny_init)])
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="pass --force"):
+        run.main(args + ["--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="max_steps must be >= 1"):
+        run.main(args + ["--out", str(tmp_path / "new"), "--max-steps", "-5"])
+
+
+def test_a_non_utf8_byte_names_the_file_and_line(tmp_path):
+    from finetune.task_files import read_jsonl
+
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b'{"src": "fine"}\n{"src": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=rf"{path}:2: not UTF-8 text \(byte 0xe9 at column 13\)"):
+        read_jsonl(path)

@@ -1,0 +1,130 @@
+"""The rank's device and DeepSpeed's op builds, as far as a CPU machine can check them: TORCH_CUDA_ARCH_LIST in the
+form DeepSpeed's own builder parses (checked against that builder), the preflight's note, local-rank discovery,
+device binding and collectives on the CPU accelerator, the accelerator a child process gets."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as torch_dist
+from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
+
+from pretrain import accelerator
+from pretrain.accelerator import apply_deepspeed_arch_list, deepspeed_arch_list
+
+
+def deepspeed_gencode_flags(arch_list: str, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """What DeepSpeed's FusedAdam builder makes of TORCH_CUDA_ARCH_LIST (its ahead-of-time parse, no compiler)."""
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", arch_list)
+    return FusedAdamBuilder().compute_capability_args()
+
+
+@pytest.mark.parametrize("given, expected", [
+    ("9.0a", "9.0"),
+    ("8.6+PTX", "8.6+PTX"),
+    ("9.0", "9.0"),
+    ("8.0 8.6;9.0a", "8.0;8.6;9.0"),
+    ("9.0a;9.0+PTX", "9.0+PTX"),
+    (" 10.0f ; 12.0a+PTX ", "10.0;12.0+PTX"),
+    ("Hopper", "9.0+PTX"),
+    ("Ampere;Turing", "7.5+PTX;8.0;8.6+PTX"),
+])
+def test_arch_lists_are_rewritten_into_what_deepspeeds_builder_parses(given: str, expected: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    assert deepspeed_arch_list(given) == expected
+    flags = deepspeed_gencode_flags(expected, monkeypatch)
+    for token in expected.split(";"):
+        number = token.removesuffix("+PTX").replace(".", "")
+        assert f"-gencode=arch=compute_{number},code=sm_{number}" in flags
+        assert (f"-gencode=arch=compute_{number},code=compute_{number}" in flags) == token.endswith("+PTX")
+
+
+def test_the_suffixed_arch_that_cuda_images_set_breaks_deepspeeds_builder(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="invalid literal for int"):
+        deepspeed_gencode_flags("9.0a", monkeypatch)  # why the rewrite exists (DeepSpeed 0.19.8's FusedAdam build)
+    environ = {"TORCH_CUDA_ARCH_LIST": "9.0a"}
+    note = apply_deepspeed_arch_list(environ)
+    assert environ["TORCH_CUDA_ARCH_LIST"] == "9.0" and 'TORCH_CUDA_ARCH_LIST="9.0"' in note
+    assert deepspeed_gencode_flags(environ["TORCH_CUDA_ARCH_LIST"], monkeypatch) == \
+        ["-gencode=arch=compute_90,code=sm_90"]
+    for untouched in ({}, {"TORCH_CUDA_ARCH_LIST": "8.0;9.0+PTX"}):
+        before = dict(untouched)
+        assert apply_deepspeed_arch_list(untouched) is None and untouched == before
+
+
+@pytest.mark.parametrize("bad", ["sm_90", "9", "9.x", ";"])
+def test_unreadable_arch_lists_are_refused_naming_the_entry(bad: str) -> None:
+    with pytest.raises(ValueError, match="TORCH_CUDA_ARCH_LIST"):
+        deepspeed_arch_list(bad)
+
+
+def test_preflight_names_the_value_to_set_or_the_problem() -> None:
+    from pretrain.preflight import arch_list_note
+
+    note, problem = arch_list_note("9.0a")
+    assert not problem and 'Set TORCH_CUDA_ARCH_LIST="9.0"' in note
+    assert arch_list_note("8.0;9.0") == (None, False) and arch_list_note(None) == (None, False)
+    note, problem = arch_list_note("sm_90")
+    assert problem and "'sm_90'" in note
+
+
+def test_preflight_reports_the_arch_list_of_this_host(unilm_shards, tmp_path, monkeypatch, capsys) -> None:
+    from pretrain.preflight import preflight
+
+    overrides = [f"data.shards={unilm_shards}", f"out_dir={tmp_path}"]
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+    assert preflight("pretrain/configs/tiny.yaml", overrides, None, local_ranks=2) == []
+    out = capsys.readouterr().out
+    assert "1 host(s), 2 ranks" in out and 'Set TORCH_CUDA_ARCH_LIST="9.0"' in out
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "sm_90")
+    problems = preflight("pretrain/configs/tiny.yaml", overrides, None, local_ranks=2)
+    assert len(problems) == 1 and "cannot read 'sm_90'" in problems[0]
+
+
+def test_local_rank_comes_from_whichever_launcher_set_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"):
+        monkeypatch.delenv(name, raising=False)
+    assert accelerator.local_rank() == 0
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "3")
+    assert accelerator.local_rank() == 3
+    monkeypatch.setenv("LOCAL_RANK", "1")  # torchrun / deepspeed's launcher
+    assert accelerator.local_rank() == 1
+
+
+def test_on_the_cpu_accelerator_binding_is_a_no_op_and_collectives_use_cpu_tensors(tmp_path) -> None:
+    from pretrain.trainer import StepSums
+
+    assert accelerator.bind_local_device() == torch.device("cpu")
+    assert accelerator.default_device() == torch.device("cpu")
+    created = not torch_dist.is_initialized()
+    if created:  # an in-process 1-rank gloo group, as `python -m pretrain.train` makes
+        torch_dist.init_process_group("gloo", store=torch_dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                                      world_size=1)
+    try:
+        assert accelerator.collective_device() == torch.device("cpu")
+        sums = StepSums()
+        sums.loss, sums.tokens, sums.objective_sums, sums.objective_counts = 6.0, 40, {"seq2seq": 3.0}, {"seq2seq": 2.0}
+        stats = sums.reduce(2, stop=False)
+        assert stats == {"loss": 3.0, "tokens": 40, "stop": False, "objectives": {"seq2seq": 1.5}}
+    finally:
+        if created:
+            torch_dist.destroy_process_group()
+
+
+def test_child_processes_get_the_cpu_accelerator_only_without_a_gpu_or_a_choice() -> None:
+    environ: dict[str, str] = {}
+    chosen = accelerator.choose_ds_accelerator(environ)
+    if torch.cuda.is_available():
+        assert chosen == "auto" and "DS_ACCELERATOR" not in environ
+        assert accelerator.local_launch_arguments(environ)[:2] == ["--num_gpus", str(torch.cuda.device_count())]
+    else:
+        assert chosen == "cpu" and environ == {"DS_ACCELERATOR": "cpu"}
+        assert accelerator.local_launch_arguments(environ) == [
+            "--hostfile", "hostfiles/localhost", "--no_ssh_check", "--master_addr", "127.0.0.1"]
+    asked = {"DS_ACCELERATOR": "cuda"}
+    assert accelerator.choose_ds_accelerator(asked) == "cuda" and asked == {"DS_ACCELERATOR": "cuda"}
+    assert accelerator.local_launch_arguments({"DS_ACCELERATOR": "cpu"})[:2] == ["--hostfile", "hostfiles/localhost"]
+    if torch.cuda.is_available():
+        assert accelerator.local_launch_arguments({}, max_gpus=1)[:2] == ["--num_gpus", "1"]
+    assert os.environ.get("DS_ACCELERATOR") == "cpu"  # the test process itself was left alone

@@ -1,0 +1,514 @@
+"""`make ablation`: does continuing a real BERT's pre-training with UniLM's objectives make it generate better?
+The UniLM paper's comparison in miniature, through the pipeline's own commands:
+
+    bert        the samples' BERT (6-layer MiniLM, uncased), its missing MLM/NSP heads initialised as
+                `pretrain.hf.load_hf_bert` does, fine-tuned directly
+    bert+mlm    the same weights, N more pre-training steps with the `bert` recipe (MLM + NSP), then fine-tuned
+    bert+unilm  the same weights, N steps with the `unilm` recipe (bidirectional + NSP, left-to-right,
+                right-to-left, seq2seq), same text, same N, same settings, then fine-tuned
+
+    python -m tools.ablation [--out ablation_out] [--steps N] [--seeds 42 43 44] [--from STAGE]
+
+Stages (each printed with its commands; a finished stage is skipped on a rerun, `--from` redoes it and later ones):
+
+    data      python -m finetune.task_files --test-fraction 0.1    BBC News → train / dev / held-out test splits
+    init      load_hf_bert + save_hf_bert (seeded)               one initial model directory for all three arms
+    shards    python -m data_prep.build --vocab BERT/vocab.txt --uncased --recipe {bert,unilm}
+              Wikipedia excerpt + Shakespeare + Lee news (no BBC text)
+    pretrain  deepspeed (2 local ranks) pretrain/train.py --config pretrain/configs/bert-continue.yaml
+              model.init_from=OUT/bert-init, once per recipe
+    finetune  python -m finetune.run --config finetune/configs/bert-{headline,topic}.yaml, per arm and seed;
+              the dev split picks the best epoch
+    test      python -m finetune.decode --beam-size 5 (headlines); the classifier on the test split (topics)
+    report    OUT/REPORT.md, OUT/results.json
+
+A fine-tuning seed fixes the example order of every epoch, the dropout masks, the target masking and the new
+classification head's initialisation; the backbone weights an arm starts from do not depend on it.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pretrain.config import REPO_ROOT
+from tools.stages import Stages, driver_environment, duration, load_average, machine_line
+
+ARMS = ("bert", "bert+mlm", "bert+unilm")
+RECIPES = {"bert+mlm": "bert", "bert+unilm": "unilm"}  # arm → data_prep recipe of its continued pre-training
+TASKS = {  # task → (fine-tuning config, task file stem, test metrics in report order)
+    "headline": ("finetune/configs/bert-headline.yaml", "bbc_headline", ("rougeL", "rouge1", "rouge2", "bleu")),
+    "topic": ("finetune/configs/bert-topic.yaml", "bbc_topic", ("accuracy", "macro_f1")),
+}
+DEFAULT_SEEDS = (42, 43, 44)
+PRETRAIN_CONFIG = "pretrain/configs/bert-continue.yaml"
+INIT_SEED = 1234  # the fresh MLM/NSP heads of the headless BERT: drawn once, shared by the three arms
+CPU_STEPS, GPU_STEPS = 50, 2000
+BEAM_SIZE, MAX_HEADLINE_LEN = 5, 24
+SAMPLE_HEADLINES = 6
+
+
+def find_bert(samples: Path) -> Path:
+    """The samples' BERT directory (`config.json` + weights + `vocab.txt`)."""
+    for config in sorted(samples.rglob("config.json")):
+        directory = config.parent
+        if (directory / "vocab.txt").is_file() and any((directory / f).is_file()
+                                                       for f in ("model.safetensors", "pytorch_model.bin")):
+            return directory
+    raise FileNotFoundError(f"{samples}: no BERT directory (config.json + model.safetensors + vocab.txt); "
+                            "run `make sample-corpus`")
+
+
+def write_initial_model(bert_dir: Path, out_dir: Path, seed: int = INIT_SEED) -> str:
+    """The BERT of `bert_dir` with its missing heads initialised under `seed`, written as a complete HF
+    BertForPreTraining directory (+ its vocab and tokenizer settings); returns the weights' fingerprint. Every
+    arm starts from this directory, so all three start from the very same tensors, heads included."""
+    from pretrain.hf import load_hf_bert, save_hf_bert
+
+    torch.manual_seed(seed)
+    model = load_hf_bert(bert_dir)
+    save_hf_bert(model, out_dir)
+    for name in ("vocab.txt", "tokenizer_config.json"):
+        if (bert_dir / name).is_file():
+            shutil.copy(bert_dir / name, out_dir / name)
+    return state_fingerprint(model.state_dict())
+
+
+def state_fingerprint(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over the names and bytes of a state dict's tensors (in name order)."""
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        digest.update(name.encode())
+        digest.update(state[name].detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def classify_test_metrics(model_dir: Path, test_file: Path) -> dict[str, float]:
+    """Accuracy and macro-F1 of a fine-tuned classifier (best dev epoch) on `test_file`."""
+    from finetune import classify
+    from finetune.task_files import read_jsonl
+    from finetune.model_io import load_finetuned
+
+    finetuned = load_finetuned(model_dir, expect_task="classify")
+    labels = classify.LabelSpace(classes=tuple(finetuned.meta["labels"]))
+    module = classify.ClassifierModel(finetuned.model, labels, dropout=0.0)
+    module.head.load_state_dict(finetuned.head_state)
+    settings = finetuned.run_settings
+    examples, _ = classify.encode_examples(read_jsonl(test_file), finetuned.tokenizer, labels,
+                                           settings["max_seq_len"], settings["similarity"], where=str(test_file))
+    return classify.evaluate(module.eval(), examples, finetuned.tokenizer.pad_id)
+
+
+def paired_differences(a: list[float], b: list[float]) -> dict[str, Any]:
+    """a − b per seed, their mean and sample sd, and whether |mean| exceeds twice that sd (the criterion for a
+    real difference)."""
+    differences = [x - y for x, y in zip(a, b)]
+    sd = statistics.stdev(differences) if len(differences) > 1 else float("nan")
+    mean = statistics.mean(differences)
+    # below the table's precision (0.01 points) nothing counts: identical scores differ by float rounding only
+    real = len(differences) > 1 and abs(mean) > 2 * sd and abs(mean) >= 0.01
+    return {"differences": differences, "mean": mean, "sd": sd, "real": real}
+
+
+class Ablation(Stages):
+    """Paths and settings shared by the stages; each stage is a method returning its results (a dict)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__(Path(args.out), "ablation")
+        self.samples = Path(args.samples)
+        self.bert = Path(args.bert) if args.bert else find_bert(self.samples)
+        self.gpus = torch.cuda.device_count()
+        self.steps = args.steps or (GPU_STEPS if self.gpus else CPU_STEPS)
+        self.seeds = list(args.seeds)
+        self.finetune_steps = args.finetune_steps
+        self.test_limit = args.test_limit
+        self.data = self.out / "data"
+        self.init_dir = self.out / "bert-init"
+        self.pretrain_inputs = [str(self.samples / "wiki/enwiki-excerpt.xml.bz2"), str(self.samples / "books.jsonl"),
+                                str(self.samples / "news/lee.txt")]
+
+    # ------------------------------------------------------------------------------------------ paths
+    def shards(self, recipe: str) -> Path:
+        return self.out / "shards" / f"{recipe}-128"
+
+    def pretrain_dir(self, arm: str) -> Path:
+        return self.out / f"pretrain-{RECIPES[arm]}"
+
+    def run_dir(self, arm: str, task: str, seed: int) -> Path:
+        return self.out / "finetune" / f"{task}-{arm.replace('+', '-')}-seed{seed}"
+
+    def test_file(self, task: str) -> Path:
+        """The held-out split (its first `--test-limit` examples when given: quick checks only)."""
+        path = self.data / f"{TASKS[task][1]}.test.jsonl"
+        if not self.test_limit:
+            return path
+        limited = self.out / "test" / f"{path.stem}.first{self.test_limit}.jsonl"
+        limited.parent.mkdir(parents=True, exist_ok=True)
+        limited.write_text("".join(line + "\n" for line in path.read_text().splitlines()[: self.test_limit]))
+        return limited
+
+    # ---------------------------------------------------------------------------------------- commands
+    def pretrain_command(self, arm: str) -> list[str]:
+        launcher = self.launcher()
+        engine = [] if not self.gpus else ["deepspeed_config=ds_configs/zero2_bf16.json"]
+        return [*launcher, "pretrain/train.py", "--config", PRETRAIN_CONFIG, f"out_dir={self.pretrain_dir(arm)}",
+                f"data.shards={self.shards(RECIPES[arm])}", f"model.init_from={self.init_dir}",
+                f"train.max_steps={self.steps}", f"train.save_interval={self.steps}",
+                f"optim.warmup_steps={max(1, self.steps // 10)}", *engine]
+
+    def finetune_argv(self, arm: str, task: str, seed: int) -> list[str]:
+        """`python -m finetune.run` arguments of one (arm, task, seed) run."""
+        config, stem, _ = TASKS[task]
+        argv = ["--config", config, "--train", str(self.data / f"{stem}.train.jsonl"),
+                "--dev", str(self.data / f"{stem}.dev.jsonl"), "--out", str(self.run_dir(arm, task, seed)),
+                "--seed", str(seed)]
+        if arm == "bert":
+            argv += ["--init", str(self.init_dir)]
+        else:  # the checkpoint, not an HF export: an export keeps only BERT's 2 segment rows, seq2seq uses 4/5
+            argv += ["--init", str(self.pretrain_dir(arm) / "checkpoints"), "--vocab", str(self.init_dir / "vocab.txt")]
+        if self.finetune_steps:  # a quick check: a few steps, a few dev examples
+            argv += ["--max-steps", str(self.finetune_steps), "--set", "eval_max_examples=8"]
+        return argv
+
+    def in_process(self, module: str, argv: list[str]) -> None:
+        """Run a pipeline command's `main(argv)` in this process (no interpreter and DeepSpeed start-up per run),
+        printed as the command it is."""
+        import importlib
+        self.say(f"  $ python -m {module} {' '.join(argv)}")
+        importlib.import_module(module).main(argv)
+
+    # -------------------------------------------------------------------------------------------- stages
+    def data_stage(self) -> dict[str, Any]:
+        self.command([self.python, "-m", "finetune.task_files", "--samples", str(self.samples), "--out", str(self.data),
+                      "--test-fraction", "0.1"])
+        return {"counts": {f"{stem}.{split}": len((self.data / f"{stem}.{split}.jsonl").read_text().splitlines())
+                           for _, stem, _ in TASKS.values() for split in ("train", "dev", "test")}}
+
+    def init_stage(self) -> dict[str, Any]:
+        fingerprint = write_initial_model(self.bert, self.init_dir)
+        self.say(f"  {self.bert} → {self.init_dir} (heads seeded with {INIT_SEED}; weights sha256 {fingerprint[:16]})")
+        return {"bert": str(self.bert), "init_dir": str(self.init_dir), "init_seed": INIT_SEED,
+                "sha256": fingerprint}
+
+    def shards_stage(self) -> dict[str, Any]:
+        stats = {}
+        for recipe in sorted(set(RECIPES.values())):
+            self.command([self.python, "-m", "data_prep.build", "--input", *self.pretrain_inputs,
+                          "--vocab", str(self.bert / "vocab.txt"), "--uncased", "--recipe", recipe,
+                          "--max-seq-len", "128", "--seed", "1", "--workers", "2", "--out", str(self.shards(recipe)),
+                          "--overwrite", "--quiet"])
+            stats[recipe] = self.inspect(self.shards(recipe))
+        return {"inputs": self.pretrain_inputs, "stats": stats}
+
+    def inspect(self, directory: Path) -> dict[str, Any]:
+        output = self.command([self.python, "-m", "data_prep.inspect", str(directory), "--json"])
+        return json.loads(output[output.index("{"):])
+
+    def pretrain_stage(self, arm: str) -> dict[str, Any]:
+        shutil.rmtree(self.pretrain_dir(arm), ignore_errors=True)  # a new run, never a stale continuation
+        self.command(self.pretrain_command(arm), self.out / "logs" / f"pretrain-{RECIPES[arm]}.log",
+                     env={"OMP_NUM_THREADS": "1"} if not self.gpus else None)
+        self.command([self.python, "-m", "pretrain.plot", str(self.pretrain_dir(arm)),
+                      "--out", str(self.out / f"loss-{RECIPES[arm]}.png")])
+        records = [json.loads(line) for line in (self.pretrain_dir(arm) / "metrics.jsonl").read_text().splitlines()]
+        records = [r for r in records if "loss" in r]
+        return {"steps": self.steps, "curve": [{k: v for k, v in r.items() if k == "step" or k.startswith("loss")}
+                                              for r in records],
+                "median_step_s": statistics.median(r["step_time_s"] for r in records[1:] or records)}
+
+    def finetune_stage(self, arm: str) -> dict[str, Any]:
+        runs = {}
+        for task in TASKS:
+            for seed in self.seeds:
+                out = self.run_dir(arm, task, seed)
+                metrics_file = out / "summary.json"
+                if not (metrics_file.is_file() and json.loads(metrics_file.read_text()).get("finished")):
+                    started = time.monotonic()
+                    self.in_process("finetune.run", self.finetune_argv(arm, task, seed))
+                    self.say(f"  {task} seed {seed}: {duration(time.monotonic() - started)}")
+                metrics = json.loads(metrics_file.read_text())
+                runs[f"{task}-seed{seed}"] = {"best_dev": metrics["best"], "evaluations": len(metrics["epochs"]),
+                                              "steps": metrics["steps"], "run_wall_s": metrics["wall_s_this_launch"]}
+        return runs
+
+    def finished(self, arm: str, task: str, seed: int) -> bool:
+        metrics_file = self.run_dir(arm, task, seed) / "summary.json"
+        return metrics_file.is_file() and bool(json.loads(metrics_file.read_text()).get("finished"))
+
+    def test_stage(self) -> dict[str, Any]:
+        """Test scores of every finished run (all of them after the finetune stages; a run that is missing, e.g.
+        when the test stage is run alone on a partial set, is listed and left out)."""
+        scores: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
+        missing = []
+        for arm in ARMS:
+            for seed in self.seeds:
+                scored = scores.setdefault(arm, {}).setdefault(str(seed), {})
+                if not self.finished(arm, "headline", seed):
+                    missing.append(f"headline {arm} seed {seed}")
+                else:
+                    output = self.out / "test" / f"headline-{arm.replace('+', '-')}-seed{seed}.jsonl"
+                    output.parent.mkdir(parents=True, exist_ok=True)
+                    scores_file = output.with_name(output.stem + ".metrics.json")
+                    decoded = scores_file.is_file() and not self.test_limit and scores_file.stat().st_mtime > (
+                        self.run_dir(arm, "headline", seed) / "summary.json").stat().st_mtime
+                    if decoded:  # this model's test headlines were written earlier (an interrupted test stage)
+                        self.say(f"  {output}: decoded earlier, kept")
+                    else:
+                        self.in_process("finetune.decode", [
+                            "--model", str(self.run_dir(arm, "headline", seed)), "--input",
+                            str(self.test_file("headline")),
+                            "--output", str(output), "--beam-size", str(BEAM_SIZE), "--max-tgt-len",
+                            str(MAX_HEADLINE_LEN), "--batch-size", "16"])
+                    scored["headline"] = json.loads(scores_file.read_text())
+                if not self.finished(arm, "topic", seed):
+                    missing.append(f"topic {arm} seed {seed}")
+                else:
+                    topic = classify_test_metrics(self.run_dir(arm, "topic", seed), self.test_file("topic"))
+                    scored["topic"] = {k: 100.0 * v for k, v in topic.items()}  # percent, like ROUGE and BLEU
+                self.say(f"  {arm} seed {seed}: test " + ", ".join(
+                    f"{task} {values[TASKS[task][2][0]]:.2f}" for task, values in scored.items()))
+        return {"scores": scores, "missing": missing}
+
+    def report_stage(self) -> dict[str, Any]:
+        records = results(self.done("test")["scores"], self.seeds)
+        (self.out / "results.json").write_text(json.dumps(records, indent=1) + "\n")
+        text = render_report(self, records)
+        (self.out / "REPORT.md").write_text(text)
+        (self.out / "table.md").write_text(result_table(records) + "\n")
+        self.say(f"  wrote {self.out / 'REPORT.md'} and {self.out / 'results.json'}")
+        print("\n" + result_table(records) + "\n", flush=True)
+        return {"report": str(self.out / "REPORT.md")}
+
+    def runners(self) -> dict[str, Any]:
+        stages = {"data": self.data_stage, "init": self.init_stage, "shards": self.shards_stage}
+        stages |= {f"pretrain-{RECIPES[arm]}": (lambda arm=arm: self.pretrain_stage(arm)) for arm in ARMS[1:]}
+        stages |= {f"finetune-{arm.replace('+', '-')}": (lambda arm=arm: self.finetune_stage(arm)) for arm in ARMS}
+        return stages | {"test": self.test_stage, "report": self.report_stage}
+
+
+# ------------------------------------------------------------------------------------------------ results
+def results(scores: dict[str, dict[str, dict]], seeds: list[int]) -> list[dict[str, Any]]:
+    """The records of results.json: per arm, task and metric, mean ± sd over seeds and each seed's value. A task
+    uses the seeds scored for every arm (all of them unless runs are missing), so every arm has the same seed_ids."""
+    records = []
+    for task, (_, _, metrics) in TASKS.items():
+        common = [seed for seed in seeds if all(task in scores.get(arm, {}).get(str(seed), {}) for arm in ARMS)]
+        if not common:
+            continue
+        for arm in ARMS:
+            for metric in metrics:
+                values = [scores[arm][str(seed)][task][metric] for seed in common]
+                records.append({"arm": arm, "task": task, "metric": metric, "mean": statistics.mean(values),
+                                "sd": statistics.stdev(values) if len(values) > 1 else 0.0,
+                                "seed_ids": common, "seeds": values})
+    records.sort(key=lambda r: (ARMS.index(r["arm"]), list(TASKS).index(r["task"])))
+    return records
+
+
+def _record(records: list[dict], arm: str, task: str, metric: str) -> dict[str, Any]:
+    return next(r for r in records if (r["arm"], r["task"], r["metric"]) == (arm, task, metric))
+
+
+def result_table(records: list[dict]) -> str:
+    """Per task and metric: each arm's mean ± sd (per-seed values), then bert+unilm minus each other arm, per seed,
+    marked **real** where the mean difference exceeds twice the sd of the per-seed differences."""
+    lines = [f"| task | metric | {' | '.join(ARMS)} | unilm − bert | unilm − mlm |", "|---|---|" + "---:|" * 5]
+    seed_ids = {}
+    for task, (_, _, metrics) in TASKS.items():
+        for metric in metrics:
+            if not any((r["task"], r["metric"]) == (task, metric) for r in records):
+                continue
+            seed_ids[task] = _record(records, "bert", task, metric)["seed_ids"]
+            cells = []
+            for arm in ARMS:
+                r = _record(records, arm, task, metric)
+                cells.append(f"{r['mean']:.2f} ± {r['sd']:.2f} ({', '.join(f'{v:.1f}' for v in r['seeds'])})")
+            unilm = _record(records, "bert+unilm", task, metric)["seeds"]
+            for other in ("bert", "bert+mlm"):
+                d = paired_differences(unilm, _record(records, other, task, metric)["seeds"])
+                mark = " **real**" if d["real"] else ""
+                cells.append(f"{d['mean']:+.2f}{mark} ({', '.join(f'{x:+.1f}' for x in d['differences'])}; "
+                             f"2·sd {2 * d['sd']:.2f})")
+            lines.append(f"| BBC {task} | {metric} | " + " | ".join(cells) + " |")
+    seeds_text = "; ".join(f"{task}: {', '.join(map(str, ids))}" for task, ids in seed_ids.items())
+    return "\n".join(lines) + (f"\n\nTest split; mean ± sd over fine-tuning seeds ({seeds_text}); each seed's value in "
+                               "brackets, same order; differences are paired by seed.")
+
+
+def render_report(ablation: Ablation, records: list[dict]) -> str:
+    stage_names = list(ablation.runners())
+    stages = {name: ablation.done(name) or {} for name in stage_names}
+    counts = stages["data"].get("counts", {})
+    lines = ["# `make ablation` report", "",
+             f"Generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {machine_line()}"
+             + (f", {ablation.gpus} GPU(s)" if ablation.gpus else "") + f"; load average at the end {load_average()} "
+             "(1/5/15 min; other jobs on the machine slow every stage).", "",
+             "## Result", "", result_table(records), "", verdict(records), "",
+             *([f"**Incomplete**: no test score for {', '.join(stages['test']['missing'])} (not fine-tuned); a task "
+                "uses the seeds every arm has.", ""] if stages["test"].get("missing") else []),
+             "## What ran", "",
+             f"- **BERT**: `{ablation.bert}` (6-layer MiniLM, 384 hidden, uncased WordPiece 30,522); its MLM and NSP "
+             f"heads are missing and are initialised once (seed {INIT_SEED}) into `{ablation.init_dir}`, which all "
+             f"three arms start from (weights sha256 `{stages['init'].get('sha256', '?')[:16]}…`).",
+             f"- **Continued pre-training** (arms bert+mlm, bert+unilm): {ablation.steps} steps × 32 sequences of "
+             f"≤ 128 tokens (`{PRETRAIN_CONFIG}`: lr 1e-4, warm-up {max(1, ablation.steps // 10)} steps, linear "
+             "decay, fp32 ZeRO-2, 2 local ranks) on the Wikipedia excerpt, the Shakespeare texts and the Lee news "
+             "articles, tokenised with the BERT's own vocabulary; no BBC text. The two arms differ only in the "
+             "shard recipe (`bert`: MLM + NSP; `unilm`: 1/3 bidirectional + NSP, 1/3 seq2seq, 1/6 left-to-right, "
+             "1/6 right-to-left).",
+             "- **Fine-tuning** (`python -m finetune.run`): BBC News, "
+             f"{counts.get('bbc_headline.train', '?')} train / {counts.get('bbc_headline.dev', '?')} dev / "
+             f"{counts.get('bbc_headline.test', '?')} test articles (hash split on the article text, duplicates "
+             "dropped). Headline generation with `finetune/configs/bert-headline.yaml` (the paper's seq2seq recipe: "
+             "target masking 0.7, label smoothing 0.1), topic classification with `finetune/configs/bert-topic.yaml`. "
+             "Seeds fix the example order, dropout, target masking and the new classification head; the dev split "
+             "picks each run's best epoch (greedy ROUGE-L, accuracy).",
+             f"- **Test**: beam {BEAM_SIZE} with trigram blocking, at most {MAX_HEADLINE_LEN} word pieces "
+             "(`python -m finetune.decode`); ROUGE-1/2/L F1 with stemming and corpus BLEU-4 (sacrebleu); accuracy "
+             "and macro-F1 in percent. The test split was used for nothing else."
+             + (f" **Quick check: only the first {ablation.test_limit} test examples.**" if ablation.test_limit else ""),
+             "",
+             "## Settings and why (fixed before any test result was seen)", "", SETTINGS_TEXT, "",
+             "## Stage times", "", "| stage | wall time |", "|---|---:|"]
+    total = 0.0
+    for name in stage_names[:-1]:
+        wall = stages[name].get("wall_s")
+        total += wall or 0.0
+        lines.append(f"| {name} | {duration(wall)} |")
+    lines += [f"| **total** | **{duration(total)}** |", ""]
+    run_times = {task: [run["run_wall_s"] for arm in ARMS
+                        for key, run in (stages.get(f"finetune-{arm.replace('+', '-')}") or {}).items()
+                        if key.startswith(task) and isinstance(run, dict)] for task in TASKS}
+    if any(run_times.values()):
+        lines += ["Fine-tuning runs themselves (`metrics.json` `wall_s_this_launch`, whoever ran them): "
+                  + "; ".join(f"{task} {len(times)} runs, {statistics.mean(times):.0f} s each on average, "
+                              f"{duration(sum(times))} in all" for task, times in run_times.items() if times) + ".", ""]
+
+    lines += dev_lines(ablation, stages)
+    lines += ["## Continued pre-training: loss curves", ""]
+    for arm in ARMS[1:]:
+        stage = stages[f"pretrain-{RECIPES[arm]}"]
+        if not stage:
+            continue
+        curve = stage["curve"]
+        every = max(1, len(curve) // 10)
+        columns = sorted({k for r in curve for k in r if k.startswith("loss_")})
+        lines += [f"### {arm} (`{RECIPES[arm]}` recipe, median step {stage['median_step_s']:.2f} s)", "",
+                  f"![{arm} loss](loss-{RECIPES[arm]}.png)", "",
+                  "| step | loss | " + " | ".join(c.removeprefix("loss_") for c in columns) + " |",
+                  "|---:|---:|" + "---:|" * len(columns)]
+        for r in curve[::every] + ([curve[-1]] if (len(curve) - 1) % every else []):
+            lines.append(f"| {r['step']} | {r['loss']:.3f} | "
+                         + " | ".join(f"{r[c]:.3f}" if c in r else "—" for c in columns) + " |")
+        lines.append("")
+
+    lines += ["## Generated headlines (test articles, first seed, beam 5)", "",
+              "| reference | " + " | ".join(ARMS) + " |", "|---|" + "---|" * len(ARMS)]
+    files = {arm: ablation.out / "test" / f"headline-{arm.replace('+', '-')}-seed{ablation.seeds[0]}.jsonl"
+             for arm in ARMS}
+    outputs = {arm: [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+               for arm, path in files.items()}
+    for i in range(min([SAMPLE_HEADLINES] + [len(rows) for rows in outputs.values()])):
+        lines.append(f"| {outputs['bert'][i]['tgt']} | " + " | ".join(outputs[arm][i]["prediction"] for arm in ARMS)
+                     + " |")
+    return "\n".join(lines) + "\n"
+
+
+def dev_lines(ablation: Ablation, stages: dict[str, dict]) -> list[str]:
+    """The dev scores of the kept epochs (what selection saw), per arm: mean over seeds."""
+    columns = (("headline", "rougeL", "greedy ROUGE-L"), ("headline", "dev_loss", "headline dev loss"),
+               ("topic", "accuracy", "topic accuracy"))
+    lines = ["## Dev scores of the kept epochs (mean over seeds)", "",
+             "| arm | " + " | ".join(label for *_, label in columns) + " |", "|---|" + "---:|" * len(columns)]
+    for arm in ARMS:
+        runs = stages.get(f"finetune-{arm.replace('+', '-')}") or {}
+        cells = []
+        for task, metric, _ in columns:
+            values = [runs[f"{task}-seed{seed}"]["best_dev"][metric] for seed in ablation.seeds
+                      if f"{task}-seed{seed}" in runs]
+            scale = 100.0 if metric == "accuracy" else 1.0
+            cells.append(f"{scale * statistics.mean(values):.2f}" if values else "—")
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+SETTINGS_TEXT = """\
+- **N (continued pre-training steps)**: 50 on CPU (GPU: 2,000). The budget is 30 minutes for everything on 2 cores, and
+  18 fine-tuning runs take most of it; 50 steps × 32 sequences is 1,600 sequences of ≤ 128 tokens, a tenth of the
+  shards. It is far below the paper's 770k steps of 330: the arms test what the objectives teach in a first pass,
+  not a converged UniLM.
+- **Pre-training lr 1e-4, warm-up 10%**: BERT's pre-training lr; the paper's 3e-5 is for 770k steps on BERT-large,
+  while here the fresh MLM/NSP heads of the headless checkpoint must learn within 50 steps.
+- **Fine-tuning, batch 16, lr 1e-4, inputs cut to 48 word pieces** (headline targets ≤ 24): headlines 150 steps
+  (1.4 epochs of the 1,658 training articles, dev scored after epoch 1 and at the end), topics 50 steps (800
+  articles). What fits 18 runs (3 arms × 2 tasks × 3 seeds) in the budget on a shared machine (stage times below).
+  Headlines got 150 steps after a dev-only pilot with 50 steps gave greedy dev ROUGE-L below 1 for every arm (dev
+  loss 7.40–7.51): the new MLM head had not yet learned to write. A news article's first sentence states its
+  headline and its topic; 1e-4 is the usual lr for a 6-layer, 384-wide model.
+- **Three seeds 42, 43, 44 for every arm**: seed-to-seed swings of a few points are normal for a few hundred
+  fine-tuning steps; the same seed ids pair the arms, and a difference counts as real only when the mean of the
+  per-seed differences exceeds twice their standard deviation.
+- **Selection on dev**: the engine keeps each run's best dev evaluation (headlines: greedy ROUGE-L after epoch 1 or
+  at step 150; topics: one evaluation), and the pilot above was judged on dev. The test split (10% of the articles) is evaluated once per run,
+  after all settings were fixed, and for nothing else.
+"""
+
+
+def verdict(records: list[dict]) -> str:
+    """Which of the paper's expected differences this run shows, in words."""
+    sentences = []
+    for task, metric, expected in (("headline", "rougeL", "higher"), ("topic", "accuracy", "about equal")):
+        if not any(r["task"] == task for r in records):
+            sentences.append(f"{task}: not measured (runs missing)")
+            continue
+        unilm = _record(records, "bert+unilm", task, metric)["seeds"]
+        for other in ("bert", "bert+mlm"):
+            d = paired_differences(unilm, _record(records, other, task, metric)["seeds"])
+            status = ("a real difference" if d["real"] else "within the seed noise")
+            sentences.append(f"{task} {metric}: bert+unilm − {other} = {d['mean']:+.2f} "
+                             f"(2·sd of the per-seed differences {2 * d['sd']:.2f}: {status}; the paper expects "
+                             f"{expected})")
+    return "Paper's direction, as measured here:\n\n" + "\n".join(f"- {s}" for s in sentences)
+
+
+# -------------------------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="ablation_out", help="output directory (default ablation_out)")
+    parser.add_argument("--samples", default="data/samples", help="sample corpora (default data/samples)")
+    parser.add_argument("--bert", help="HF BERT directory (default: the one in --samples)")
+    parser.add_argument("--steps", type=int, help=f"continued pre-training steps N (default {CPU_STEPS} on CPU, "
+                                                  f"{GPU_STEPS} on a GPU)")
+    parser.add_argument("--finetune-steps", type=int, help="cap on fine-tuning steps per run (quick checks)")
+    parser.add_argument("--test-limit", type=int, help="evaluate on the first N test examples only (quick checks)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(DEFAULT_SEEDS),
+                        help="fine-tuning seeds, the same for every arm (default 42 43 44)")
+    parser.add_argument("--from", dest="redo_from", help="redo this stage and all later ones")
+    args = parser.parse_args(argv)
+    driver_environment()
+    ablation = Ablation(args)
+    runners = ablation.runners()
+    if args.redo_from and args.redo_from not in runners:
+        parser.error(f"--from: unknown stage {args.redo_from!r}; stages: {', '.join(runners)}")
+    if args.redo_from:
+        for name in list(runners)[list(runners).index(args.redo_from):]:
+            if name.startswith("finetune-"):
+                arm = ARMS[[f"finetune-{a.replace('+', '-')}" for a in ARMS].index(name)]
+                for task in TASKS:
+                    for seed in ablation.seeds:
+                        shutil.rmtree(ablation.run_dir(arm, task, seed), ignore_errors=True)
+    ablation.out.mkdir(parents=True, exist_ok=True)
+    wall = ablation.run(runners, args.redo_from)
+    ablation.say(f"finished in {duration(wall)}; report: {ablation.out / 'REPORT.md'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Named stages of a long driver run (`tools.demo`, `tools.ablation`): run in order, each printed with its
+number, its commands and its wall time; a finished stage leaves ``OUT/stages/NAME.json`` (its result dict plus
+``wall_s``) and is skipped when the driver runs again; ``redo_from`` redoes a stage and every later one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from pretrain.accelerator import choose_ds_accelerator, local_launch_arguments
+from pretrain.config import REPO_ROOT
+
+
+
+class Stages:
+    """Output directory, stage markers and the command runner shared by the stages of one driver."""
+
+    def __init__(self, out: Path, tag: str) -> None:
+        self.out = Path(out)
+        self.tag = tag
+        self.python = sys.executable
+        self.deepspeed = str(Path(sys.executable).parent / "deepspeed")
+
+    def marker(self, stage: str) -> Path:
+        return self.out / "stages" / f"{stage}.json"
+
+    def done(self, stage: str) -> dict[str, Any] | None:
+        path = self.marker(stage)
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def say(self, text: str) -> None:
+        print(f"[{self.tag}] {text}", flush=True)
+
+    def command(self, argv: list[str], log: Path | None = None, env: dict[str, str] | None = None) -> str:
+        """Run one command, its output streamed to the terminal (and to ``log``); fail the driver if it fails.
+        Returns the output."""
+        shown = " ".join(Path(a).name if a in (self.python, self.deepspeed) else a for a in argv)
+        self.say(f"  $ {shown}")
+        if log:
+            log.parent.mkdir(parents=True, exist_ok=True)
+        process = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   text=True, env=dict(os.environ, **(env or {})), bufsize=1)
+        lines = []
+        with open(log, "a") if log else open(os.devnull, "w") as sink:
+            for line in process.stdout:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+                sink.write(line)
+                lines.append(line)
+        if process.wait():
+            raise SystemExit(f"[{self.tag}] failed (exit code {process.returncode}): {shown}"
+                             + (f" (log: {log})" if log else ""))
+        return "".join(lines)
+
+    def launcher(self, max_gpus: int | None = None) -> list[str]:
+        """The DeepSpeed launcher on this machine alone (no ssh): the localhost hostfile's two ranks on a CPU, one
+        rank per GPU (at most ``max_gpus``) on a GPU machine; with a free rendezvous port, as other DeepSpeed jobs on
+        the machine may hold 29500."""
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        return [self.deepspeed, *local_launch_arguments(max_gpus=max_gpus), "--master_port", str(port)]
+
+    def run(self, runners: dict[str, Callable[[], dict[str, Any]]], redo_from: str | None = None,
+            always: Sequence[str] = ("report",), stale: Callable[[str, dict[str, Any]], bool] | None = None) -> float:
+        """Run the stages of ``runners`` in order, skipping those with a marker (unless in ``always`` or
+        ``stale(name, marker)`` says so); returns the wall time of this invocation."""
+        names = list(runners)
+        if redo_from:
+            for name in names[names.index(redo_from):]:
+                self.marker(name).unlink(missing_ok=True)
+        started = time.monotonic()
+        for number, name in enumerate(names, 1):
+            previous = self.done(name)
+            if previous is not None and name not in always and not (stale and stale(name, previous)):
+                self.say(f"({number}/{len(names)}) {name}: done earlier ({duration(previous['wall_s'])}), skipped")
+                continue
+            self.say(f"({number}/{len(names)}) {name} ...")
+            stage_started = time.monotonic()
+            result = runners[name]()
+            result["wall_s"] = time.monotonic() - stage_started
+            self.marker(name).parent.mkdir(parents=True, exist_ok=True)
+            self.marker(name).write_text(json.dumps(result, indent=1) + "\n")
+            self.say(f"({number}/{len(names)}) {name}: done in {duration(result['wall_s'])}")
+        return time.monotonic() - started
+
+
+def duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "—"
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
+def machine_line() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+def load_average() -> str:
+    """The 1/5/15-minute load averages (how busy the machine was: timings depend on it)."""
+    try:
+        return " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
+def driver_environment() -> None:
+    """The environment every driver's commands need (set only where the user has not)."""
+    choose_ds_accelerator()
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO_ROOT / ".cache" / "torch_extensions"))
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
