@@ -19,8 +19,9 @@ import statistics
 from pathlib import Path
 
 from finetune import decode, run
+from pretrain.config import REPO_ROOT
 
-CONFIGS = Path(__file__).parent / "configs"
+CONFIGS = REPO_ROOT / "finetune" / "configs"
 TASKS = {  # name → (config, train file stem, metrics shown)
     "topic": ("demo-topic.yaml", "bbc_topic", ("accuracy", "macro_f1")),
     "headline": ("demo-headline.yaml", "bbc_headline", ("rouge1", "rouge2", "rougeL", "dev_loss")),
