@@ -20,6 +20,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import platform
+import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -80,6 +85,32 @@ def matmul_peak(seconds: float = 1.5) -> dict[str, tuple[float, float]]:
             best_cpu = max(best_cpu, 2 * m * k * n * repeats / max(clock.cpu, 1e-9))
         peaks[name] = (best_wall, best_cpu)
     return peaks
+
+
+_PAGE_FAULTS = textwrap.dedent("""
+    import resource, sys, torch
+    from pretrain.kernels import retain_freed_memory
+    if sys.argv[1] == "retain":
+        assert retain_freed_memory()
+    faults = []
+    for _ in range(10):  # like training steps: activations of several sizes, made and freed again
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        blocks = [torch.ones(mib * 2**20 // 4) for mib in (3, 12, 3, 6, 12, 40, 3)]
+        del blocks
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    print(sum(faults[-3:]))  # once the heap has settled
+""")
+
+
+def allocator_page_faults() -> dict[str, int] | None:
+    """Minor page faults of three settled rounds of training-like allocations (79 MiB each), with glibc's default
+    malloc and with ``pretrain.kernels.retain_freed_memory``, each in a fresh process; None off glibc."""
+    if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    return {mode: int(subprocess.run([sys.executable, "-c", _PAGE_FAULTS, mode], env=env, capture_output=True,
+                                     text=True, check=True).stdout.split()[-1])
+            for mode in ("default", "retain")}
 
 
 def measure(preset_name: str = "bert-base", layers: int | None = None, batch_size: int = 8, seq_len: int = 128,
@@ -180,7 +211,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--json", type=Path, default=None, help="also write the measurement to this JSON file")
     args = parser.parse_args(argv)
     result = measure(args.preset, args.layers, args.batch_size, args.seq_len, args.predictions, args.steps)
+    result["allocator_page_faults"] = allocator_page_faults()
     print(report(result))
+    if result["allocator_page_faults"]:
+        faults = result["allocator_page_faults"]
+        print(f"[bench-model] minor page faults over 3 rounds of 79 MiB of allocations: glibc default "
+              f"{faults['default']}, retained freed memory {faults['retain']} ({3 * 79 * 2**20 // 4096} pages)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1) + "\n")
