@@ -33,7 +33,7 @@ from pretrain import checkpoint as ckpt
 from pretrain.batch_plan import BatchPlan, plan_batch
 from pretrain.data import to_device
 from pretrain.engine import (NonFiniteLossError, any_rank, build_engine, engine_config, init_distributed,
-                             nonfinite_gradient_norm, optimizer_step, read_engine_json, resume_rng, seed_everything,
+                             nonfinite_gradient_norm, optimizer_step, read_engine_json,
                              zero_stage)
 from pretrain.outputs import write_file_atomically
 
@@ -167,11 +167,9 @@ def _fit_locked(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer, rank
 def restore_progress(engine: Any, resume: ckpt.ResumePoint | None, seed: int, rank: int, world_size: int,
                      total_steps: int) -> Progress:
     """Load the resume point and continue its RNG streams, or seed per-rank dropout streams."""
-    if resume is None:
-        seed_everything(seed + rank)  # per-rank dropout streams
+    state = ckpt.load_or_seed(engine, resume, seed, rank, world_size)
+    if state is None:
         return Progress()
-    state = ckpt.load(engine, resume)
-    resume_rng(state["rng_states"], seed, state["step"], rank, world_size)
     if rank == 0:
         print(f"[finetune] resumed {resume.tag}: step {state['step']}/{total_steps}", flush=True)
     return Progress(state["step"], state["history"], state["best"], state["epoch_losses"], resume.saved)

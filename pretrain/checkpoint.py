@@ -65,7 +65,7 @@ from deepspeed.utils import safe_get_full_fp32_param
 from safetensors.torch import load_file, save_file
 
 from data_prep.shard_format import sha256_file
-from pretrain.engine import RunStopped, gather_objects, portable_rng_state
+from pretrain.engine import RunStopped, gather_objects, portable_rng_state, resume_rng, seed_everything
 from pretrain.model import RETIRED_FIELDS
 
 FORMAT_VERSION = 1
@@ -662,3 +662,14 @@ def load(engine: Any, resume: ResumePoint) -> dict[str, Any]:
     if load_path is None:
         raise RuntimeError(f"DeepSpeed could not load {resume.directory / resume.load_tag}")
     return client_state
+
+
+def load_or_seed(engine: Any, resume: ResumePoint | None, seed: int, rank: int, world_size: int) -> dict[str, Any] | None:
+    """Load ``resume`` and continue its RNG streams (returns its client state), or, for a fresh run, seed this
+    rank's own dropout streams (returns None)."""
+    if resume is None:
+        seed_everything(seed + rank)
+        return None
+    state = load(engine, resume)
+    resume_rng(state["rng_states"], seed, state["step"], rank, world_size)
+    return state

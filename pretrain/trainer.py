@@ -33,10 +33,11 @@ from pretrain.config import RunConfig
 from pretrain.accelerator import collective_device
 from pretrain.data import PretrainLoader, SampleOrder, collate, sample_objectives, to_device
 from pretrain.engine import (NonFiniteLossError, build_engine, engine_config, init_distributed,
-                             nonfinite_gradient_norm, optimizer_step, precision, read_engine_json, resume_rng,
+                             nonfinite_gradient_norm, optimizer_step, precision, read_engine_json,
                              seed_everything, zero_stage)
 from pretrain.hf import load_hf_bert
 from pretrain.model import ModelConfig, build_model, preset
+from pretrain.outputs import write_file_atomically
 
 REPORTED_OBJECTIVES = ("bidirectional_mlm", "nsp", "left_to_right", "right_to_left", "seq2seq", "causal_lm")
 
@@ -124,12 +125,7 @@ def prepare_metrics_file(path: Path, resumed_step: int | None, report: Any = pri
     text = "".join(json.dumps(r) + "\n" for r in kept)
     if len(kept) == len(records) and path.read_text(errors="replace") == text:
         return
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    write_file_atomically(path, lambda tmp: tmp.write_text(text))
 
 
 class Metrics:
@@ -325,11 +321,9 @@ def build_training_engine(cfg: RunConfig, model_cfg: ModelConfig, plan: BatchPla
 def restore_progress(engine: Any, resume: ckpt.ResumePoint | None, seed: int, rank: int,
                      world_size: int) -> Progress:
     """Load the resume point into ``engine`` and continue its RNG streams, or seed per-rank dropout streams."""
-    if resume is None:
-        seed_everything(seed + rank)  # per-rank dropout streams
+    state = ckpt.load_or_seed(engine, resume, seed, rank, world_size)
+    if state is None:
         return Progress()
-    state = ckpt.load(engine, resume)
-    resume_rng(state["rng_states"], seed, state["step"], rank, world_size)
     if rank == 0:
         print(f"[resume] {resume.tag}: step {state['step']}, consumed_samples {state['consumed_samples']}",
               flush=True)

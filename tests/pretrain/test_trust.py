@@ -241,7 +241,8 @@ def test_a_torn_last_metrics_line_is_skipped_and_reported_and_the_file_rewritten
     trainer.prepare_metrics_file(path, resumed_step=2, report=reports.append)
     assert reports == [f"[metrics] {path}:4: skipping a torn or unreadable line ('{{\"step\": 4, \"lo')"]
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
-    assert replaced == [("metrics.jsonl.tmp", "metrics.jsonl")]
+    assert len(replaced) == 1 and replaced[0][0].startswith(".metrics.jsonl.partial-") \
+        and replaced[0][1] == "metrics.jsonl"  # written beside, then renamed over
 
 
 def test_a_fresh_run_keeps_an_earlier_history(tmp_path: Path) -> None:
