@@ -11,18 +11,7 @@ from data_prep import build
 from data_prep.inspect import shard_statistics
 from data_prep.shard_format import Objective, ShardDataset
 from data_prep.vocab import load_encoder, load_vocab
-
-
-def run_build(*args: object) -> dict:
-    build.main([str(a) for a in args] + ["--quiet"])
-    out = Path(str(args[list(args).index("--out") + 1]))
-    return json.loads((out / "manifest.json").read_text())
-
-
-def build_error(*args: object) -> str:
-    with pytest.raises(SystemExit) as info:
-        build.main([str(a) for a in args] + ["--quiet"])
-    return str(info.value.code)
+from shard_builds import build_error, run_build
 
 
 def directory_bytes(directory: Path) -> dict[str, bytes]:

@@ -19,18 +19,7 @@ from data_prep.inspect import shard_statistics
 from data_prep.shard_format import ShardDataset
 from data_prep.sources import read_documents
 from data_prep.text import clean_document, split_sentences
-
-
-def run_build(*args: object) -> dict:
-    build.main([str(a) for a in args] + ["--quiet"])
-    out = Path(str(args[list(args).index("--out") + 1]))
-    return json.loads((out / "manifest.json").read_text())
-
-
-def build_error(*args: object) -> str:
-    with pytest.raises(SystemExit) as info:
-        build.main([str(a) for a in args] + ["--quiet"])
-    return str(info.value.code)
+from shard_builds import build_error, run_build
 
 
 def directory_bytes(directory: Path) -> dict[str, bytes | None]:
