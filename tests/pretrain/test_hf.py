@@ -66,6 +66,37 @@ def test_import_says_which_heads_were_initialised(minilm_dir, caplog):
     assert "pooler" not in caplog.text  # MiniLM ships a pooler
 
 
+def test_a_missing_mlm_transform_starts_at_the_identity_and_reads_back_the_input_tokens(minilm, minilm_dir,
+                                                                                         bidirectional_batch, caplog):
+    head = minilm.mlm_head
+    torch.testing.assert_close(head.dense.weight, torch.eye(minilm.cfg.hidden_size), atol=0, rtol=0)
+    assert not head.dense.bias.any() and not head.decoder.bias.any()
+    assert head.decoder.weight is minilm.embeddings.token.weight  # tied, so the head reads in embedding space
+    # the encoder's last state still carries each token: through the identity head many come back out
+    # (through a random transform, essentially none)
+    batch = bidirectional_batch
+    real = batch["padding"].bool()
+    with torch.no_grad():
+        hidden = minilm.encode(batch["input_ids"], batch["segment_ids"], batch["mask"])
+        read_back = (minilm.mlm_logits(hidden).argmax(-1) == batch["input_ids"])[real].float().mean()
+        torch.manual_seed(0)
+        random_dense = torch.nn.init.normal_(torch.empty_like(head.dense.weight), std=0.02)
+        scrambled = head.decoder(head.norm(torch.nn.functional.gelu(hidden @ random_dense.T)))
+        random_read_back = (scrambled.argmax(-1) == batch["input_ids"])[real].float().mean()
+    assert read_back > 0.3 and random_read_back < 0.05, (read_back, random_read_back)
+    with caplog.at_level(logging.WARNING, logger="pretrain.hf"):
+        load_hf_bert(minilm_dir)
+    assert "MLM transform at the identity" in caplog.text
+
+
+def test_a_checkpoint_with_its_mlm_head_keeps_it(tmp_path):
+    torch.manual_seed(0)
+    model = build_model(preset("tiny"))
+    save_hf_bert(model, tmp_path)
+    again = load_hf_bert(tmp_path)
+    torch.testing.assert_close(again.mlm_head.dense.weight, model.mlm_head.dense.weight, atol=0, rtol=0)
+
+
 def test_segment_types_extend_from_two_to_six(minilm, minilm_dir):
     hf_types = load_file(minilm_dir / "model.safetensors")["embeddings.token_type_embeddings.weight"]
     assert SEGMENT_ROWS_FROM_HF == (0, 1, 0, 0, 0, 1)
