@@ -21,6 +21,9 @@ from pretrain.model import IGNORE_INDEX, UniLMModel
 from .tokenizer import Tokenizer
 
 
+HELD_OUT_MASKING = 1_000_000  # the "epoch" of a held-out set's fixed masking (no run has that many epochs)
+
+
 @dataclass(frozen=True)
 class Seq2SeqExample:
     """Word-piece ids of one source/target pair, already truncated (no special tokens)."""
@@ -100,6 +103,28 @@ def seq2seq_loss(model: UniLMModel, batch: dict[str, torch.Tensor], label_smooth
     """Mean label-smoothed cross-entropy over the masked target positions of a `collate` batch."""
     hidden = model.encode_objective(batch["input_ids"], SEQ2SEQ, batch["len_a"], batch["length"])
     return model.masked_lm_loss(hidden, batch["masked_positions"], batch["masked_labels"], label_smoothing)
+
+
+@torch.inference_mode()
+def held_out_loss(model: UniLMModel, examples: list[Seq2SeqExample], tokenizer: Tokenizer, mask_prob: float,
+                  masking_seed: int, batch_size: int) -> float:
+    """Masked-target cross-entropy (no label smoothing) per predicted token over held-out examples, each masked
+    by its own generator `(masking_seed, HELD_OUT_MASKING, i)`: the same masked inputs for every model scored with
+    the same seed, so two models' losses compare directly (a smooth signal while generated text is still poor)."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for begin in range(0, len(examples), batch_size):
+        chunk = range(begin, min(begin + batch_size, len(examples)))
+        packed = [pack_and_mask(examples[i], tokenizer, mask_prob,
+                                np.random.default_rng([masking_seed, HELD_OUT_MASKING, i])) for i in chunk]
+        batch = {k: v.to(device) for k, v in collate(packed, tokenizer.pad_id).items()}
+        masked = int((batch["masked_labels"] != IGNORE_INDEX).sum())
+        total += seq2seq_loss(model, batch, label_smoothing=0.0).item() * masked
+        count += masked
+    model.train(was_training)
+    return total / count
 
 
 class Seq2SeqModel(torch.nn.Module):

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pretrain.model import IGNORE_INDEX, UniLMModel
+from pretrain.model import UniLMModel
 
 from . import classify, qa, seq2seq
 from .config import FinetuneConfig
@@ -19,7 +19,6 @@ from .metrics import generation_metrics
 from .tokenizer import Tokenizer
 
 
-DEV_MASKING = 1_000_000  # the "epoch" of the fixed dev masking (no run has that many epochs)
 
 
 @dataclass
@@ -98,26 +97,8 @@ def build_seq2seq(cfg: FinetuneConfig, backbone: UniLMModel, tokenizer: Tokenize
     def evaluate(m: torch.nn.Module) -> dict[str, float]:
         predictions, _ = decode_records(m.backbone, tokenizer, dev_records, decoding, cfg.max_src_len)
         scores = generation_metrics(predictions, [r["tgt"] for r in dev_records])
-        return {**scores, "dev_loss": dev_loss(m.backbone)}
-
-    @torch.inference_mode()
-    def dev_loss(backbone: torch.nn.Module) -> float:
-        """Masked-target cross-entropy (no smoothing) on dev with a fixed masking: a smooth signal while the
-        generated text is still poor."""
-        was_training = backbone.training
-        backbone.eval()
-        total, count = 0.0, 0
-        for begin in range(0, len(dev), cfg.micro_batch_size):
-            chunk = range(begin, min(begin + cfg.micro_batch_size, len(dev)))
-            packed = [seq2seq.pack_and_mask(dev[i], tokenizer, cfg.mask_prob,
-                                            np.random.default_rng([cfg.seed, DEV_MASKING, i])) for i in chunk]
-            device = next(backbone.parameters()).device
-            batch = {k: v.to(device) for k, v in seq2seq.collate(packed, tokenizer.pad_id).items()}
-            masked = int((batch["masked_labels"] != IGNORE_INDEX).sum())
-            total += seq2seq.seq2seq_loss(backbone, batch, label_smoothing=0.0).item() * masked
-            count += masked
-        backbone.train(was_training)
-        return total / count
+        return {**scores, "dev_loss": seq2seq.held_out_loss(m.backbone, dev, tokenizer, cfg.mask_prob, cfg.seed,
+                                                             cfg.micro_batch_size)}
 
     return TaskSetup(module=module, head=None, train_size=len(train), make_batch=make_batch, evaluate=evaluate,
                      primary_metric="rougeL",
