@@ -65,7 +65,7 @@ def test_a_difference_is_real_only_beyond_twice_the_sd_of_the_per_seed_differenc
 
 def test_results_records_follow_the_published_schema() -> None:
     scores = {arm: {str(seed): {"headline": {"rougeL": 10.0 + i + seed - 42, "rouge1": 1.0, "rouge2": 1.0,
-                                             "bleu": 1.0},
+                                             "bleu": 1.0, "loss": 7.0 - 0.25 * i + 0.01 * (seed - 42)},
                                 "topic": {"accuracy": 90.0, "macro_f1": 89.0}}
                     for seed in (42, 43, 44)} for i, arm in enumerate(ablation.ARMS)}
     records = ablation.results(scores, [42, 43, 44])
@@ -76,6 +76,10 @@ def test_results_records_follow_the_published_schema() -> None:
     table = ablation.result_table(records)
     assert "| BBC headline | rougeL | 11.00 ± 1.00 (10.0, 11.0, 12.0)" in table
     assert "+2.00 **real**" in table  # identical per-seed differences: sd 0
+    # a loss: lower is better, said in the row, with the precision its small differences need
+    assert "| BBC headline | loss (lower is better) | 7.0100 ± 0.0100 (7.000, 7.010, 7.020)" in table
+    assert "-0.5000 **real** (-0.500, -0.500, -0.500; 2·sd 0.0000)" in table
+    assert "headline loss: bert+unilm − bert = -0.50" in ablation.verdict(records)
 
 
 @pytest.mark.slow
@@ -104,7 +108,8 @@ def test_the_driver_runs_every_stage_on_a_few_steps_and_skips_them_on_a_rerun(sa
 
 
 def test_a_missing_run_leaves_its_seed_out_for_every_arm_of_that_task() -> None:
-    scores = {arm: {str(seed): {"headline": {"rougeL": 20.0 + seed - 42, "rouge1": 1.0, "rouge2": 1.0, "bleu": 1.0}}
+    scores = {arm: {str(seed): {"headline": {"rougeL": 20.0 + seed - 42, "rouge1": 1.0, "rouge2": 1.0, "bleu": 1.0,
+                                             "loss": 6.0}}
                     for seed in (42, 43, 44)} for arm in ablation.ARMS}
     del scores["bert+mlm"]["43"]["headline"]  # not fine-tuned
     records = ablation.results(scores, [42, 43, 44])
