@@ -226,21 +226,41 @@ class MLMHead(nn.Module):
 
 
 # ------------------------------------------------------------------------------------------------ model
+_OBJECTIVE_LOSS_NAMES = {BIDIRECTIONAL: "bidirectional_mlm", LEFT_TO_RIGHT: "left_to_right",
+                         RIGHT_TO_LEFT: "right_to_left", SEQ2SEQ: "seq2seq"}
+REPORTED_OBJECTIVES = (*(_OBJECTIVE_LOSS_NAMES[i] for i in range(NUM_OBJECTIVES)), "nsp", "causal_lm")
+"""The slots of `PretrainOutput.objective_sums` / `objective_counts`: one per objective id (slot = id), then nsp and
+causal_lm. One fixed layout for every recipe, so a training step adds micro-batches' reports on the device and
+moves them to the host once."""
+_NSP_SLOT, _CAUSAL_LM_SLOT = NUM_OBJECTIVES, NUM_OBJECTIVES + 1
+
+
 @dataclass
 class PretrainOutput:
-    """What the training forward returns."""
+    """What the training forward returns. The reports are device tensors: reading them never waits for the device
+    until a caller asks for the dictionaries."""
 
     loss: torch.Tensor
     """Scalar to backpropagate: mean token loss over all predicted tokens + mean NSP loss."""
-    objective_losses: dict[str, torch.Tensor]
-    """Detached mean loss per objective present in the batch: bidirectional_mlm, nsp, left_to_right,
-    right_to_left, seq2seq (or causal_lm)."""
-    objective_tokens: dict[str, torch.Tensor]
-    """How many predictions each of those means averages (tokens; samples for nsp)."""
+    objective_sums: torch.Tensor
+    """Float[len(REPORTED_OBJECTIVES)], detached: summed loss of each objective's predictions in the batch (0 for an
+    objective not present)."""
+    objective_counts: torch.Tensor
+    """Float[len(REPORTED_OBJECTIVES)]: how many predictions each sum adds (tokens; samples for nsp)."""
 
+    @property
+    def objective_losses(self) -> dict[str, torch.Tensor]:
+        """Mean loss per objective present in the batch: bidirectional_mlm, nsp, left_to_right, right_to_left,
+        seq2seq (or causal_lm). Waits for the device (it reads which objectives are present)."""
+        present = self.objective_counts.tolist()
+        return {name: self.objective_sums[i] / self.objective_counts[i]
+                for i, name in enumerate(REPORTED_OBJECTIVES) if present[i] > 0}
 
-_OBJECTIVE_LOSS_NAMES = {BIDIRECTIONAL: "bidirectional_mlm", LEFT_TO_RIGHT: "left_to_right",
-                         RIGHT_TO_LEFT: "right_to_left", SEQ2SEQ: "seq2seq"}
+    @property
+    def objective_tokens(self) -> dict[str, torch.Tensor]:
+        """How many predictions each of `objective_losses` averages."""
+        present = self.objective_counts.tolist()
+        return {name: self.objective_counts[i] for i, name in enumerate(REPORTED_OBJECTIVES) if present[i] > 0}
 
 
 class UniLMModel(nn.Module):
@@ -399,21 +419,17 @@ class UniLMModel(nn.Module):
         nsp_count = nsp_weight.sum()
         loss = loss + (nsp_loss * nsp_weight).sum() / nsp_count.clamp(min=1)
 
-        # Per-objective reports: sums and counts in one tensor, one host transfer for all of them.
+        # Per-objective reports in REPORTED_OBJECTIVES' fixed slots, left on the device.
         with torch.no_grad():
             if token_objective is None:
-                sums, counts, names = token_loss.sum().view(1), token_count.view(1), ["causal_lm"]
+                slots = torch.full_like(labels.flatten(), _CAUSAL_LM_SLOT)
             else:
-                flat = token_objective.flatten()
-                sums = token_loss.new_zeros(NUM_OBJECTIVES).index_add_(0, flat, token_loss)
-                counts = predicted.new_zeros(NUM_OBJECTIVES).index_add_(0, flat, predicted)
-                sums = torch.cat([sums, (nsp_loss * nsp_weight).sum().view(1)])
-                counts = torch.cat([counts, nsp_count.view(1)])
-                names = [_OBJECTIVE_LOSS_NAMES[i] for i in range(NUM_OBJECTIVES)] + ["nsp"]
-            present = counts.tolist()
-            objective_losses = {n: sums[i] / counts[i] for i, n in enumerate(names) if present[i] > 0}
-            objective_tokens = {n: counts[i] for i, n in enumerate(names) if present[i] > 0}
-        return PretrainOutput(loss, objective_losses, objective_tokens)
+                slots = token_objective.flatten()
+            sums = token_loss.new_zeros(len(REPORTED_OBJECTIVES)).index_add_(0, slots, token_loss)
+            counts = predicted.new_zeros(len(REPORTED_OBJECTIVES)).index_add_(0, slots, predicted)
+            sums[_NSP_SLOT] += (nsp_loss * nsp_weight).sum()
+            counts[_NSP_SLOT] += nsp_count
+        return PretrainOutput(loss, sums, counts)
 
     def num_parameters(self, non_embedding: bool = False) -> int:
         """Distinct parameters (the tied decoder counted once); non_embedding drops the three embedding tables."""

@@ -36,10 +36,8 @@ from pretrain.engine import (NonFiniteLossError, build_engine, engine_config, in
                              nonfinite_gradient_norm, optimizer_step, precision, read_engine_json,
                              seed_everything, zero_stage)
 from pretrain.hf import load_hf_bert
-from pretrain.model import ModelConfig, build_model, preset
+from pretrain.model import REPORTED_OBJECTIVES, ModelConfig, build_model, preset
 from pretrain.outputs import write_file_atomically
-
-REPORTED_OBJECTIVES = ("bidirectional_mlm", "nsp", "left_to_right", "right_to_left", "seq2seq", "causal_lm")
 
 
 # ------------------------------------------------------------------------------------------ building blocks
@@ -181,39 +179,47 @@ def check_predicted_tokens(stats: dict[str, Any], step: int, where: str) -> None
 
 
 class StepSums:
-    """A step's (or an evaluation's) loss and per-objective loss sums on this rank, reduced over ranks."""
+    """A step's (or an evaluation's) loss, tokens and per-objective loss sums on this rank, reduced over ranks.
 
-    def __init__(self) -> None:
-        self.loss, self.micro_batches, self.tokens = 0.0, 0, 0
-        self.objective_sums: dict[str, float] = {}
-        self.objective_counts: dict[str, float] = {}
+    Everything stays a float64 tensor on the device until `reduce`, whose all-reduce and one transfer to the host
+    are the step's only wait for the device. Layout of ``values``: ``_FIELDS`` then a (sum, count) pair per
+    `REPORTED_OBJECTIVES` slot."""
+
+    _FIELDS = ("loss", "micro_batches", "tokens", "squared_lengths", "stop")
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.values = torch.zeros(len(self._FIELDS) + 2 * len(REPORTED_OBJECTIVES), dtype=torch.float64,
+                                  device=device)
+
+    def _field(self, name: str) -> torch.Tensor:
+        return self.values[self._FIELDS.index(name)]
 
     def add(self, batch: dict[str, torch.Tensor], output: Any) -> None:
         """Count one micro-batch's ``pretrain.model.PretrainOutput``."""
-        self.loss += output.loss.item()
-        self.micro_batches += 1
-        self.tokens += int(batch["length"].sum())
-        for name, value in output.objective_losses.items():
-            count = float(output.objective_tokens[name])
-            self.objective_sums[name] = self.objective_sums.get(name, 0.0) + float(value) * count
-            self.objective_counts[name] = self.objective_counts.get(name, 0.0) + count
+        length = batch["length"].to(self.values.device, torch.float64)
+        self._field("loss").add_(output.loss.detach().to(torch.float64))
+        self._field("micro_batches").add_(1)
+        self._field("tokens").add_(length.sum())
+        self._field("squared_lengths").add_(length.square().sum())
+        objectives = self.values[len(self._FIELDS):].view(-1, 2)
+        objectives[:, 0].add_(output.objective_sums.to(torch.float64))
+        objectives[:, 1].add_(output.objective_counts.to(torch.float64))
 
-    def reduce(self, micro_batches: int, stop: bool) -> dict[str, Any]:
-        """Sum over ranks in one all-reduce: mean loss per micro-batch, tokens, per-objective mean losses, and
-        whether any rank asked to stop."""
-        values = [self.loss, micro_batches, self.tokens, float(stop)]
-        for name in REPORTED_OBJECTIVES:
-            values += [self.objective_sums.get(name, 0.0), self.objective_counts.get(name, 0.0)]
-        tensor = torch.tensor(values, dtype=torch.float64, device=collective_device())
-        torch_dist.all_reduce(tensor)
-        values = tensor.tolist()
-        objectives = {}
-        for i, name in enumerate(REPORTED_OBJECTIVES):
-            total, count = values[4 + 2 * i], values[5 + 2 * i]
-            if count > 0:
-                objectives[name] = total / count
-        return {"loss": values[0] / values[1], "tokens": int(values[2]), "stop": values[3] > 0,
-                "objectives": objectives}
+    def reduce(self, stop: bool) -> dict[str, Any]:
+        """Sum over ranks in one all-reduce: mean loss per micro-batch, tokens (and the sum of squared sample
+        lengths), per-objective mean losses, whether any rank asked to stop, and this rank's own loss sum."""
+        self._field("stop").fill_(float(stop))
+        reduced = self.values.to(collective_device(), copy=True)
+        torch_dist.all_reduce(reduced)
+        *values, local_loss = torch.cat([reduced, self._field("loss").view(1).to(reduced.device)]).tolist()
+        totals = dict(zip(self._FIELDS, values))
+        pairs = values[len(self._FIELDS):]
+        objectives = {name: pairs[2 * i] / pairs[2 * i + 1] for i, name in enumerate(REPORTED_OBJECTIVES)
+                      if pairs[2 * i + 1] > 0}
+        predictions = sum(pairs[2 * i + 1] for i, name in enumerate(REPORTED_OBJECTIVES) if name != "nsp")
+        return {"loss": totals["loss"] / totals["micro_batches"], "tokens": int(totals["tokens"]),
+                "squared_lengths": totals["squared_lengths"], "predictions": predictions, "stop": totals["stop"] > 0,
+                "objectives": objectives, "local_loss": local_loss}
 
 
 def nonfinite_diagnostic(step: int, consumed_samples: int, stats: dict[str, Any], lr: float,
@@ -406,15 +412,15 @@ def train_step(engine: Any, loader: PretrainLoader, plan: BatchPlan, metrics: Me
     wait_before = loader.wait_seconds
     micro_batches = loader.next_step()
     skipped_before = engine.skipped_steps
-    sums = StepSums()
+    sums = StepSums(engine.device)
     summary: dict[str, Any] = {}
 
     def before_update() -> None:
-        summary.update(sums.reduce(len(micro_batches), bool(stop_requested)))
+        summary.update(sums.reduce(bool(stop_requested)))
         check_predicted_tokens(summary, progress.step + 1, loader.dataset.directory)
         summary["lr"] = engine.get_lr()[0]  # the rate this optimizer step applies
         if not math.isfinite(summary["loss"]):
-            if not math.isfinite(sums.loss):
+            if not math.isfinite(summary["local_loss"]):
                 print(f"[rank {rank}] non-finite local loss at step {progress.step + 1}", file=sys.stderr)
             message = nonfinite_diagnostic(progress.step + 1, loader.consumed_samples - plan.global_batch_size,
                                            summary, summary["lr"], engine.optimizer.cur_scale if fp16 else None,
@@ -487,9 +493,9 @@ class EvalSet:
     @torch.no_grad()
     def evaluate(self, engine: Any) -> dict[str, float]:
         engine.eval()
-        sums = StepSums()
+        sums = StepSums(engine.device)
         for batch in self.batches:
             batch = to_device(batch, engine.device)
             sums.add(batch, engine(**batch))
-        stats = sums.reduce(len(self.batches), False)
+        stats = sums.reduce(stop=False)
         return {"eval_loss": stats["loss"], **{f"eval_loss_{k}": v for k, v in stats["objectives"].items()}}

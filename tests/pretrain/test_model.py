@@ -324,3 +324,46 @@ def test_cache_can_drop_a_placeholder_position():
         trimmed = tuple((k[:, :, :5], v[:, :, :5]) for k, v in with_placeholder)
         last = model.encode(input_ids[:, 5:], segments[:, 5:], mask[:, 5:, :6], past_key_values=trimmed)
     torch.testing.assert_close(last, full[:, 5:], atol=1e-5, rtol=1e-5)
+
+
+def test_training_forward_and_step_sums_never_read_the_device(monkeypatch):
+    """A forward + backward and `StepSums.add` per micro-batch never copy a value to the host (on a GPU each such
+    read waits for every queued kernel); only `StepSums.reduce` does, once per step."""
+    from pretrain.trainer import StepSums
+
+    model = tiny_model().train()
+    sums = StepSums("cpu")
+    batches = [make_batch(seed) for seed in range(2)]
+
+    def host_read(*_args, **_kwargs):
+        raise AssertionError("a tensor value was read on the host")
+
+    with monkeypatch.context() as patch:
+        for name in ("item", "tolist", "__float__", "__int__", "__bool__"):
+            patch.setattr(torch.Tensor, name, host_read)
+        for batch in batches:
+            out = model(**batch)
+            out.loss.backward()
+            sums.add(batch, out)
+    reports = [model(**batch) for batch in batches]
+    stats = sums_reduced(sums)
+    assert stats["tokens"] == sum(int(batch["length"].sum()) for batch in batches)
+    assert stats["objectives"].keys() == reports[0].objective_losses.keys() | reports[1].objective_losses.keys()
+
+
+def sums_reduced(sums) -> dict:
+    """``sums.reduce`` in a one-rank gloo group."""
+    import tempfile
+
+    import torch.distributed as torch_dist
+
+    with tempfile.TemporaryDirectory() as store:
+        created = not torch_dist.is_initialized()
+        if created:
+            torch_dist.init_process_group("gloo", store=torch_dist.FileStore(f"{store}/store", 1), rank=0,
+                                          world_size=1)
+        try:
+            return sums.reduce(stop=False)
+        finally:
+            if created:
+                torch_dist.destroy_process_group()
