@@ -169,9 +169,14 @@ class TrainConfig:
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward (less memory, about one extra forward of compute); may
     change when resuming."""
+    peak_tflops: float | None = None
+    """Dense matmul peak of one rank's device in the training dtype, TFLOP/s: the denominator of the ``mfu`` metric
+    (e.g. 989 for an H100 SXM in bf16). Null: measured once at start (a short matmul on the rank's device)."""
 
     def __post_init__(self) -> None:
         check_field_types(self, "train.")
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise ValueError(f"train.peak_tflops must be > 0 (or null: measured at start), got {self.peak_tflops}")
         if self.seed < 0:
             raise ValueError(f"train.seed must be >= 0, got {self.seed}")
         for name in ("global_batch_size", "micro_batch_size", "max_steps", "save_interval", "keep_last"):

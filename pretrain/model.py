@@ -440,6 +440,23 @@ class UniLMModel(nn.Module):
         return total
 
 
+def training_flops(cfg: ModelConfig, tokens: float, squared_lengths: float, predictions: float,
+                   samples: float) -> float:
+    """Useful FLOPs of one forward + backward over a batch (the numerator of MFU): 6 × encoder-block matmul weights
+    × tokens (forward 2, backward 4 per multiply-add), attention scores and context (3 × 4 × hidden × length² per
+    layer and sample), 6 × MLM-head weights × predicted tokens and 6 × pooler/NSP weights × samples. Embedding
+    lookups are not counted, nor work on padding or on positions without a prediction, so such work lowers MFU.
+
+    tokens: Σ sample lengths; squared_lengths: Σ sample length²; predictions: predicted tokens."""
+    hidden, ffn = cfg.hidden_size, cfg.intermediate_size
+    block_weights = 4 * hidden * hidden + 2 * hidden * ffn
+    encoder = 6 * cfg.num_layers * block_weights * tokens
+    attention = 3 * cfg.num_layers * 4 * hidden * squared_lengths
+    head = 6 * (hidden * hidden + hidden * cfg.vocab_size) * predictions
+    nsp = 6 * (hidden * hidden + 2 * hidden) * samples
+    return float(encoder + attention + head + nsp)
+
+
 def gather_positions(hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """The hidden states at some positions of each row: Float[B, L, H], Long[B, P] → Float[B, P, H]."""
     return hidden.gather(1, positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))

@@ -30,13 +30,13 @@ from data_prep.shard_format import MANIFEST_NAME, ShardDataset, sha256_file
 from pretrain import checkpoint as ckpt
 from pretrain.batch_plan import BatchPlan, plan_batch
 from pretrain.config import RunConfig
-from pretrain.accelerator import collective_device
+from pretrain.accelerator import collective_device, matmul_peak_tflops
 from pretrain.data import PretrainLoader, SampleOrder, collate, sample_objectives, to_device
 from pretrain.engine import (NonFiniteLossError, build_engine, engine_config, init_distributed,
                              nonfinite_gradient_norm, optimizer_step, precision, read_engine_json,
                              seed_everything, zero_stage)
 from pretrain.hf import load_hf_bert
-from pretrain.model import REPORTED_OBJECTIVES, ModelConfig, build_model, preset
+from pretrain.model import REPORTED_OBJECTIVES, ModelConfig, build_model, preset, training_flops
 from pretrain.outputs import write_file_atomically
 
 
@@ -178,6 +178,43 @@ def check_predicted_tokens(stats: dict[str, Any], step: int, where: str) -> None
                          "(data_prep.inspect) and the model's recipe")
 
 
+@dataclasses.dataclass(frozen=True)
+class Throughput:
+    """A step's model TFLOP/s per rank and its model FLOPs utilisation (MFU)."""
+
+    model_cfg: ModelConfig
+    world_size: int
+    peak_tflops: float
+    """One rank's dense matmul peak in the training dtype (``train.peak_tflops``, or `measured_peak_tflops`)."""
+
+    def per_rank(self, summary: dict[str, Any], samples: int, elapsed: float) -> dict[str, float]:
+        """``tflops``: `pretrain.model.training_flops` of the step's global batch (``summary`` from
+        `StepSums.reduce`, ``samples`` sequences) per second, divided by the world size; ``mfu``: that over the
+        peak; ``peak_tflops``."""
+        flops = training_flops(self.model_cfg, summary["tokens"], summary["squared_lengths"], summary["predictions"],
+                               samples)
+        tflops = flops / self.world_size / elapsed / 1e12
+        return {"tflops": tflops, "mfu": tflops / self.peak_tflops, "peak_tflops": self.peak_tflops}
+
+
+def measured_peak_tflops(engine: Any, rank: int) -> float:
+    """`pretrain.accelerator.matmul_peak_tflops` on this rank's device in the engine's training dtype."""
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[precision(engine)]
+    peak = matmul_peak_tflops(engine.device, dtype)
+    if rank == 0:
+        print(f"[mfu] measured {precision(engine)} matmul peak of {engine.device}: {peak:.3g} TFLOP/s "
+              "(set train.peak_tflops to use a fixed one)", flush=True)
+    return peak
+
+
+def write_monitor(engine: Any, record: dict[str, Any]) -> None:
+    """Every number of a step's ``metrics.jsonl`` record (losses, throughput, MFU, ...) as a DeepSpeed monitor event
+    ``Train/Steps/<key>`` at x = the optimizer step (CSV files, and TensorBoard when installed; rank 0 writes)."""
+    if engine.monitor.enabled:
+        engine.monitor.write_events([(f"Train/Steps/{key}", value, record["step"]) for key, value in record.items()
+                                     if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)])
+
+
 class StepSums:
     """A step's (or an evaluation's) loss, tokens and per-objective loss sums on this rank, reduced over ranks.
 
@@ -273,7 +310,8 @@ def _train_locked(cfg: RunConfig, rank: int, world_size: int, started: float) ->
     engine_json = read_engine_json(cfg.deepspeed_config_path)
     resume = ckpt.find_resume_point(cfg.checkpoint_dir, cfg.train.resume, identity, world_size,
                                     zero_stage(engine_json), report=print if rank == 0 else None)
-    engine, num_parameters = build_training_engine(cfg, model_cfg, plan, engine_json, resume)
+    engine = build_training_engine(cfg, model_cfg, plan, engine_json, resume)
+    throughput = Throughput(model_cfg, world_size, cfg.train.peak_tflops or measured_peak_tflops(engine, rank))
     progress = restore_progress(engine, resume, cfg.train.seed, rank, world_size)
     loader = build_loader(cfg, dataset, model_cfg, plan, rank, progress.consumed_samples, engine.device)
     eval_set = EvalSet(cfg, plan, rank, world_size, loader.pad_id, loader.max_len) if cfg.train.eval_interval else None
@@ -284,7 +322,7 @@ def _train_locked(cfg: RunConfig, rank: int, world_size: int, started: float) ->
                 zero_stage=zero_stage(engine_json), precision=precision(engine))
     stop_requested = StopRequest(started, cfg.train.exit_after_minutes)
     try:
-        run_steps(cfg, engine, loader, eval_set, plan, metrics, progress, meta, stop_requested, num_parameters)
+        run_steps(cfg, engine, loader, eval_set, plan, metrics, progress, meta, stop_requested, throughput)
     finally:
         loader.close()
         metrics.close()
@@ -314,14 +352,13 @@ def check_vocabulary_fits(dataset: ShardDataset, model_cfg: ModelConfig) -> None
 
 
 def build_training_engine(cfg: RunConfig, model_cfg: ModelConfig, plan: BatchPlan, engine_json: dict[str, Any],
-                          resume: ckpt.ResumePoint | None) -> tuple[Any, int]:
-    """The DeepSpeed engine around a freshly initialised (or HF-initialised) model, and its parameter count."""
+                          resume: ckpt.ResumePoint | None) -> Any:
+    """The DeepSpeed engine around a freshly initialised (or HF-initialised) model."""
     seed_everything(cfg.train.seed)  # identical initial weights on every rank
     model = build_model(model_cfg) if not cfg.model.init_from else _init_from_hf(cfg.model.init_from, model_cfg)
     model.activation_checkpointing = cfg.train.activation_checkpointing
-    num_parameters = model.num_parameters()  # before ZeRO-3 partitions the tensors
     config = build_deepspeed_config(cfg, plan, engine_json, load_universal=resume is not None and resume.universal)
-    return build_engine(model, config, cfg.optim.weight_decay), num_parameters
+    return build_engine(model, config, cfg.optim.weight_decay)
 
 
 def restore_progress(engine: Any, resume: ckpt.ResumePoint | None, seed: int, rank: int,
@@ -373,7 +410,7 @@ class StopRequest:
 
 def run_steps(cfg: RunConfig, engine: Any, loader: PretrainLoader, eval_set: EvalSet | None, plan: BatchPlan,
               metrics: Metrics, progress: Progress, meta: dict[str, Any], stop_requested: StopRequest,
-              num_parameters: int) -> None:
+              throughput: Throughput) -> None:
     """Optimizer steps until ``train.max_steps`` / ``train.exit_at_step`` / a stop request; saves on the way."""
     rank = torch_dist.get_rank()
     engine.train()
@@ -381,11 +418,12 @@ def run_steps(cfg: RunConfig, engine: Any, loader: PretrainLoader, eval_set: Eva
     if cfg.train.exit_at_step is not None and progress.step >= cfg.train.exit_at_step and rank == 0:
         print(f"[exit] exit_at_step: already at step {progress.step}", flush=True)
     while progress.step < last_step:
-        record, stop = train_step(engine, loader, plan, metrics, progress, stop_requested, num_parameters)
+        record, stop = train_step(engine, loader, plan, metrics, progress, stop_requested, throughput)
         if eval_set is not None and progress.step % cfg.train.eval_interval == 0:
             record.update(eval_set.evaluate(engine))
             engine.train()
         metrics.write(record)
+        write_monitor(engine, record)
         exiting = stop or progress.step == cfg.train.exit_at_step
         if progress.step % cfg.train.save_interval == 0 or progress.step == cfg.train.max_steps or exiting:
             progress.last_checkpoint = ckpt.save(
@@ -402,7 +440,7 @@ def run_steps(cfg: RunConfig, engine: Any, loader: PretrainLoader, eval_set: Eva
 
 
 def train_step(engine: Any, loader: PretrainLoader, plan: BatchPlan, metrics: Metrics, progress: Progress,
-               stop_requested: StopRequest, num_parameters: int) -> tuple[dict[str, Any], bool]:
+               stop_requested: StopRequest, throughput: Throughput) -> tuple[dict[str, Any], bool]:
     """One optimizer step over this rank's micro-batches; advances ``progress``. Returns the step's
     ``metrics.jsonl`` record and whether any rank asked to stop. A non-finite loss (before the update) or
     gradient (fp32/bf16, after it) raises `NonFiniteLossError` with a diagnosis, recorded in the metrics too."""
@@ -444,7 +482,7 @@ def train_step(engine: Any, loader: PretrainLoader, plan: BatchPlan, metrics: Me
         "lr": summary["lr"], "grad_norm": _maybe_float(engine.get_global_grad_norm()),
         **{f"loss_{name}": value for name, value in summary["objectives"].items()},
         "samples_per_s": plan.global_batch_size / elapsed, "tokens_per_s": summary["tokens"] / elapsed,
-        "tflops": 6.0 * num_parameters * summary["tokens"] / elapsed / 1e12,
+        **throughput.per_rank(summary, plan.global_batch_size, elapsed),
         "step_time_s": elapsed, "data_wait_s": loader.wait_seconds - wait_before,
     }
     if fp16:

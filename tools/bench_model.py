@@ -35,19 +35,12 @@ import transformers  # the peer; an optional dependency (extras), which this ben
 from pretrain.data import synthetic_batch as make_batch
 from pretrain.hf import hf_config, hf_pretraining_inputs as hf_inputs
 from pretrain.kernels import onednn_linear, onednn_linear_available, retain_freed_memory
-from pretrain.model import ModelConfig, build_model, preset
+from pretrain.model import ModelConfig, build_model, preset, training_flops
 
 
 def useful_flops(cfg: ModelConfig, batch_size: int, seq_len: int, predictions: int) -> float:
-    """Useful FLOPs of one forward + backward step (see the module docstring)."""
-    hidden, ffn = cfg.hidden_size, cfg.intermediate_size
-    block_parameters = 4 * hidden * hidden + 2 * hidden * ffn  # the matmul weights of one block
-    tokens = batch_size * seq_len
-    encoder = 6 * cfg.num_layers * block_parameters * tokens
-    attention = 3 * cfg.num_layers * 4 * seq_len * seq_len * hidden * batch_size
-    head = 6 * (hidden * hidden + hidden * cfg.vocab_size) * batch_size * predictions
-    nsp = 6 * (hidden * hidden + 2 * hidden) * batch_size
-    return float(encoder + attention + head + nsp)
+    """Useful FLOPs of one forward + backward step of full-length samples (`pretrain.model.training_flops`)."""
+    return training_flops(cfg, batch_size * seq_len, batch_size * seq_len**2, batch_size * predictions, batch_size)
 
 
 class Clock:

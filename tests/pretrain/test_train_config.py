@@ -47,6 +47,8 @@ def test_overrides_parse_types_and_the_config_is_frozen(tmp_path: Path) -> None:
     ("optim.warmup_steps=100", "must be < train.max_steps"),
     ("train.eval_interval=5", "needs data.eval_shards"),
     ("optim.betas=[0.9]", "two numbers"),
+    ("train.peak_tflops=0", "train.peak_tflops must be > 0"),
+    ("train.peak_tflops=fast", "train.peak_tflops='fast' is not a valid"),
 ])
 def test_invalid_values_fail_early(override: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -133,3 +135,4 @@ def test_help_lists_every_key() -> None:
     for key in ("out_dir", "data.shards", "model.overrides", "optim.lr", "train.max_steps",
                 "train.activation_checkpointing"):
         assert f"  {key} (" in shown, key
+
