@@ -30,7 +30,7 @@ from data_prep.shard_format import MANIFEST_NAME, ShardDataset, sha256_file
 from pretrain import checkpoint as ckpt
 from pretrain.batch_plan import BatchPlan, plan_batch
 from pretrain.config import RunConfig
-from pretrain.accelerator import collective_device, matmul_peak_tflops
+from pretrain.accelerator import accelerator_name, collective_device, matmul_peak_tflops
 from pretrain.data import PretrainLoader, SampleOrder, collate, sample_objectives, to_device
 from pretrain.engine import (NonFiniteLossError, build_engine, engine_config, init_distributed,
                              nonfinite_gradient_norm, optimizer_step, precision, read_engine_json,
@@ -357,8 +357,28 @@ def build_training_engine(cfg: RunConfig, model_cfg: ModelConfig, plan: BatchPla
     seed_everything(cfg.train.seed)  # identical initial weights on every rank
     model = build_model(model_cfg) if not cfg.model.init_from else _init_from_hf(cfg.model.init_from, model_cfg)
     model.activation_checkpointing = cfg.train.activation_checkpointing
+    fast_paths = fast_path_settings(cfg, engine_json)
+    model.chunked_loss = fast_paths["chunked_loss"]
+    if fast_paths["compile"]:
+        model.compile_blocks()
     config = build_deepspeed_config(cfg, plan, engine_json, load_universal=resume is not None and resume.universal)
     return build_engine(model, config, cfg.optim.weight_decay)
+
+
+def fast_path_settings(cfg: RunConfig, engine_json: dict[str, Any]) -> dict[str, bool]:
+    """``train.compile`` and ``train.chunked_loss`` with their null defaults resolved for this run: compile on CUDA
+    under ZeRO 0-2, chunked loss under bf16/fp16. Refuses compiling under ZeRO-3 (its parameter hooks run inside
+    the blocks)."""
+    stage = zero_stage(engine_json)
+    half = any(engine_json.get(key, {}).get("enabled", False) for key in ("fp16", "bf16", "bfloat16"))
+    compile_blocks = cfg.train.compile
+    if compile_blocks is None:
+        compile_blocks = accelerator_name() == "cuda" and stage < 3
+    elif compile_blocks and stage == 3:
+        raise ValueError("train.compile=true does not work with ZeRO-3 (DeepSpeed gathers each block's parameters "
+                         "inside its forward); use ZeRO 0-2 or train.compile=false")
+    chunked_loss = half if cfg.train.chunked_loss is None else cfg.train.chunked_loss
+    return {"compile": compile_blocks, "chunked_loss": chunked_loss}
 
 
 def restore_progress(engine: Any, resume: ckpt.ResumePoint | None, seed: int, rank: int,

@@ -136,3 +136,19 @@ def test_help_lists_every_key() -> None:
                 "train.activation_checkpointing"):
         assert f"  {key} (" in shown, key
 
+
+def test_fast_path_defaults_resolve_per_run_and_compile_refuses_zero3() -> None:
+    from pretrain.trainer import fast_path_settings
+
+    def resolved(overrides: list[str], engine_json: dict) -> dict[str, bool]:
+        return fast_path_settings(load_config(REPO_ROOT / "pretrain/configs/tiny.yaml", overrides), engine_json)
+
+    fp32, bf16 = {"zero_optimization": {"stage": 2}}, {"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}
+    # this process runs on DeepSpeed's CPU accelerator (conftest), where compiling is off by default
+    assert resolved([], fp32) == {"compile": False, "chunked_loss": False}
+    assert resolved([], bf16)["chunked_loss"] is True
+    assert resolved(["train.compile=true", "train.chunked_loss=false"], bf16) == {"compile": True,
+                                                                                  "chunked_loss": False}
+    with pytest.raises(ValueError, match="train.compile=true does not work with ZeRO-3"):
+        resolved(["train.compile=true"], {"zero_optimization": {"stage": 3}})
+    assert resolved([], {"zero_optimization": {"stage": 3}})["compile"] is False
