@@ -6,8 +6,8 @@ rows × vocab × 4 bytes written and read several times, e.g. 286 MB per 32 × 7
 28,996 tokens, plus their gradient). On by default under bf16/fp16 (``train.chunked_loss``).
 
 On the CPU in fp32 (compiled blocks take torch's ops instead, which the compiler fuses), two things dominate a
-training step besides the matrix multiplies' arithmetic itself, and torch's
-defaults leave speed on the table for both (numbers: BERT-base, micro-batch 8 × 128, 2 cores, `make bench-model`):
+training step besides the matrix multiplies' arithmetic itself, and torch's defaults leave speed on the table for
+both (numbers: BERT-base, micro-batch 8 × 128, 2 cores, `make bench-model`):
 
 - `Linear`: an `nn.Linear` (same `weight`/`bias` names, so checkpoints and Hugging Face export do not change)
   whose fp32 CPU forward and input-gradient GEMMs run through oneDNN (`torch.ops.mkldnn._linear_pointwise`, the
@@ -200,12 +200,19 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     """Per-row cross-entropy of the logits x @ weightᵀ + bias, chunk by chunk; backward recomputes each chunk."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, labels, ignore_index, label_smoothing, chunk_rows):
-        losses = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    def _chunks(x, weight, bias, labels, ignore_index, label_smoothing, chunk_rows):
+        """Per chunk of rows: (its slice, its losses Float[rows], its log-probabilities Float[rows, vocab])."""
         for start in range(0, x.shape[0], chunk_rows):
             rows = slice(start, start + chunk_rows)
             logits = F.linear(x[rows], weight, bias).float()
-            losses[rows] = _chunk_losses(logits, labels[rows], ignore_index, label_smoothing)[0]
+            yield rows, *_chunk_losses(logits, labels[rows], ignore_index, label_smoothing)
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, labels, ignore_index, label_smoothing, chunk_rows):
+        losses = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+        for rows, chunk_losses, _ in _ChunkedCrossEntropy._chunks(x, weight, bias, labels, ignore_index,
+                                                                  label_smoothing, chunk_rows):
+            losses[rows] = chunk_losses
         ctx.save_for_backward(x, weight, bias, labels)
         ctx.settings = ignore_index, label_smoothing, chunk_rows
         return losses
@@ -217,13 +224,11 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         grad_x = torch.empty_like(x)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
-        for start in range(0, x.shape[0], chunk_rows):
-            rows = slice(start, start + chunk_rows)
-            logits = F.linear(x[rows], weight, bias).float()
-            _, log_probs = _chunk_losses(logits, labels[rows], ignore_index, label_smoothing)
+        for rows, _, log_probs in _ChunkedCrossEntropy._chunks(x, weight, bias, labels, ignore_index,
+                                                               label_smoothing, chunk_rows):
             # d loss / d logits = softmax - (1 - ε)·one_hot(label) - ε / vocab, scaled by the row's gradient
             ignored = labels[rows] == ignore_index
-            grad_logits = log_probs.exp_().sub_(label_smoothing / logits.shape[-1])
+            grad_logits = log_probs.exp_().sub_(label_smoothing / log_probs.shape[-1])
             grad_logits.scatter_add_(1, labels[rows].masked_fill(ignored, 0).unsqueeze(1),
                                      grad_logits.new_full((grad_logits.shape[0], 1), label_smoothing - 1))
             grad_logits.mul_(grad_losses[rows].masked_fill(ignored, 0.0).unsqueeze(1))
@@ -239,8 +244,8 @@ def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
                           ignore_index: int, label_smoothing: float = 0.0) -> torch.Tensor:
     """``F.cross_entropy(F.linear(x, weight, bias).float(), labels, reduction="none", ...)`` without the fp32 logits
     of all rows: logits are computed ``LOSS_CHUNK_ELEMENTS // vocab`` rows at a time in x's dtype, each chunk's loss
-    in fp32, and backward recomputes the chunk's logits (one more vocabulary GEMM, a few % of a step) instead of
-    keeping any. Same semantics: 0 at ``ignore_index`` rows, label smoothing as torch's.
+    in fp32, and backward recomputes the chunk's logits (one more vocabulary GEMM: 0.5 % of a UniLM-large step)
+    instead of keeping any. Same semantics: 0 at ``ignore_index`` rows, label smoothing as torch's.
 
     x: Float[rows, H] (the compute dtype, e.g. bf16), weight: Float[vocab, H], bias: Float[vocab] or None,
     labels: Long[rows] → Float[rows] fp32. Under autocast the operands are cast to its dtype first."""

@@ -210,9 +210,10 @@ def measured_peak_tflops(engine: Any, rank: int) -> float:
 def write_monitor(engine: Any, record: dict[str, Any]) -> None:
     """Every number of a step's ``metrics.jsonl`` record (losses, throughput, MFU, ...) as a DeepSpeed monitor event
     ``Train/Steps/<key>`` at x = the optimizer step (CSV files, and TensorBoard when installed; rank 0 writes)."""
+    numbers = {key: value for key, value in record.items()
+               if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
     if engine.monitor.enabled:
-        engine.monitor.write_events([(f"Train/Steps/{key}", value, record["step"]) for key, value in record.items()
-                                     if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)])
+        engine.monitor.write_events([(f"Train/Steps/{key}", value, record["step"]) for key, value in numbers.items()])
 
 
 class StepSums:

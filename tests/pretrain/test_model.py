@@ -326,7 +326,7 @@ def test_cache_can_drop_a_placeholder_position():
     torch.testing.assert_close(last, full[:, 5:], atol=1e-5, rtol=1e-5)
 
 
-def test_training_forward_and_step_sums_never_read_the_device(monkeypatch):
+def test_training_forward_and_step_sums_never_read_the_device(monkeypatch, one_rank_group):
     """A forward + backward and `StepSums.add` per micro-batch never copy a value to the host (on a GPU each such
     read waits for every queued kernel); only `StepSums.reduce` does, once per step."""
     from pretrain.trainer import StepSums
@@ -346,27 +346,9 @@ def test_training_forward_and_step_sums_never_read_the_device(monkeypatch):
             out.loss.backward()
             sums.add(batch, out)
     reports = [model(**batch) for batch in batches]
-    stats = sums_reduced(sums)
+    stats = sums.reduce(stop=False)
     assert stats["tokens"] == sum(int(batch["length"].sum()) for batch in batches)
     assert stats["objectives"].keys() == reports[0].objective_losses.keys() | reports[1].objective_losses.keys()
-
-
-def sums_reduced(sums) -> dict:
-    """``sums.reduce`` in a one-rank gloo group."""
-    import tempfile
-
-    import torch.distributed as torch_dist
-
-    with tempfile.TemporaryDirectory() as store:
-        created = not torch_dist.is_initialized()
-        if created:
-            torch_dist.init_process_group("gloo", store=torch_dist.FileStore(f"{store}/store", 1), rank=0,
-                                          world_size=1)
-        try:
-            return sums.reduce(stop=False)
-        finally:
-            if created:
-                torch_dist.destroy_process_group()
 
 
 @pytest.mark.slow  # the compiler's first CPU build takes 20-40 s on 2 cores
