@@ -31,7 +31,7 @@ WORKERS    ?= 2
 SHARDS     ?= data/shards/$(RECIPE)-$(SEQ_LEN)
 BUILD_ARGS ?=
 
-.PHONY: help setup system-deps sample-corpus vocab shards inspect demo ablation test test-fast bench bench-data bench-model clean pretrain preflight plot bench-train finetune-data finetune-demo bench-decode
+.PHONY: help setup system-deps sample-corpus vocab shards inspect demo ablation test test-fast bench bench-data bench-model clean pretrain preflight plot bench-train finetune-data finetune-demo bench-decode gpu-speed
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -86,6 +86,9 @@ test-fast: sample-corpus  ## the test suite without the multi-process / multi-mi
 
 bench: sample-corpus  ## every benchmark in one run: one table of ratios + the machine -> bench_out/results.json
 	$(PY) -m tools.bench_all --out bench_out
+
+gpu-speed: sample-corpus  ## on a CUDA machine: model + training-step speed vs targets, fast-path GPU tests -> bench_out/gpu_speed
+	PYTHON=$(PY) tools/gpu_speed.sh bench_out/gpu_speed
 
 bench-data: sample-corpus  ## shard build vs raw tokenizer throughput; Wikipedia-dump build at 1 vs 2 workers
 	$(PY) -m tools.bench_data

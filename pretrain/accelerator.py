@@ -5,6 +5,7 @@ On a CPU machine (``DS_ACCELERATOR=cpu``, or DeepSpeed finding no GPU) every fun
   * ``bind_local_device`` makes the process use GPU ``LOCAL_RANK`` before anything touches CUDA (NCCL, RNG, the
     model and the loader's copies all follow the current device);
   * ``collective_device`` is where a tensor handed to a collective must live (NCCL refuses CPU tensors);
+  * ``matmul_peak_tflops`` measures the device's dense matmul throughput in a dtype (the denominator of MFU);
   * ``deepspeed_arch_list`` rewrites ``TORCH_CUDA_ARCH_LIST`` into the ``X.Y`` / ``X.Y+PTX`` tokens DeepSpeed's JIT
     op builder parses (``deepspeed/ops/op_builder/builder.py`` reads each token as ``int`` major and minor, so the
     arch-specific ``9.0a`` that CUDA images set fails its FusedAdam build with ``invalid literal for int()``).
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from collections.abc import MutableMapping
 
 import torch
@@ -75,6 +77,33 @@ def default_device() -> torch.device:
     if accelerator.device_name() == "cpu" or not accelerator.is_available():
         return torch.device("cpu")
     return torch.device(accelerator.current_device_name())
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait until ``device`` has finished its queued work (nothing to wait for on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_peak_tflops(device: torch.device, dtype: torch.dtype, seconds: float = 0.25) -> float:
+    """Best dense matrix-multiply throughput of ``device`` in ``dtype``, TFLOP/s, over about ``seconds`` of square
+    multiplies (8192² on a GPU, where smaller ones leave the tensor cores idle; 1024² on the CPU, 512² for the
+    CPU's slow half-precision kernels). Timed in groups of multiplies after one warm-up; the best group counts."""
+    size = 8192 if device.type != "cpu" else 1024 if dtype == torch.float32 else 512
+    generator = torch.Generator(device=device).manual_seed(0)
+    a, b = (torch.randn(size, size, device=device, dtype=dtype, generator=generator) for _ in range(2))
+    a @ b
+    synchronize(device)
+    group, best, deadline = 1, 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        began = time.perf_counter()
+        for _ in range(group):
+            a @ b
+        synchronize(device)
+        elapsed = time.perf_counter() - began
+        best = max(best, 2 * size**3 * group / elapsed)
+        group = group * 2 if elapsed < seconds / 20 else group  # groups long enough to hide the launch overhead
+    return best / 1e12
 
 
 # ------------------------------------------------------------------------------------------- one-machine launch

@@ -169,9 +169,21 @@ class TrainConfig:
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward (less memory, about one extra forward of compute); may
     change when resuming."""
+    compile: bool | None = None
+    """`torch.compile` each Transformer block (fuses dropout, residual adds, LayerNorm and gelu; same parameters and
+    checkpoints). Null: on when training on CUDA with ZeRO 0-2, off on the CPU (where it was measured slower) and
+    under ZeRO-3."""
+    chunked_loss: bool | None = None
+    """Compute the MLM/LM loss in chunks of rows, logits in the training dtype and never all in fp32
+    (``pretrain.kernels.chunked_cross_entropy``). Null: on under bf16/fp16, off in fp32 (nothing to save there)."""
+    peak_tflops: float | None = None
+    """Dense matmul peak of one rank's device in the training dtype, TFLOP/s: the denominator of the ``mfu`` metric
+    (e.g. 989 for an H100 SXM in bf16). Null: measured once at start (a short matmul on the rank's device)."""
 
     def __post_init__(self) -> None:
         check_field_types(self, "train.")
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise ValueError(f"train.peak_tflops must be > 0 (or null: measured at start), got {self.peak_tflops}")
         if self.seed < 0:
             raise ValueError(f"train.seed must be >= 0, got {self.seed}")
         for name in ("global_batch_size", "micro_batch_size", "max_steps", "save_interval", "keep_last"):

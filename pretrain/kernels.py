@@ -1,7 +1,13 @@
-"""CPU fast paths for the shared model: same parameters, same semantics, less time per training step.
+"""Fast paths for the shared model: same parameters, same semantics, less time per training step.
 
-Two things dominate a fp32 CPU training step besides the matrix multiplies' arithmetic itself, and torch's
-defaults leave speed on the table for both (numbers: BERT-base, micro-batch 8 × 128, 2 cores, `make bench-model`):
+Any device: `chunked_cross_entropy`, the MLM/LM loss over chunks of rows, so that the vocabulary logits of all
+predicted rows never exist at once in fp32 (under bf16/fp16 the plain path casts them all to fp32 for the loss:
+rows × vocab × 4 bytes written and read several times, e.g. 286 MB per 32 × 77 masked positions at UniLM's
+28,996 tokens, plus their gradient). On by default under bf16/fp16 (``train.chunked_loss``).
+
+On the CPU in fp32 (compiled blocks take torch's ops instead, which the compiler fuses), two things dominate a
+training step besides the matrix multiplies' arithmetic itself, and torch's defaults leave speed on the table for
+both (numbers: BERT-base, micro-batch 8 × 128, 2 cores, `make bench-model`):
 
 - `Linear`: an `nn.Linear` (same `weight`/`bias` names, so checkpoints and Hugging Face export do not change)
   whose fp32 CPU forward and input-gradient GEMMs run through oneDNN (`torch.ops.mkldnn._linear_pointwise`, the
@@ -37,7 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Linear", "dropout_add", "onednn_linear", "onednn_linear_available", "retain_freed_memory"]
+__all__ = ["Linear", "chunked_cross_entropy", "dropout_add", "onednn_linear", "onednn_linear_available",
+           "retain_freed_memory"]
 
 
 # ------------------------------------------------------------------------------------------------ Linear
@@ -108,7 +115,7 @@ class Linear(nn.Linear):
         weight, bias = self.weight, self.bias
         if (x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32
                 or x.numel() == 0 or hasattr(weight, "ds_id") or torch.is_autocast_enabled("cpu")
-                or not onednn_linear_available()):
+                or torch.compiler.is_compiling() or not onednn_linear_available()):
             return F.linear(x, weight, bias)
         flat = x.reshape(-1, x.shape[-1])
         if not flat.is_contiguous():
@@ -162,10 +169,94 @@ def dropout_add(x: torch.Tensor, p: float, training: bool, residual: torch.Tenso
     x, residual: Float[...] of one shape; p in [0, 1); training False (or p = 0) makes it the identity."""
     if not training or p == 0.0:
         return x if residual is None else residual + x
-    if x.device.type != "cpu" or x.dtype != torch.float32:  # the mask's scale is exact only in fp32
+    # the mask's scale is exact only in fp32; compiled code gets torch's dropout, which the compiler fuses
+    if x.device.type != "cpu" or x.dtype != torch.float32 or torch.compiler.is_compiling():
         dropped = F.dropout(x, p, training=True)
         return dropped if residual is None else residual + dropped
     return _DropoutAdd.apply(residual, x, p)
+
+
+# ------------------------------------------------------------------------------------------------ loss
+LOSS_CHUNK_ELEMENTS = 2**25
+"""Logits computed at once by `chunked_cross_entropy`: rows per chunk = this // vocabulary (1157 rows of a
+28,996-token vocabulary, 128 MiB in fp32)."""
+
+
+def _chunk_losses(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int,
+                  label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row cross-entropy as ``F.cross_entropy(reduction="none")`` computes it (log-softmax, then the label's
+    term and the smoothing term) and the log-probabilities: Float[rows, vocab] fp32, Long[rows] →
+    (Float[rows], Float[rows, vocab])."""
+    log_probs = torch.log_softmax(logits, dim=-1)
+    ignored = labels == ignore_index
+    nll = -log_probs.gather(1, labels.masked_fill(ignored, 0).unsqueeze(1)).squeeze(1)
+    if label_smoothing:
+        smooth = -log_probs.sum(-1)
+        nll = (1 - label_smoothing) * nll + label_smoothing / logits.shape[-1] * smooth
+    return nll.masked_fill(ignored, 0.0), log_probs
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Per-row cross-entropy of the logits x @ weightᵀ + bias, chunk by chunk; backward recomputes each chunk."""
+
+    @staticmethod
+    def _chunks(x, weight, bias, labels, ignore_index, label_smoothing, chunk_rows):
+        """Per chunk of rows: (its slice, its losses Float[rows], its log-probabilities Float[rows, vocab])."""
+        for start in range(0, x.shape[0], chunk_rows):
+            rows = slice(start, start + chunk_rows)
+            logits = F.linear(x[rows], weight, bias).float()
+            yield rows, *_chunk_losses(logits, labels[rows], ignore_index, label_smoothing)
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, labels, ignore_index, label_smoothing, chunk_rows):
+        losses = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+        for rows, chunk_losses, _ in _ChunkedCrossEntropy._chunks(x, weight, bias, labels, ignore_index,
+                                                                  label_smoothing, chunk_rows):
+            losses[rows] = chunk_losses
+        ctx.save_for_backward(x, weight, bias, labels)
+        ctx.settings = ignore_index, label_smoothing, chunk_rows
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad_losses):  # grad_losses: Float[rows]
+        x, weight, bias, labels = ctx.saved_tensors
+        ignore_index, label_smoothing, chunk_rows = ctx.settings
+        grad_x = torch.empty_like(x)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
+        for rows, _, log_probs in _ChunkedCrossEntropy._chunks(x, weight, bias, labels, ignore_index,
+                                                               label_smoothing, chunk_rows):
+            # d loss / d logits = softmax - (1 - ε)·one_hot(label) - ε / vocab, scaled by the row's gradient
+            ignored = labels[rows] == ignore_index
+            grad_logits = log_probs.exp_().sub_(label_smoothing / log_probs.shape[-1])
+            grad_logits.scatter_add_(1, labels[rows].masked_fill(ignored, 0).unsqueeze(1),
+                                     grad_logits.new_full((grad_logits.shape[0], 1), label_smoothing - 1))
+            grad_logits.mul_(grad_losses[rows].masked_fill(ignored, 0.0).unsqueeze(1))
+            grad_logits = grad_logits.to(x.dtype)
+            grad_x[rows] = grad_logits @ weight
+            grad_weight.add_(grad_logits.t() @ x[rows])
+            grad_bias.add_(grad_logits.sum(0, dtype=torch.float32))
+        grad_bias = grad_bias.to(bias.dtype) if bias is not None else None
+        return grad_x, grad_weight.to(weight.dtype), grad_bias, None, None, None, None
+
+
+def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+                          ignore_index: int, label_smoothing: float = 0.0) -> torch.Tensor:
+    """``F.cross_entropy(F.linear(x, weight, bias).float(), labels, reduction="none", ...)`` without the fp32 logits
+    of all rows: logits are computed ``LOSS_CHUNK_ELEMENTS // vocab`` rows at a time in x's dtype, each chunk's loss
+    in fp32, and backward recomputes the chunk's logits (one more vocabulary GEMM: 0.5 % of a UniLM-large step)
+    instead of keeping any. Same semantics: 0 at ``ignore_index`` rows, label smoothing as torch's.
+
+    x: Float[rows, H] (the compute dtype, e.g. bf16), weight: Float[vocab, H], bias: Float[vocab] or None,
+    labels: Long[rows] → Float[rows] fp32. Under autocast the operands are cast to its dtype first."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
+    chunk_rows = max(1, LOSS_CHUNK_ELEMENTS // weight.shape[0])
+    with torch.autocast(device_type, enabled=False):
+        return _ChunkedCrossEntropy.apply(x, weight, bias, labels, ignore_index, label_smoothing, chunk_rows)
 
 
 # ------------------------------------------------------------------------------------------------ allocator

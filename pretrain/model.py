@@ -19,10 +19,12 @@ Differences from vanilla BERT (Devlin et al. 2019, google-research/bert `modelin
   6. `encode` takes an optional per-layer key/value cache (`past_key_values`) for UniLM-style incremental
      decoding: several query positions at once, keys = cached positions + new ones.
   7. Optional speed-ups, same numerics: apex's FusedLayerNorm when importable (torch LayerNorm otherwise);
-     activation checkpointing of each block (`torch.utils.checkpoint`, non-reentrant) when the training run
-     sets `model.activation_checkpointing` (a training setting, not architecture); on the CPU in fp32,
-     `pretrain.kernels`: linears on oneDNN and a cheaper dropout mask fused with the residual add
-     (same parameters, same distribution; GPUs and other dtypes take torch's own ops).
+     training settings, not architecture, set by the run (``train.*``): activation checkpointing of each block
+     (`torch.utils.checkpoint`, non-reentrant), `torch.compile` of each block (`compile_blocks`), and a token
+     loss computed in chunks of rows without fp32 logits of all of them (`chunked_loss`,
+     `pretrain.kernels.chunked_cross_entropy`); on the CPU in fp32, `pretrain.kernels`: linears on oneDNN and a
+     cheaper dropout mask fused with the residual add (same parameters, same distribution; GPUs, other dtypes and
+     compiled blocks take torch's own ops).
 Unchanged: post-LayerNorm blocks, exact (erf) gelu, learned absolute positions, dropout 0.1, LayerNorm eps
 1e-12, N(0, 0.02) init, the pooler (dense + tanh on the first token) under the NSP head, the MLM head (dense +
 gelu + LayerNorm + decoder tied to the token embeddings + bias). Parameter names map one-to-one onto Hugging
@@ -38,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pretrain.kernels import Linear, dropout_add
+from pretrain.kernels import Linear, chunked_cross_entropy, dropout_add
 from pretrain.masks import (
     BIDIRECTIONAL, LEFT_TO_RIGHT, NUM_OBJECTIVES, NUM_SEGMENT_TYPES, RIGHT_TO_LEFT, SEQ2SEQ,
     build_attention_mask, build_segment_ids,
@@ -220,27 +222,51 @@ class MLMHead(nn.Module):
         self.decoder = Linear(cfg.hidden_size, cfg.vocab_size)
         self.decoder.weight = token_embedding.weight
 
+    def transform(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float[..., H] → Float[..., H]: the decoder's input."""
+        return self.norm(F.gelu(self.dense(hidden)))
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float[..., H] → Float[..., vocab]."""
-        return self.decoder(self.norm(F.gelu(self.dense(hidden))))
+        return self.decoder(self.transform(hidden))
 
 
 # ------------------------------------------------------------------------------------------------ model
+_OBJECTIVE_LOSS_NAMES = {BIDIRECTIONAL: "bidirectional_mlm", LEFT_TO_RIGHT: "left_to_right",
+                         RIGHT_TO_LEFT: "right_to_left", SEQ2SEQ: "seq2seq"}
+REPORTED_OBJECTIVES = (*(_OBJECTIVE_LOSS_NAMES[i] for i in range(NUM_OBJECTIVES)), "nsp", "causal_lm")
+"""The slots of `PretrainOutput.objective_sums` / `objective_counts`: one per objective id (slot = id), then nsp and
+causal_lm. One fixed layout for every recipe, so a training step adds micro-batches' reports on the device and
+moves them to the host once."""
+_NSP_SLOT, _CAUSAL_LM_SLOT = NUM_OBJECTIVES, NUM_OBJECTIVES + 1
+
+
 @dataclass
 class PretrainOutput:
-    """What the training forward returns."""
+    """What the training forward returns. The reports are device tensors: reading them never waits for the device
+    until a caller asks for the dictionaries."""
 
     loss: torch.Tensor
     """Scalar to backpropagate: mean token loss over all predicted tokens + mean NSP loss."""
-    objective_losses: dict[str, torch.Tensor]
-    """Detached mean loss per objective present in the batch: bidirectional_mlm, nsp, left_to_right,
-    right_to_left, seq2seq (or causal_lm)."""
-    objective_tokens: dict[str, torch.Tensor]
-    """How many predictions each of those means averages (tokens; samples for nsp)."""
+    objective_sums: torch.Tensor
+    """Float[len(REPORTED_OBJECTIVES)], detached: summed loss of each objective's predictions in the batch (0 for an
+    objective not present)."""
+    objective_counts: torch.Tensor
+    """Float[len(REPORTED_OBJECTIVES)]: how many predictions each sum adds (tokens; samples for nsp)."""
 
+    @property
+    def objective_losses(self) -> dict[str, torch.Tensor]:
+        """Mean loss per objective present in the batch: bidirectional_mlm, nsp, left_to_right, right_to_left,
+        seq2seq (or causal_lm). Waits for the device (it reads which objectives are present)."""
+        present = self.objective_counts.tolist()
+        return {name: self.objective_sums[i] / self.objective_counts[i]
+                for i, name in enumerate(REPORTED_OBJECTIVES) if present[i] > 0}
 
-_OBJECTIVE_LOSS_NAMES = {BIDIRECTIONAL: "bidirectional_mlm", LEFT_TO_RIGHT: "left_to_right",
-                         RIGHT_TO_LEFT: "right_to_left", SEQ2SEQ: "seq2seq"}
+    @property
+    def objective_tokens(self) -> dict[str, torch.Tensor]:
+        """How many predictions each of `objective_losses` averages."""
+        present = self.objective_counts.tolist()
+        return {name: self.objective_counts[i] for i, name in enumerate(REPORTED_OBJECTIVES) if present[i] > 0}
 
 
 class UniLMModel(nn.Module):
@@ -257,6 +283,9 @@ class UniLMModel(nn.Module):
         self.activation_checkpointing = False
         """Recompute each block's activations in backward (less memory, about one extra forward of compute): a
         training setting (``train.activation_checkpointing``), so not part of the ModelConfig."""
+        self.chunked_loss = False
+        """Token losses through `pretrain.kernels.chunked_cross_entropy` (no fp32 logits of all rows at once): a
+        training setting (``train.chunked_loss``)."""
         self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -327,15 +356,26 @@ class UniLMModel(nn.Module):
         """Float[..., H] → Float[..., vocab] through the tied MLM head."""
         return self.mlm_head(hidden)
 
+    def token_losses(self, hidden: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
+        """fp32 cross-entropy of the MLM head's prediction from each hidden state: Float[..., H], Long[...] labels →
+        Float[N] (N = labels.numel(); 0 where the label is `IGNORE_INDEX`). With ``chunked_loss`` the decoder's
+        logits are never all materialised (ZeRO-3-partitioned weights, which DeepSpeed gathers only inside the
+        decoder's own forward, take the plain path)."""
+        decoder = self.mlm_head.decoder
+        if self.chunked_loss and not hasattr(decoder.weight, "ds_id"):
+            return chunked_cross_entropy(self.mlm_head.transform(hidden).flatten(0, -2), decoder.weight, decoder.bias,
+                                         labels.flatten(), IGNORE_INDEX, label_smoothing)
+        return F.cross_entropy(self.mlm_logits(hidden).flatten(0, -2).float(), labels.flatten(),
+                               ignore_index=IGNORE_INDEX, label_smoothing=label_smoothing, reduction="none")
+
     def masked_lm_loss(self, hidden: torch.Tensor, masked_positions: torch.Tensor, masked_labels: torch.Tensor,
                        label_smoothing: float = 0.0) -> torch.Tensor:
         """Mean cross-entropy of the MLM head's predictions at the masked positions only.
 
         hidden Float[B, L, H]; masked_positions Long[B, P] (padding positions arbitrary); masked_labels Long[B, P]
         (`IGNORE_INDEX` at padding)."""
-        logits = self.mlm_logits(gather_positions(hidden, masked_positions))
-        return F.cross_entropy(logits.flatten(0, 1).float(), masked_labels.flatten(), ignore_index=IGNORE_INDEX,
-                               label_smoothing=label_smoothing)
+        losses = self.token_losses(gather_positions(hidden, masked_positions), masked_labels, label_smoothing)
+        return losses.sum() / (masked_labels != IGNORE_INDEX).sum().clamp(min=1)
 
     def causal_lm_loss(self, input_ids: torch.Tensor, length: torch.Tensor,
                        hidden: torch.Tensor | None = None) -> torch.Tensor:
@@ -343,9 +383,9 @@ class UniLMModel(nn.Module):
         ``hidden``: that pass's Float[B, L, H] when the caller already ran it."""
         if hidden is None:
             hidden = self.encode_objective(input_ids, LEFT_TO_RIGHT, length, length)
-        logits = self.mlm_logits(hidden[:, :-1])  # position t predicts token t + 1
-        return F.cross_entropy(logits.flatten(0, 1).float(), causal_lm_labels(input_ids, length).flatten(),
-                               ignore_index=IGNORE_INDEX)
+        labels = causal_lm_labels(input_ids, length)
+        losses = self.token_losses(hidden[:, :-1], labels)  # position t predicts token t + 1
+        return losses.sum() / (labels != IGNORE_INDEX).sum().clamp(min=1)
 
     def pooled(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float[B, L, H] → Float[B, H]: tanh(dense(first token)), BERT's pooler (the NSP head's input)."""
@@ -375,16 +415,14 @@ class UniLMModel(nn.Module):
         hidden = self.encode_objective(input_ids, objective, len_a, length)
 
         if self.cfg.causal_lm:
-            logits = self.mlm_logits(hidden[:, :-1])  # position t predicts token t + 1
-            labels = causal_lm_labels(input_ids, length)
+            predicting, labels = hidden[:, :-1], causal_lm_labels(input_ids, length)  # t predicts token t + 1
             token_objective = None
         else:
             if masked_positions is None or masked_labels is None:
                 raise ValueError("masked_positions and masked_labels are required unless cfg.causal_lm")
-            logits, labels = self.mlm_logits(gather_positions(hidden, masked_positions)), masked_labels
+            predicting, labels = gather_positions(hidden, masked_positions), masked_labels
             token_objective = objective.unsqueeze(1).expand_as(labels)
-        token_loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
-                                     reduction="none")
+        token_loss = self.token_losses(predicting, labels)
         predicted = (labels.flatten() != IGNORE_INDEX).float()
         token_count = predicted.sum()
         loss = token_loss.sum() / token_count.clamp(min=1)
@@ -399,21 +437,24 @@ class UniLMModel(nn.Module):
         nsp_count = nsp_weight.sum()
         loss = loss + (nsp_loss * nsp_weight).sum() / nsp_count.clamp(min=1)
 
-        # Per-objective reports: sums and counts in one tensor, one host transfer for all of them.
+        # Per-objective reports in REPORTED_OBJECTIVES' fixed slots, left on the device.
         with torch.no_grad():
             if token_objective is None:
-                sums, counts, names = token_loss.sum().view(1), token_count.view(1), ["causal_lm"]
+                slots = torch.full_like(labels.flatten(), _CAUSAL_LM_SLOT)
             else:
-                flat = token_objective.flatten()
-                sums = token_loss.new_zeros(NUM_OBJECTIVES).index_add_(0, flat, token_loss)
-                counts = predicted.new_zeros(NUM_OBJECTIVES).index_add_(0, flat, predicted)
-                sums = torch.cat([sums, (nsp_loss * nsp_weight).sum().view(1)])
-                counts = torch.cat([counts, nsp_count.view(1)])
-                names = [_OBJECTIVE_LOSS_NAMES[i] for i in range(NUM_OBJECTIVES)] + ["nsp"]
-            present = counts.tolist()
-            objective_losses = {n: sums[i] / counts[i] for i, n in enumerate(names) if present[i] > 0}
-            objective_tokens = {n: counts[i] for i, n in enumerate(names) if present[i] > 0}
-        return PretrainOutput(loss, objective_losses, objective_tokens)
+                slots = token_objective.flatten()
+            sums = token_loss.new_zeros(len(REPORTED_OBJECTIVES)).index_add_(0, slots, token_loss)
+            counts = predicted.new_zeros(len(REPORTED_OBJECTIVES)).index_add_(0, slots, predicted)
+            sums[_NSP_SLOT] += (nsp_loss * nsp_weight).sum()
+            counts[_NSP_SLOT] += nsp_count
+        return PretrainOutput(loss, sums, counts)
+
+    def compile_blocks(self) -> None:
+        """`torch.compile` every Transformer block in place (``nn.Module.compile``: parameter names, checkpoints and
+        activation checkpointing unchanged): the compiler fuses dropout, residual adds, LayerNorm and gelu around
+        the matrix multiplies. A training setting (``train.compile``)."""
+        for layer in self.layers:
+            layer.compile()
 
     def num_parameters(self, non_embedding: bool = False) -> int:
         """Distinct parameters (the tied decoder counted once); non_embedding drops the three embedding tables."""
@@ -422,6 +463,23 @@ class UniLMModel(nn.Module):
             total -= sum(p.numel() for p in (self.embeddings.token.weight, self.embeddings.position.weight,
                                              self.embeddings.segment.weight))
         return total
+
+
+def training_flops(cfg: ModelConfig, tokens: float, squared_lengths: float, predictions: float,
+                   samples: float) -> float:
+    """Useful FLOPs of one forward + backward over a batch (the numerator of MFU): 6 × encoder-block matmul weights
+    × tokens (forward 2, backward 4 per multiply-add), attention scores and context (3 × 4 × hidden × length² per
+    layer and sample), 6 × MLM-head weights × predicted tokens and 6 × pooler/NSP weights × samples. Embedding
+    lookups are not counted, nor work on padding or on positions without a prediction, so such work lowers MFU.
+
+    tokens: Σ sample lengths; squared_lengths: Σ sample length²; predictions: predicted tokens."""
+    hidden, ffn = cfg.hidden_size, cfg.intermediate_size
+    block_weights = 4 * hidden * hidden + 2 * hidden * ffn
+    encoder = 6 * cfg.num_layers * block_weights * tokens
+    attention = 3 * cfg.num_layers * 4 * hidden * squared_lengths
+    head = 6 * (hidden * hidden + hidden * cfg.vocab_size) * predictions
+    nsp = 6 * (hidden * hidden + 2 * hidden) * samples
+    return float(encoder + attention + head + nsp)
 
 
 def gather_positions(hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

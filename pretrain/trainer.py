@@ -30,16 +30,14 @@ from data_prep.shard_format import MANIFEST_NAME, ShardDataset, sha256_file
 from pretrain import checkpoint as ckpt
 from pretrain.batch_plan import BatchPlan, plan_batch
 from pretrain.config import RunConfig
-from pretrain.accelerator import collective_device
+from pretrain.accelerator import accelerator_name, collective_device, matmul_peak_tflops
 from pretrain.data import PretrainLoader, SampleOrder, collate, sample_objectives, to_device
 from pretrain.engine import (NonFiniteLossError, build_engine, engine_config, init_distributed,
                              nonfinite_gradient_norm, optimizer_step, precision, read_engine_json,
                              seed_everything, zero_stage)
 from pretrain.hf import load_hf_bert
-from pretrain.model import ModelConfig, build_model, preset
+from pretrain.model import REPORTED_OBJECTIVES, ModelConfig, build_model, preset, training_flops
 from pretrain.outputs import write_file_atomically
-
-REPORTED_OBJECTIVES = ("bidirectional_mlm", "nsp", "left_to_right", "right_to_left", "seq2seq", "causal_lm")
 
 
 # ------------------------------------------------------------------------------------------ building blocks
@@ -180,40 +178,86 @@ def check_predicted_tokens(stats: dict[str, Any], step: int, where: str) -> None
                          "(data_prep.inspect) and the model's recipe")
 
 
-class StepSums:
-    """A step's (or an evaluation's) loss and per-objective loss sums on this rank, reduced over ranks."""
+@dataclasses.dataclass(frozen=True)
+class Throughput:
+    """A step's model TFLOP/s per rank and its model FLOPs utilisation (MFU)."""
 
-    def __init__(self) -> None:
-        self.loss, self.micro_batches, self.tokens = 0.0, 0, 0
-        self.objective_sums: dict[str, float] = {}
-        self.objective_counts: dict[str, float] = {}
+    model_cfg: ModelConfig
+    world_size: int
+    peak_tflops: float
+    """One rank's dense matmul peak in the training dtype (``train.peak_tflops``, or `measured_peak_tflops`)."""
+
+    def per_rank(self, summary: dict[str, Any], samples: int, elapsed: float) -> dict[str, float]:
+        """``tflops``: `pretrain.model.training_flops` of the step's global batch (``summary`` from
+        `StepSums.reduce`, ``samples`` sequences) per second, divided by the world size; ``mfu``: that over the
+        peak; ``peak_tflops``."""
+        flops = training_flops(self.model_cfg, summary["tokens"], summary["squared_lengths"], summary["predictions"],
+                               samples)
+        tflops = flops / self.world_size / elapsed / 1e12
+        return {"tflops": tflops, "mfu": tflops / self.peak_tflops, "peak_tflops": self.peak_tflops}
+
+
+def measured_peak_tflops(engine: Any, rank: int) -> float:
+    """`pretrain.accelerator.matmul_peak_tflops` on this rank's device in the engine's training dtype."""
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[precision(engine)]
+    peak = matmul_peak_tflops(engine.device, dtype)
+    if rank == 0:
+        print(f"[mfu] measured {precision(engine)} matmul peak of {engine.device}: {peak:.3g} TFLOP/s "
+              "(set train.peak_tflops to use a fixed one)", flush=True)
+    return peak
+
+
+def write_monitor(engine: Any, record: dict[str, Any]) -> None:
+    """Every number of a step's ``metrics.jsonl`` record (losses, throughput, MFU, ...) as a DeepSpeed monitor event
+    ``Train/Steps/<key>`` at x = the optimizer step (CSV files, and TensorBoard when installed; rank 0 writes)."""
+    numbers = {key: value for key, value in record.items()
+               if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
+    if engine.monitor.enabled:
+        engine.monitor.write_events([(f"Train/Steps/{key}", value, record["step"]) for key, value in numbers.items()])
+
+
+class StepSums:
+    """A step's (or an evaluation's) loss, tokens and per-objective loss sums on this rank, reduced over ranks.
+
+    Everything stays a float64 tensor on the device until `reduce`, whose all-reduce and one transfer to the host
+    are the step's only wait for the device. Layout of ``values``: ``_FIELDS`` then a (sum, count) pair per
+    `REPORTED_OBJECTIVES` slot."""
+
+    _FIELDS = ("loss", "micro_batches", "tokens", "squared_lengths", "stop")
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.values = torch.zeros(len(self._FIELDS) + 2 * len(REPORTED_OBJECTIVES), dtype=torch.float64,
+                                  device=device)
+
+    def _field(self, name: str) -> torch.Tensor:
+        return self.values[self._FIELDS.index(name)]
 
     def add(self, batch: dict[str, torch.Tensor], output: Any) -> None:
         """Count one micro-batch's ``pretrain.model.PretrainOutput``."""
-        self.loss += output.loss.item()
-        self.micro_batches += 1
-        self.tokens += int(batch["length"].sum())
-        for name, value in output.objective_losses.items():
-            count = float(output.objective_tokens[name])
-            self.objective_sums[name] = self.objective_sums.get(name, 0.0) + float(value) * count
-            self.objective_counts[name] = self.objective_counts.get(name, 0.0) + count
+        length = batch["length"].to(self.values.device, torch.float64)
+        self._field("loss").add_(output.loss.detach().to(torch.float64))
+        self._field("micro_batches").add_(1)
+        self._field("tokens").add_(length.sum())
+        self._field("squared_lengths").add_(length.square().sum())
+        objectives = self.values[len(self._FIELDS):].view(-1, 2)
+        objectives[:, 0].add_(output.objective_sums.to(torch.float64))
+        objectives[:, 1].add_(output.objective_counts.to(torch.float64))
 
-    def reduce(self, micro_batches: int, stop: bool) -> dict[str, Any]:
-        """Sum over ranks in one all-reduce: mean loss per micro-batch, tokens, per-objective mean losses, and
-        whether any rank asked to stop."""
-        values = [self.loss, micro_batches, self.tokens, float(stop)]
-        for name in REPORTED_OBJECTIVES:
-            values += [self.objective_sums.get(name, 0.0), self.objective_counts.get(name, 0.0)]
-        tensor = torch.tensor(values, dtype=torch.float64, device=collective_device())
-        torch_dist.all_reduce(tensor)
-        values = tensor.tolist()
-        objectives = {}
-        for i, name in enumerate(REPORTED_OBJECTIVES):
-            total, count = values[4 + 2 * i], values[5 + 2 * i]
-            if count > 0:
-                objectives[name] = total / count
-        return {"loss": values[0] / values[1], "tokens": int(values[2]), "stop": values[3] > 0,
-                "objectives": objectives}
+    def reduce(self, stop: bool) -> dict[str, Any]:
+        """Sum over ranks in one all-reduce: mean loss per micro-batch, tokens (and the sum of squared sample
+        lengths), per-objective mean losses, whether any rank asked to stop, and this rank's own loss sum."""
+        self._field("stop").fill_(float(stop))
+        reduced = self.values.to(collective_device(), copy=True)
+        torch_dist.all_reduce(reduced)
+        *values, local_loss = torch.cat([reduced, self._field("loss").view(1).to(reduced.device)]).tolist()
+        totals = dict(zip(self._FIELDS, values))
+        pairs = values[len(self._FIELDS):]
+        objectives = {name: pairs[2 * i] / pairs[2 * i + 1] for i, name in enumerate(REPORTED_OBJECTIVES)
+                      if pairs[2 * i + 1] > 0}
+        predictions = sum(pairs[2 * i + 1] for i, name in enumerate(REPORTED_OBJECTIVES) if name != "nsp")
+        return {"loss": totals["loss"] / totals["micro_batches"], "tokens": int(totals["tokens"]),
+                "squared_lengths": totals["squared_lengths"], "predictions": predictions, "stop": totals["stop"] > 0,
+                "objectives": objectives, "local_loss": local_loss}
 
 
 def nonfinite_diagnostic(step: int, consumed_samples: int, stats: dict[str, Any], lr: float,
@@ -267,7 +311,8 @@ def _train_locked(cfg: RunConfig, rank: int, world_size: int, started: float) ->
     engine_json = read_engine_json(cfg.deepspeed_config_path)
     resume = ckpt.find_resume_point(cfg.checkpoint_dir, cfg.train.resume, identity, world_size,
                                     zero_stage(engine_json), report=print if rank == 0 else None)
-    engine, num_parameters = build_training_engine(cfg, model_cfg, plan, engine_json, resume)
+    engine = build_training_engine(cfg, model_cfg, plan, engine_json, resume)
+    throughput = Throughput(model_cfg, world_size, cfg.train.peak_tflops or measured_peak_tflops(engine, rank))
     progress = restore_progress(engine, resume, cfg.train.seed, rank, world_size)
     loader = build_loader(cfg, dataset, model_cfg, plan, rank, progress.consumed_samples, engine.device)
     eval_set = EvalSet(cfg, plan, rank, world_size, loader.pad_id, loader.max_len) if cfg.train.eval_interval else None
@@ -278,7 +323,7 @@ def _train_locked(cfg: RunConfig, rank: int, world_size: int, started: float) ->
                 zero_stage=zero_stage(engine_json), precision=precision(engine))
     stop_requested = StopRequest(started, cfg.train.exit_after_minutes)
     try:
-        run_steps(cfg, engine, loader, eval_set, plan, metrics, progress, meta, stop_requested, num_parameters)
+        run_steps(cfg, engine, loader, eval_set, plan, metrics, progress, meta, stop_requested, throughput)
     finally:
         loader.close()
         metrics.close()
@@ -308,14 +353,33 @@ def check_vocabulary_fits(dataset: ShardDataset, model_cfg: ModelConfig) -> None
 
 
 def build_training_engine(cfg: RunConfig, model_cfg: ModelConfig, plan: BatchPlan, engine_json: dict[str, Any],
-                          resume: ckpt.ResumePoint | None) -> tuple[Any, int]:
-    """The DeepSpeed engine around a freshly initialised (or HF-initialised) model, and its parameter count."""
+                          resume: ckpt.ResumePoint | None) -> Any:
+    """The DeepSpeed engine around a freshly initialised (or HF-initialised) model."""
     seed_everything(cfg.train.seed)  # identical initial weights on every rank
     model = build_model(model_cfg) if not cfg.model.init_from else _init_from_hf(cfg.model.init_from, model_cfg)
     model.activation_checkpointing = cfg.train.activation_checkpointing
-    num_parameters = model.num_parameters()  # before ZeRO-3 partitions the tensors
+    fast_paths = fast_path_settings(cfg, engine_json)
+    model.chunked_loss = fast_paths["chunked_loss"]
+    if fast_paths["compile"]:
+        model.compile_blocks()
     config = build_deepspeed_config(cfg, plan, engine_json, load_universal=resume is not None and resume.universal)
-    return build_engine(model, config, cfg.optim.weight_decay), num_parameters
+    return build_engine(model, config, cfg.optim.weight_decay)
+
+
+def fast_path_settings(cfg: RunConfig, engine_json: dict[str, Any]) -> dict[str, bool]:
+    """``train.compile`` and ``train.chunked_loss`` with their null defaults resolved for this run: compile on CUDA
+    under ZeRO 0-2, chunked loss under bf16/fp16. Refuses compiling under ZeRO-3 (its parameter hooks run inside
+    the blocks)."""
+    stage = zero_stage(engine_json)
+    half = any(engine_json.get(key, {}).get("enabled", False) for key in ("fp16", "bf16", "bfloat16"))
+    compile_blocks = cfg.train.compile
+    if compile_blocks is None:
+        compile_blocks = accelerator_name() == "cuda" and stage < 3
+    elif compile_blocks and stage == 3:
+        raise ValueError("train.compile=true does not work with ZeRO-3 (DeepSpeed gathers each block's parameters "
+                         "inside its forward); use ZeRO 0-2 or train.compile=false")
+    chunked_loss = half if cfg.train.chunked_loss is None else cfg.train.chunked_loss
+    return {"compile": compile_blocks, "chunked_loss": chunked_loss}
 
 
 def restore_progress(engine: Any, resume: ckpt.ResumePoint | None, seed: int, rank: int,
@@ -367,7 +431,7 @@ class StopRequest:
 
 def run_steps(cfg: RunConfig, engine: Any, loader: PretrainLoader, eval_set: EvalSet | None, plan: BatchPlan,
               metrics: Metrics, progress: Progress, meta: dict[str, Any], stop_requested: StopRequest,
-              num_parameters: int) -> None:
+              throughput: Throughput) -> None:
     """Optimizer steps until ``train.max_steps`` / ``train.exit_at_step`` / a stop request; saves on the way."""
     rank = torch_dist.get_rank()
     engine.train()
@@ -375,11 +439,12 @@ def run_steps(cfg: RunConfig, engine: Any, loader: PretrainLoader, eval_set: Eva
     if cfg.train.exit_at_step is not None and progress.step >= cfg.train.exit_at_step and rank == 0:
         print(f"[exit] exit_at_step: already at step {progress.step}", flush=True)
     while progress.step < last_step:
-        record, stop = train_step(engine, loader, plan, metrics, progress, stop_requested, num_parameters)
+        record, stop = train_step(engine, loader, plan, metrics, progress, stop_requested, throughput)
         if eval_set is not None and progress.step % cfg.train.eval_interval == 0:
             record.update(eval_set.evaluate(engine))
             engine.train()
         metrics.write(record)
+        write_monitor(engine, record)
         exiting = stop or progress.step == cfg.train.exit_at_step
         if progress.step % cfg.train.save_interval == 0 or progress.step == cfg.train.max_steps or exiting:
             progress.last_checkpoint = ckpt.save(
@@ -396,7 +461,7 @@ def run_steps(cfg: RunConfig, engine: Any, loader: PretrainLoader, eval_set: Eva
 
 
 def train_step(engine: Any, loader: PretrainLoader, plan: BatchPlan, metrics: Metrics, progress: Progress,
-               stop_requested: StopRequest, num_parameters: int) -> tuple[dict[str, Any], bool]:
+               stop_requested: StopRequest, throughput: Throughput) -> tuple[dict[str, Any], bool]:
     """One optimizer step over this rank's micro-batches; advances ``progress``. Returns the step's
     ``metrics.jsonl`` record and whether any rank asked to stop. A non-finite loss (before the update) or
     gradient (fp32/bf16, after it) raises `NonFiniteLossError` with a diagnosis, recorded in the metrics too."""
@@ -406,15 +471,15 @@ def train_step(engine: Any, loader: PretrainLoader, plan: BatchPlan, metrics: Me
     wait_before = loader.wait_seconds
     micro_batches = loader.next_step()
     skipped_before = engine.skipped_steps
-    sums = StepSums()
+    sums = StepSums(engine.device)
     summary: dict[str, Any] = {}
 
     def before_update() -> None:
-        summary.update(sums.reduce(len(micro_batches), bool(stop_requested)))
+        summary.update(sums.reduce(bool(stop_requested)))
         check_predicted_tokens(summary, progress.step + 1, loader.dataset.directory)
         summary["lr"] = engine.get_lr()[0]  # the rate this optimizer step applies
         if not math.isfinite(summary["loss"]):
-            if not math.isfinite(sums.loss):
+            if not math.isfinite(summary["local_loss"]):
                 print(f"[rank {rank}] non-finite local loss at step {progress.step + 1}", file=sys.stderr)
             message = nonfinite_diagnostic(progress.step + 1, loader.consumed_samples - plan.global_batch_size,
                                            summary, summary["lr"], engine.optimizer.cur_scale if fp16 else None,
@@ -438,7 +503,7 @@ def train_step(engine: Any, loader: PretrainLoader, plan: BatchPlan, metrics: Me
         "lr": summary["lr"], "grad_norm": _maybe_float(engine.get_global_grad_norm()),
         **{f"loss_{name}": value for name, value in summary["objectives"].items()},
         "samples_per_s": plan.global_batch_size / elapsed, "tokens_per_s": summary["tokens"] / elapsed,
-        "tflops": 6.0 * num_parameters * summary["tokens"] / elapsed / 1e12,
+        **throughput.per_rank(summary, plan.global_batch_size, elapsed),
         "step_time_s": elapsed, "data_wait_s": loader.wait_seconds - wait_before,
     }
     if fp16:
@@ -487,9 +552,9 @@ class EvalSet:
     @torch.no_grad()
     def evaluate(self, engine: Any) -> dict[str, float]:
         engine.eval()
-        sums = StepSums()
+        sums = StepSums(engine.device)
         for batch in self.batches:
             batch = to_device(batch, engine.device)
             sums.add(batch, engine(**batch))
-        stats = sums.reduce(len(self.batches), False)
+        stats = sums.reduce(stop=False)
         return {"eval_loss": stats["loss"], **{f"eval_loss_{k}": v for k, v in stats["objectives"].items()}}

@@ -45,6 +45,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture
+def one_rank_group(tmp_path: Path):
+    """An in-process 1-rank gloo process group, as `python -m pretrain.train` makes (unless one exists already)."""
+    import torch.distributed as torch_dist
+
+    created = not torch_dist.is_initialized()
+    if created:
+        torch_dist.init_process_group("gloo", store=torch_dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                                      world_size=1)
+    yield
+    if created:
+        torch_dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def samples_dir() -> Path:
     """Folder of real corpora; `make test` fetches it first (`make sample-corpus`)."""

@@ -7,7 +7,8 @@ Runs, one after the other on the same machine (so the ratios are measured side b
   model   ``tools.bench_model``      training step vs ``transformers.BertForPreTraining``; FLOP/s vs matmul peak
   train   ``tools.bench_train``      loader vs model consumption, data-wait share, ZeRO-1/2/3 memory per rank
   decode  ``tools.bench_decode``     beam search with vs without the key/value cache
-  gpu     (CUDA machines only)          fp16/bf16 BERT-large training throughput at seq 128 and 512, MFU
+  gpu     (CUDA machines only)      ``tools.bench_model --gpu`` (UniLM-large model step, bf16/fp16, eager / fast
+                                    paths / transformers, MFU) and ``pretrain.train`` at 512 and 128 tokens
 Each measurement is one row: what was measured, against what, the ratio, the target. A benchmark that fails
 is reported as such and the others still run. The machine (CPU model, cores, memory, library versions) is
 recorded beside the numbers.
@@ -81,57 +82,21 @@ def bench_decode(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def bench_gpu(args: argparse.Namespace) -> dict[str, Any]:
-    """BERT-large training throughput per GPU (forward + backward + AdamW under autocast) at seq 128 and 512 in
-    fp16 and bf16, with MFU against the dense matmul peak measured in the same dtype."""
+    """On CUDA: the model step (``tools.bench_model --gpu`` in its own process: bf16/fp16 matmul peaks, UniLM-large
+    32 × 512 eager, with each fast path and both, vs transformers) and the full training step
+    (``tools.bench_train.train_step_throughput``: pretrain.train, ZeRO-2 bf16, batch 330 = 33 × 10) at 512 and 128
+    tokens."""
     import torch
     if not torch.cuda.is_available():
         return {"skipped": "no CUDA device"}
-    from tools.bench_model import make_batch, useful_flops
-    from pretrain.model import build_model, preset
+    from tools.bench_train import train_step_throughput
 
-    cfg = preset("bert-large")
-    results = []
-    for dtype in (torch.float16, torch.bfloat16):
-        a = torch.randn(8192, 8192, device="cuda", dtype=dtype)
-        for _ in range(3):
-            a @ a
-        torch.cuda.synchronize()
-        began = time.perf_counter()
-        for _ in range(20):
-            a @ a
-        torch.cuda.synchronize()
-        peak = 20 * 2 * 8192**3 / (time.perf_counter() - began)
-        del a
-        for seq_len, batch_size in ((128, 64), (512, 16)):
-            model = build_model(cfg).cuda().train()
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-            scaler = torch.amp.GradScaler(enabled=dtype == torch.float16)
-            predictions = int(0.15 * seq_len)
-            batch = {k: v.cuda() for k, v in make_batch(cfg, batch_size, seq_len, predictions).items()}
-
-            def step() -> None:
-                with torch.autocast("cuda", dtype=dtype):
-                    loss = model(**batch).loss
-                scaler.scale(loss).backward()
-                scaler.step(optimizer)
-                scaler.update()
-                optimizer.zero_grad(set_to_none=True)
-
-            for _ in range(3):
-                step()
-            torch.cuda.synchronize()
-            began, steps = time.perf_counter(), 10
-            for _ in range(steps):
-                step()
-            torch.cuda.synchronize()
-            seconds = (time.perf_counter() - began) / steps
-            results.append({"dtype": str(dtype).removeprefix("torch."), "seq_len": seq_len, "micro_batch": batch_size,
-                            "samples_per_s": batch_size / seconds,
-                            "mfu": useful_flops(cfg, batch_size, seq_len, predictions) / seconds / peak,
-                            "matmul_peak_tflops": peak / 1e12})
-            del model, optimizer
-            torch.cuda.empty_cache()
-    return {"device": torch.cuda.get_device_name(0), "bert_large": results}
+    out = args.out / "gpu_model.json"
+    _run([sys.executable, "-m", "tools.bench_model", "--gpu", "--json", str(out)])
+    result = {"device": torch.cuda.get_device_name(0), "model": json.loads(out.read_text()), "train": {}}
+    for seq_len in (512, 128):
+        result["train"][seq_len] = train_step_throughput(_shards(args, seq_len), args.out / "gpu_train")
+    return result
 
 
 RUNNERS = {"data": bench_data, "model": bench_model, "train": bench_train, "decode": bench_decode, "gpu": bench_gpu}
@@ -147,18 +112,21 @@ def _run(command: list[str]) -> str:
     return done.stdout
 
 
-def _shards(args: argparse.Namespace) -> str:
-    """The training-engine benchmark reads real shards: ``--shards``, else a build of the sample corpus."""
-    if args.shards and Path(args.shards, "manifest.json").is_file():
+def _shards(args: argparse.Namespace, seq_len: int = 128) -> str:
+    """The training benchmarks read real shards: ``--shards`` (at 128 tokens), else a build of the sample corpus
+    (Wikipedia excerpt + books) at ``seq_len`` tokens with an 8,000-token vocabulary trained on it."""
+    if seq_len == 128 and args.shards and Path(args.shards, "manifest.json").is_file():
         return args.shards
     data = args.out / "data"
     inputs = ["data/samples/wiki/enwiki-excerpt.xml.bz2", "data/samples/books.jsonl"]
-    if not (data / "shards" / "manifest.json").is_file():
+    shards = data / ("shards" if seq_len == 128 else f"shards-{seq_len}")
+    if not (data / "vocab.txt").is_file():
         _run([sys.executable, "-m", "data_prep.build", "--input", *inputs, "--train-vocab", "8000",
               "--vocab-out", str(data / "vocab.txt"), "--quiet"])
+    if not (shards / "manifest.json").is_file():
         _run([sys.executable, "-m", "data_prep.build", "--input", *inputs, "--vocab", str(data / "vocab.txt"),
-              "--workers", "2", "--out", str(data / "shards"), "--overwrite", "--quiet"])
-    return str(data / "shards")
+              "--max-seq-len", str(seq_len), "--workers", "2", "--out", str(shards), "--overwrite", "--quiet"])
+    return str(shards)
 
 
 # ----------------------------------------------------------------------------------------------- table
@@ -215,10 +183,31 @@ def table_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
         row(f"beam-{decode['beam_size']} decoding with vs without KV cache ({decode['target_length']} tokens)",
             f"{decode['cache']['seconds']:.2f} s", f"{decode['no_cache']['seconds']:.2f} s", decode["speedup"],
             ">= 10 (same outputs)", decode["speedup"] >= 10 and decode["identical_outputs"])
-    for gpu in results.get("gpu", {}).get("bert_large", []):
-        row(f"BERT-large {gpu['dtype']} seq {gpu['seq_len']} on {results['gpu']['device']}, MFU",
-            f"{gpu['samples_per_s']:.1f} samples/s", f"{gpu['matmul_peak_tflops']:.0f} TFLOP/s peak", gpu["mfu"],
-            "", None)
+    gpu = results.get("gpu", {})
+    if "model" in gpu:
+        model, device = gpu["model"]["rows"], gpu["device"]
+        for dtype, peak in gpu["model"]["peak_tflops"].items():
+            for variant in ("eager", "chunked_loss", "compiled", "fast", "transformers"):
+                step = model[f"{dtype}_{variant}"]
+                target = ">= 0.60" if (dtype, variant) == ("bf16", "fast") else ""
+                row(f"model step {variant} {dtype} (unilm-large 32 x 512) on {device}, MFU",
+                    f"{step['tflops']:.0f} TFLOP/s", f"{peak:.0f} TFLOP/s peak", step["mfu"], target,
+                    step["mfu"] >= 0.6 if target else None)
+            fast, theirs = model[f"{dtype}_fast"], model[f"{dtype}_transformers"]
+            row(f"model step ours (fast paths) vs transformers BertForPreTraining {dtype}, samples/s",
+                f"{fast['samples_per_s']:.0f}", f"{theirs['samples_per_s']:.0f}",
+                fast["samples_per_s"] / theirs["samples_per_s"], ">= 1.3",
+                fast["samples_per_s"] / theirs["samples_per_s"] >= 1.3)
+        model_rate = model["bf16_fast"]["samples_per_s"]
+        for seq_len, train in gpu["train"].items():
+            name = f"pretrain.train step bf16 ZeRO-2, batch 330 x {seq_len} tokens"
+            if int(seq_len) == 512:
+                row(f"{name} vs the model step, samples/s", f"{train['samples_per_s']:.0f}", f"{model_rate:.0f}",
+                    train["samples_per_s"] / model_rate, ">= 0.90", train["samples_per_s"] >= 0.9 * model_rate)
+                row(f"{name}, samples/s vs 420", f"{train['samples_per_s']:.0f}", "420",
+                    train["samples_per_s"] / 420, ">= 1", train["samples_per_s"] >= 420)
+            row(f"{name}, MFU (metrics.jsonl)", f"{train['tflops']:.0f} TFLOP/s",
+                f"{train['peak_tflops']:.0f} TFLOP/s peak", train["mfu"], "", None)
     return rows
 
 

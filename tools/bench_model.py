@@ -6,7 +6,9 @@ machine other work only ever slows a step down); the matmul peak is sampled befo
 sample kept. Everything is timed twice: wall-clock (the number that matters on a quiet machine) and process CPU
 time (robust when other processes share the cores). `measure` returns, `main` prints (and with --json writes):
   - tokens/s of each model and the ratio (target >= 1.3x);
-  - useful FLOP/s of each vs the torch matmul peak measured in the same run (target >= 80% for ours). The
+  - useful FLOP/s of each vs the torch matmul peak measured in the same run (target >= 80% for ours).
+With --gpu (CUDA), `measure_gpu` instead: UniLM-large 32 x 512 in bf16 and fp16, our model eager, with each fast path
+(compiled blocks, chunked loss) and both, vs transformers, as MFU against the dense matmul peak in that dtype. The
     peak is the best of torch's fp32 GEMM backends here (`torch.matmul` = MKL, and oneDNN, which our model's
     linears use on the CPU, and the faster one on the benchmark machine), so using the faster backend raises no one's
     percentage by itself; both backends' peaks are printed.
@@ -35,19 +37,12 @@ import transformers  # the peer; an optional dependency (extras), which this ben
 from pretrain.data import synthetic_batch as make_batch
 from pretrain.hf import hf_config, hf_pretraining_inputs as hf_inputs
 from pretrain.kernels import onednn_linear, onednn_linear_available, retain_freed_memory
-from pretrain.model import ModelConfig, build_model, preset
+from pretrain.model import ModelConfig, build_model, preset, training_flops
 
 
 def useful_flops(cfg: ModelConfig, batch_size: int, seq_len: int, predictions: int) -> float:
-    """Useful FLOPs of one forward + backward step (see the module docstring)."""
-    hidden, ffn = cfg.hidden_size, cfg.intermediate_size
-    block_parameters = 4 * hidden * hidden + 2 * hidden * ffn  # the matmul weights of one block
-    tokens = batch_size * seq_len
-    encoder = 6 * cfg.num_layers * block_parameters * tokens
-    attention = 3 * cfg.num_layers * 4 * seq_len * seq_len * hidden * batch_size
-    head = 6 * (hidden * hidden + hidden * cfg.vocab_size) * batch_size * predictions
-    nsp = 6 * (hidden * hidden + 2 * hidden) * batch_size
-    return float(encoder + attention + head + nsp)
+    """Useful FLOPs of one forward + backward step of full-length samples (`pretrain.model.training_flops`)."""
+    return training_flops(cfg, batch_size * seq_len, batch_size * seq_len**2, batch_size * predictions, batch_size)
 
 
 class Clock:
@@ -114,8 +109,9 @@ def allocator_page_faults() -> dict[str, int] | None:
 
 
 def measure(preset_name: str = "bert-base", layers: int | None = None, batch_size: int = 8, seq_len: int = 128,
-            predictions: int = 20, steps: int = 5) -> dict[str, Any]:
-    """Best step times of both models under both clocks, with the matmul peaks they are judged against.
+            predictions: int = 20, steps: int = 5, compile_blocks: bool = False) -> dict[str, Any]:
+    """Best step times of both models under both clocks, with the matmul peaks they are judged against;
+    ``compile_blocks``: our model with `UniLMModel.compile_blocks` (its first step, the compilation, is untimed).
 
     Returns ``rows`` (``{clock}_{model}`` → step_s, tokens_per_s, useful_gflops, percent_of_peak),
     ``matmul_peak_gflops`` (best backend, per clock), ``matmul_peak_gflops_per_backend``, ``useful_gflop_per_step``
@@ -127,6 +123,8 @@ def measure(preset_name: str = "bert-base", layers: int | None = None, batch_siz
         cfg = dataclasses.replace(cfg, num_layers=layers)
     torch.manual_seed(0)
     ours = build_model(cfg).train()
+    if compile_blocks:
+        ours.compile_blocks()
     theirs = transformers.BertForPreTraining(transformers.BertConfig(**hf_config(cfg))).train()
     batch = make_batch(cfg, batch_size, seq_len, predictions)
     their_batch = hf_inputs(batch)
@@ -140,7 +138,8 @@ def measure(preset_name: str = "bert-base", layers: int | None = None, batch_siz
         theirs.zero_grad(set_to_none=True)
 
     setup = (f"{preset_name} ({cfg.num_layers} layers, hidden {cfg.hidden_size}), batch {batch_size} x seq {seq_len}, "
-             f"{predictions} masked positions/sample, fp32, {torch.get_num_threads()} threads, transformers "
+             f"{predictions} masked positions/sample, fp32{', ours compiled' if compile_blocks else ''}, "
+             f"{torch.get_num_threads()} threads, transformers "
              f"{transformers.__version__} attention={theirs.config._attn_implementation}")
     backend_peaks: dict[str, dict[str, float]] = {}
     times: dict[str, dict[str, list[float]]] = {name: {"wall": [], "cpu": []} for name in ("ours", "transformers")}
@@ -170,6 +169,88 @@ def measure(preset_name: str = "bert-base", layers: int | None = None, batch_siz
             "matmul_peak_gflops_per_backend": {name: {clock: p[clock] / 1e9 for clock in ("wall", "cpu")}
                                                for name, p in backend_peaks.items()},
             "useful_gflop_per_step": flops / 1e9, "setup": setup}
+
+
+GPU_VARIANTS = {"eager": (False, False), "chunked_loss": (False, True), "compiled": (True, False),
+                "fast": (True, True), "transformers": None}
+"""On the GPU: our model as it is, with each fast path (train.compile, train.chunked_loss) and with both; and
+transformers.BertForPreTraining (sdpa attention, logits at every position as its loss needs)."""
+
+
+def measure_gpu(preset_name: str = "unilm-large", batch_size: int = 32, seq_len: int = 512, predictions: int = 77,
+                steps: int = 10, dtypes: tuple[str, ...] = ("bf16", "fp16"), device: str = "cuda") -> dict[str, Any]:
+    """On CUDA, one forward + backward (dropout on, weights in the dtype as under DeepSpeed's bf16/fp16, no
+    optimizer) of every `GPU_VARIANTS` entry in each dtype, on one batch; mean over ``steps`` after 3 warm-up steps
+    (compilation happens there). Returns ``peak_tflops`` per dtype (`pretrain.accelerator.matmul_peak_tflops`,
+    1 s) and ``rows`` ``{dtype}_{variant}`` → step_s, samples_per_s, tflops (useful FLOPs), mfu."""
+    from pretrain.accelerator import matmul_peak_tflops, synchronize
+
+    transformers.logging.set_verbosity_error()
+    device = torch.device(device)
+    cfg = preset(preset_name)
+    cpu_batch = make_batch(cfg, batch_size, seq_len, predictions)
+    inputs = {"ours": {k: v.to(device) for k, v in cpu_batch.items()},
+              "transformers": {k: v.to(device) for k, v in hf_inputs(cpu_batch).items()}}
+    flops = useful_flops(cfg, batch_size, seq_len, predictions)
+    result: dict[str, Any] = {"setup": f"{preset_name}, batch {batch_size} x seq {seq_len}, {predictions} masked "
+                                       f"positions/sample, dropout on, {_device_name(device)}, torch "
+                                       f"{torch.__version__}, transformers {transformers.__version__}",
+                              "useful_tflop_per_step": flops / 1e12, "peak_tflops": {}, "rows": {}}
+    for dtype_name in dtypes:
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+        peak = result["peak_tflops"][dtype_name] = matmul_peak_tflops(device, dtype, seconds=1.0)
+        for variant, switches in GPU_VARIANTS.items():
+            torch.manual_seed(0)
+            if switches is None:
+                model = transformers.BertForPreTraining(transformers.BertConfig(
+                    **hf_config(cfg), attn_implementation="sdpa"))
+                batch = inputs["transformers"]
+            else:
+                model = build_model(cfg)
+                if switches[0]:
+                    model.compile_blocks()
+                model.chunked_loss = switches[1]
+                batch = inputs["ours"]
+            model = model.to(device, dtype).train()
+
+            def step() -> None:
+                model(**batch).loss.backward()
+                model.zero_grad(set_to_none=True)
+
+            for _ in range(3):
+                step()
+            synchronize(device)
+            began = time.perf_counter()
+            for _ in range(steps):
+                step()
+            synchronize(device)
+            seconds = (time.perf_counter() - began) / steps
+            tflops = flops / seconds / 1e12
+            result["rows"][f"{dtype_name}_{variant}"] = {"step_s": seconds, "samples_per_s": batch_size / seconds,
+                                                         "tflops": tflops, "mfu": tflops / peak}
+            del model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return result
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def report_gpu(result: dict[str, Any]) -> str:
+    """The GPU measurement as text: one line per dtype and variant, then the model-step targets."""
+    lines = [f"[bench-model] {result['setup']}; useful work per step {result['useful_tflop_per_step']:.2f} TFLOP",
+             f"{'row':<24}{'step s':>9}{'samples/s':>11}{'TFLOP/s':>9}{'MFU':>8}"]
+    for name, row in result["rows"].items():
+        lines.append(f"{name:<24}{row['step_s']:>9.4f}{row['samples_per_s']:>11.1f}{row['tflops']:>9.1f}"
+                     f"{100 * row['mfu']:>7.1f}%")
+    for dtype, peak in result["peak_tflops"].items():
+        fast, theirs = result["rows"].get(f"{dtype}_fast"), result["rows"].get(f"{dtype}_transformers")
+        if fast and theirs:
+            lines.append(f"{dtype}: matmul peak {peak:.0f} TFLOP/s; ours (fast paths) MFU {100 * fast['mfu']:.1f}% "
+                         f"(target >= 60%), {theirs['step_s'] / fast['step_s']:.2f}x transformers (target >= 1.3x)")
+    return "\n".join(lines)
 
 
 def report(result: dict[str, Any]) -> str:
@@ -202,25 +283,42 @@ def report(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="bert-base", help="model preset (default: bert-base)")
+    parser.add_argument("--gpu", action="store_true",
+                        help="on CUDA: bf16 and fp16, ours eager / with each fast path / both vs transformers "
+                             "(`measure_gpu`; defaults then unilm-large, batch 32 x 512, 77 masked positions, 10 steps)")
+    parser.add_argument("--preset", default=None, help="model preset (default: bert-base; --gpu: unilm-large)")
     parser.add_argument("--layers", type=int, default=None, help="override the number of layers (faster run)")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--predictions", type=int, default=20, help="masked positions per sample (15%% of 128)")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per model, after one warm-up step")
+    parser.add_argument("--batch-size", type=int, default=None, help="default 8; --gpu: 32")
+    parser.add_argument("--seq-len", type=int, default=None, help="default 128; --gpu: 512")
+    parser.add_argument("--predictions", type=int, default=None,
+                        help="masked positions per sample (default 20, 15%% of 128; --gpu: 77)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per model (default 5; --gpu: 10)")
+    parser.add_argument("--compile", action="store_true", help="compile our model's blocks (train.compile)")
     parser.add_argument("--json", type=Path, default=None, help="also write the measurement to this JSON file")
     args = parser.parse_args(argv)
-    result = measure(args.preset, args.layers, args.batch_size, args.seq_len, args.predictions, args.steps)
+    chosen = {name: value for name, value in (("preset_name", args.preset), ("batch_size", args.batch_size),
+                                              ("seq_len", args.seq_len), ("predictions", args.predictions),
+                                              ("steps", args.steps)) if value is not None}
+    if args.gpu:
+        result = measure_gpu(**chosen)
+        print(report_gpu(result))
+        _write_json(args.json, result)
+        return result
+    result = measure(layers=args.layers, compile_blocks=args.compile, **chosen)
     result["allocator_page_faults"] = allocator_page_faults()
     print(report(result))
     if result["allocator_page_faults"]:
         faults = result["allocator_page_faults"]
         print(f"[bench-model] minor page faults over 3 rounds of 79 MiB of allocations: glibc default "
               f"{faults['default']}, retained freed memory {faults['retain']} ({3 * 79 * 2**20 // 4096} pages)")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    _write_json(args.json, result)
     return result
+
+
+def _write_json(path: Path | None, result: dict[str, Any]) -> None:
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ import argparse
 import gc
 import json
 import os
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -80,6 +82,27 @@ def data_wait_share(shards: str, out: Path) -> dict[str, float]:
     wait, total = sum(r["data_wait_s"] for r in records), sum(r["step_time_s"] for r in records)
     return {"data_wait_share": wait / total, "step_time_s": total / len(records),
             "samples_per_s": sum(r["samples_per_s"] for r in records) / len(records)}
+
+
+def train_step_throughput(shards: str, out: Path, precision: str = "bf16", steps: int = 12, skipped: int = 4,
+                          overrides: tuple[str, ...] = ()) -> dict[str, float]:
+    """The full training step on this machine's GPU: ``pretrain.train`` (one rank, torchrun) with
+    ``unilm-large.yaml`` under ZeRO-2 in ``precision``, global batch 330 = 33 × 10, for ``steps`` steps; the
+    medians of its ``metrics.jsonl`` after the first ``skipped`` steps (compilation and warm-up). The process saves
+    a checkpoint when it stops, after the measured steps."""
+    run_dir = out / f"train_{precision}_{Path(shards).name}"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m",
+               "pretrain.train", "--config", "pretrain/configs/unilm-large.yaml",
+               f"deepspeed_config=ds_configs/zero2_{precision}.json", f"data.shards={shards}", "data.verify=false",
+               f"out_dir={run_dir}", "train.resume=never", "train.global_batch_size=330", "train.micro_batch_size=33",
+               "optim.warmup_steps=100", f"train.exit_at_step={steps}", "train.save_interval=1000000", *overrides]
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"training run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][skipped:]
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # 4 GB of weights and optimizer state
+    return {key: statistics.median(r[key] for r in records)
+            for key in ("samples_per_s", "tokens_per_s", "tflops", "mfu", "peak_tflops", "step_time_s")}
 
 
 def memory_worker(stage: int, preset_name: str, result: str) -> None:

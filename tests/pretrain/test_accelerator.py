@@ -7,7 +7,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as torch_dist
 from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
 
 from pretrain import accelerator
@@ -92,24 +91,22 @@ def test_local_rank_comes_from_whichever_launcher_set_it(monkeypatch: pytest.Mon
     assert accelerator.local_rank() == 1
 
 
-def test_on_the_cpu_accelerator_binding_is_a_no_op_and_collectives_use_cpu_tensors(tmp_path) -> None:
+def test_on_the_cpu_accelerator_binding_is_a_no_op_and_collectives_use_cpu_tensors(one_rank_group) -> None:
+    from pretrain.model import REPORTED_OBJECTIVES, PretrainOutput
     from pretrain.trainer import StepSums
 
     assert accelerator.bind_local_device() == torch.device("cpu")
     assert accelerator.default_device() == torch.device("cpu")
-    created = not torch_dist.is_initialized()
-    if created:  # an in-process 1-rank gloo group, as `python -m pretrain.train` makes
-        torch_dist.init_process_group("gloo", store=torch_dist.FileStore(str(tmp_path / "store"), 1), rank=0,
-                                      world_size=1)
-    try:
-        assert accelerator.collective_device() == torch.device("cpu")
-        sums = StepSums()
-        sums.loss, sums.tokens, sums.objective_sums, sums.objective_counts = 6.0, 40, {"seq2seq": 3.0}, {"seq2seq": 2.0}
-        stats = sums.reduce(2, stop=False)
-        assert stats == {"loss": 3.0, "tokens": 40, "stop": False, "objectives": {"seq2seq": 1.5}}
-    finally:
-        if created:
-            torch_dist.destroy_process_group()
+    assert accelerator.collective_device() == torch.device("cpu")
+    sums = StepSums(accelerator.collective_device())
+    seq2seq = REPORTED_OBJECTIVES.index("seq2seq")
+    for loss, lengths in ((2.5, [10, 15]), (3.5, [5, 10])):
+        objective_sums, objective_counts = torch.zeros(len(REPORTED_OBJECTIVES)), torch.zeros(len(REPORTED_OBJECTIVES))
+        objective_sums[seq2seq], objective_counts[seq2seq] = 1.5, 1.0
+        sums.add({"length": torch.tensor(lengths)}, PretrainOutput(torch.tensor(loss), objective_sums, objective_counts))
+    stats = sums.reduce(stop=False)
+    assert stats == {"loss": 3.0, "tokens": 40, "squared_lengths": 450.0, "predictions": 2.0, "stop": False,
+                     "objectives": {"seq2seq": 1.5}, "local_loss": 6.0}
 
 
 def test_child_processes_get_the_cpu_accelerator_only_without_a_gpu_or_a_choice() -> None:

@@ -9,6 +9,8 @@ their outputs:
 """
 from __future__ import annotations
 
+import csv
+import dataclasses
 import json
 import shutil
 import signal
@@ -20,6 +22,8 @@ import pytest
 from conftest import subprocess_env
 from training_runs import check, launch, losses, metrics, train_command
 import torch
+
+from pretrain.model import preset, training_flops
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -33,7 +37,7 @@ def runs(unilm_shards: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     out: dict = {"base": base, "common": common}
 
     out["full"] = base / "full"
-    out["full_log"] = check(launch(common + [f"out_dir={out['full']}"], nproc=2))
+    out["full_log"] = check(launch(common + [f"out_dir={out['full']}", "train.peak_tflops=0.5"], nproc=2))
 
     stopped = base / "stopped"
     out["stopped"] = stopped
@@ -71,8 +75,30 @@ def test_loss_falls_and_metrics_are_complete(runs: dict) -> None:
                     "loss_nsp", "loss_left_to_right", "loss_right_to_left", "loss_seq2seq"):
             assert key in record, key
     assert records[-1]["lr"] < max(r["lr"] for r in records)  # warm-up then decay (DeepSpeed WarmupDecayLR)
-    assert any((runs["full"] / "monitor").rglob("*.csv"))      # DeepSpeed's CSV monitor
-    assert any((runs["full"] / "monitor").rglob("events.out.tfevents*"))  # and its TensorBoard monitor
+    assert any((runs["full"] / "monitor").rglob("events.out.tfevents*"))  # DeepSpeed's TensorBoard monitor
+
+
+def test_throughput_is_per_rank_and_mfu_is_over_the_configured_peak(runs: dict) -> None:
+    cfg = dataclasses.replace(preset("tiny"), vocab_size=4000)
+    for record in metrics(runs["full"]):
+        assert record["peak_tflops"] == 0.5 and record["mfu"] == record["tflops"] / 0.5
+        tokens = record["tokens_per_s"] * record["step_time_s"]  # of both ranks
+        rank_flops = record["tflops"] * 1e12 * record["step_time_s"]
+        # between the encoder matmuls alone and everything at 512 tokens per sample, every token predicted
+        assert training_flops(cfg, tokens, 0, 0, 0) / 2 < rank_flops
+        assert rank_flops < training_flops(cfg, tokens, 512 * tokens, tokens, 24) / 2
+    measured = metrics(runs["nodrop"])
+    assert len({r["peak_tflops"] for r in measured}) == 1 and measured[0]["peak_tflops"] > 0
+    assert all(r["mfu"] == r["tflops"] / r["peak_tflops"] for r in measured)
+
+
+def test_the_monitor_gets_losses_throughput_and_mfu_per_step(runs: dict) -> None:
+    records = metrics(runs["full"])
+    for key in ("loss", "loss_bidirectional_mlm", "loss_nsp", "loss_seq2seq", "tflops", "mfu", "samples_per_s"):
+        with open(runs["full"] / "monitor" / "train" / f"Train_Steps_{key}.csv") as handle:
+            rows = list(csv.reader(handle))
+        assert rows[0] == ["step", key]
+        assert [(int(step), float(value)) for step, value in rows[1:]] == [(r["step"], r[key]) for r in records]
 
 
 def test_checkpoints_are_complete_self_describing_and_pruned(runs: dict) -> None:

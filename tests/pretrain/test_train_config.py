@@ -47,6 +47,8 @@ def test_overrides_parse_types_and_the_config_is_frozen(tmp_path: Path) -> None:
     ("optim.warmup_steps=100", "must be < train.max_steps"),
     ("train.eval_interval=5", "needs data.eval_shards"),
     ("optim.betas=[0.9]", "two numbers"),
+    ("train.peak_tflops=0", "train.peak_tflops must be > 0"),
+    ("train.peak_tflops=fast", "train.peak_tflops='fast' is not a valid"),
 ])
 def test_invalid_values_fail_early(override: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -133,3 +135,20 @@ def test_help_lists_every_key() -> None:
     for key in ("out_dir", "data.shards", "model.overrides", "optim.lr", "train.max_steps",
                 "train.activation_checkpointing"):
         assert f"  {key} (" in shown, key
+
+
+def test_fast_path_defaults_resolve_per_run_and_compile_refuses_zero3() -> None:
+    from pretrain.trainer import fast_path_settings
+
+    def resolved(overrides: list[str], engine_json: dict) -> dict[str, bool]:
+        return fast_path_settings(load_config(REPO_ROOT / "pretrain/configs/tiny.yaml", overrides), engine_json)
+
+    fp32, bf16 = {"zero_optimization": {"stage": 2}}, {"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}
+    # this process runs on DeepSpeed's CPU accelerator (conftest), where compiling is off by default
+    assert resolved([], fp32) == {"compile": False, "chunked_loss": False}
+    assert resolved([], bf16)["chunked_loss"] is True
+    assert resolved(["train.compile=true", "train.chunked_loss=false"], bf16) == {"compile": True,
+                                                                                  "chunked_loss": False}
+    with pytest.raises(ValueError, match="train.compile=true does not work with ZeRO-3"):
+        resolved(["train.compile=true"], {"zero_optimization": {"stage": 3}})
+    assert resolved([], {"zero_optimization": {"stage": 3}})["compile"] is False

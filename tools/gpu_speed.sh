@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The GPU speed figures in one call on a CUDA machine, into one folder:
+#   bench   `python -m tools.bench_all --only gpu`: bf16 and fp16 matmul peaks; the UniLM-large model step
+#           (32 x 512, 77 masked positions, dropout on) eager, with each fast path and both, vs
+#           transformers.BertForPreTraining; pretrain.train (ZeRO-2 bf16, batch 330 = 33 x 10) at 512 and 128
+#           tokens; every ratio against its target -> OUT/results.md, OUT/results.json, OUT/bench.log
+#   tests   the fast paths' `-m gpu` tests (bf16/fp16 accuracy of the chunked loss and the compiled blocks)
+#           -> OUT/gpu_tests.log
+#   suite   the whole `-m gpu` test suite (training runs, resume, ZeRO-3, offload, fine-tuning) -> OUT/gpu_suite.log
+#
+#   tools/gpu_speed.sh [OUT=bench_out/gpu_speed] [bench|tests|suite|all (= bench and tests)]
+#
+# Expected run time on one H200 (an estimate: this script has not run on a GPU yet): bench 7-9 min (two
+# compilations of UniLM-large in bench_model, two training processes with a FusedAdam build, compilation and a
+# 4 GB checkpoint save each), tests 2-3 min, suite 10-15 min. Needs a CUDA torch and the two sample corpora the
+# shards are built from, data/samples/wiki and data/samples/books.jsonl (7 MB; `make sample-corpus` fetches them).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-bench_out/gpu_speed}
+WHAT=${2:-all}
+PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python )}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}
+mkdir -p "$OUT"
+{ nvidia-smi || true; "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'; } \
+  > "$OUT/machine.txt" 2>&1
+status=0
+if [[ $WHAT == bench || $WHAT == all ]]; then
+  "$PY" -m tools.bench_all --only gpu --out "$OUT" 2>&1 | tee "$OUT/bench.log" || status=1
+fi
+if [[ $WHAT == tests || $WHAT == all ]]; then
+  "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/pretrain/test_kernels.py tests/pretrain/test_model.py \
+    2>&1 | tee "$OUT/gpu_tests.log" || status=1
+fi
+if [[ $WHAT == suite ]]; then
+  "$PY" -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_suite.log" || status=1
+fi
+exit $status
