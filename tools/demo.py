@@ -334,7 +334,8 @@ def throughput_lines(records: list[dict[str, Any]], half: int) -> list[str]:
     evals = [r for r in records if "eval_loss" in r]
     text = [f"Throughput (median over {len(steady)} steps, both ranks together): "
             f"{median('samples_per_s'):.1f} samples/s, {median('tokens_per_s'):,.0f} tokens/s, "
-            f"{median('step_time_s') * 1000:.0f} ms per step, {1000 * median('tflops'):.1f} GFLOP/s (6·P·tokens/s); "
+            f"{median('step_time_s') * 1000:.0f} ms per step, {1000 * median('tflops'):.1f} GFLOP/s per rank "
+            f"(useful model FLOPs; {100 * median('mfu'):.0f} % of the measured matmul peak); "
             f"the loader kept the model waiting {100 * wait:.2f} % of the step time.", "",
             f"Loss: {records[0]['loss']:.3f} at step 1 → {last['loss']:.3f} at step {last['step']}"
             + (f"; held-out loss {evals[0]['eval_loss']:.3f} (step {evals[0]['step']}) → "
