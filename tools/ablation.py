@@ -421,7 +421,7 @@ def render_report(ablation: Ablation, records: list[dict]) -> str:
                         for key, run in (stages.get(f"finetune-{arm.replace('+', '-')}") or {}).items()
                         if key.startswith(task) and isinstance(run, dict)] for task in TASKS}
     if any(run_times.values()):
-        lines += ["Fine-tuning runs themselves (`metrics.json` `wall_s_this_launch`, whoever ran them): "
+        lines += ["Fine-tuning runs themselves (`summary.json` `wall_s_this_launch`): "
                   + "; ".join(f"{task} {len(times)} runs, {statistics.mean(times):.0f} s each on average, "
                               f"{duration(sum(times))} in all" for task, times in run_times.items() if times) + ".", ""]
 
