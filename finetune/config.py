@@ -102,6 +102,8 @@ class FinetuneConfig:
     """seq2seq: beam size of the dev decoding after each epoch."""
     eval_length_penalty: float = 0.0
     """seq2seq: GNMT alpha of the dev decoding."""
+    eval_no_repeat_ngram: int = 3
+    """seq2seq: the dev decoding forbids repeating an n-gram of this many word pieces (0: off)."""
     eval_max_examples: int | None = None
     """Evaluate on the first N dev examples only (None: all)."""
 
@@ -122,7 +124,7 @@ class FinetuneConfig:
         for name in ("max_steps", "exit_at_step", "eval_max_examples"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 (or null), got {getattr(self, name)}")
-        for name in ("weight_decay", "grad_clip", "seed"):
+        for name in ("weight_decay", "grad_clip", "seed", "eval_no_repeat_ngram"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.dropout < 1:

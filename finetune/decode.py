@@ -12,9 +12,10 @@ next-token log-probabilities, and must agree:
   agreement of the two proves the cache right.
 
 Beam search: GNMT length penalty ((5 + length) / 6) ** alpha on the summed log-probabilities (length counts
-the final [SEP]), trigram blocking on word-piece ids, a minimum and maximum target length, and early stop: an
-example is done once it holds `beam_size` finished hypotheses (a [SEP] among the top `beam_size` candidates),
-the batch once every example is done. At the maximum length unfinished beams count as finished.
+the final [SEP]), repeated n-gram blocking on word-piece ids (trigrams by default, as the paper decodes), a
+minimum and maximum target length, and early stop: an example is done once it holds `beam_size` finished
+hypotheses (a [SEP] among the top `beam_size` candidates), the batch once every example is done. At the maximum length
+unfinished beams count as finished.
 
 CLI: `python -m finetune.decode --model DIR --input FILE.jsonl --output FILE.jsonl [--beam-size 5] ...`.
 """
@@ -25,6 +26,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,15 +54,17 @@ class DecodeConfig:
     """[SEP] is forbidden before this many target word pieces."""
     length_penalty: float = 0.0
     """GNMT alpha: hypotheses are ranked by log-prob / ((5 + length) / 6) ** alpha; 0 = raw log-prob."""
-    trigram_block: bool = True
-    """Forbid a word piece that would repeat a trigram already in the hypothesis."""
+    no_repeat_ngram: int = 3
+    """Forbid a word piece that would repeat an n-gram of this size already in the hypothesis (3: trigram
+    blocking, the paper's; 1: no word piece twice, for short outputs such as headlines; 0: off)."""
     use_cache: bool = True
     """Incremental key/value cache; False recomputes the whole sequence each step (same outputs, slower)."""
 
     def __post_init__(self) -> None:
-        if self.beam_size < 1 or self.max_tgt_len < 1 or not 0 <= self.min_tgt_len <= self.max_tgt_len:
-            raise ValueError(f"invalid decoding config {self}: need beam_size >= 1 and "
-                             "0 <= min_tgt_len <= max_tgt_len >= 1")
+        if self.beam_size < 1 or self.max_tgt_len < 1 or not 0 <= self.min_tgt_len <= self.max_tgt_len \
+                or self.no_repeat_ngram < 0:
+            raise ValueError(f"invalid decoding config {self}: need beam_size >= 1, "
+                             "0 <= min_tgt_len <= max_tgt_len >= 1 and no_repeat_ngram >= 0")
 
 
 @dataclass(frozen=True)
@@ -178,17 +182,18 @@ def length_penalty(length: int, alpha: float) -> float:
     return ((5.0 + length) / 6.0) ** alpha
 
 
-def block_repeated_trigrams(log_probs: torch.Tensor, hypotheses: list[list[int]]) -> None:
-    """Set to -inf, in place, each word piece that would complete a trigram its hypothesis already has.
+def block_repeated_ngrams(log_probs: torch.Tensor, hypotheses: list[list[int]], n: int) -> None:
+    """Set to -inf, in place, each word piece that would complete an n-gram its hypothesis already has
+    (n = 1: each word piece it already has).
 
     log_probs Float[N, V]; hypotheses: N token lists.
     """
     rows, banned_tokens = [], []
     for row, tokens in enumerate(hypotheses):
-        if len(tokens) < 3:
+        if len(tokens) < n:
             continue
-        last_two = (tokens[-2], tokens[-1])
-        banned = {tokens[i + 2] for i in range(len(tokens) - 2) if (tokens[i], tokens[i + 1]) == last_two}
+        prefix = tokens[len(tokens) - n + 1:]  # the n - 1 last tokens, which the next one would extend
+        banned = {tokens[i + n - 1] for i in range(len(tokens) - n + 1) if tokens[i: i + n - 1] == prefix}
         rows += [row] * len(banned)
         banned_tokens += sorted(banned)
     if rows:  # one indexed write on log_probs' device: the ids travel, the distribution stays
@@ -211,7 +216,7 @@ def generate(model: torch.nn.Module, sources: list[list[int]], special: SpecialI
              config: DecodeConfig) -> list[Hypothesis]:
     """Best hypothesis per source. `sources`: packed `[CLS] src [SEP]` id lists (one batch).
 
-    Runs on the model's device: the log-probabilities, the length/trigram bans, the beam scores and the top-k over
+    Runs on the model's device: the log-probabilities, the length/n-gram bans, the beam scores and the top-k over
     beams × vocabulary stay there; each step brings only the 2·beam candidates per example (score, row, token) to
     the host for the finished/alive bookkeeping and sends back the chosen rows and tokens."""
     was_training = model.training
@@ -229,8 +234,8 @@ def generate(model: torch.nn.Module, sources: list[list[int]], special: SpecialI
     for length in range(1, config.max_tgt_len + 1):  # length of the hypotheses after this step
         if length <= config.min_tgt_len:
             log_probs[:, special.sep_id] = -math.inf
-        if config.trigram_block:
-            block_repeated_trigrams(log_probs, hypotheses)
+        if config.no_repeat_ngram:
+            block_repeated_ngrams(log_probs, hypotheses, config.no_repeat_ngram)
         vocab = log_probs.shape[1]
         total = (scores.view(-1, 1) + log_probs).view(batch_size, beams * vocab)
         top_scores, top_index = total.topk(min(2 * beams, total.shape[1]), dim=1)
@@ -319,11 +324,13 @@ def metrics_path(output: str | Path) -> Path:
     return output.with_name(output.name.removesuffix(".jsonl") + ".metrics.json")
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+    return parse
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -337,9 +344,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--min-tgt-len", type=int, default=1)
     parser.add_argument("--max-src-len", type=int, default=None, help="default: the fine-tuning run's, else 448")
     parser.add_argument("--length-penalty", type=float, default=0.0, help="GNMT alpha")
-    parser.add_argument("--no-trigram-block", action="store_true")
+    parser.add_argument("--no-repeat-ngram", type=_int_at_least(0), default=3, metavar="N",
+                        help="forbid repeating an n-gram of N word pieces (3: trigram blocking, the paper's; "
+                             "1: no word piece twice, for headlines; 0: off)")
     parser.add_argument("--no-cache", action="store_true", help="recompute everything each step (proves the cache)")
-    parser.add_argument("--batch-size", type=_positive_int, default=8, help="sources decoded together (>= 1)")
+    parser.add_argument("--batch-size", type=_int_at_least(1), default=8, help="sources decoded together (>= 1)")
     parser.add_argument("--device", default=None,
                         help="torch device to decode on (default: this process's GPU when there is one, else cpu)")
     parser.add_argument("--force", action="store_true", help="replace an existing non-empty --output")
@@ -353,7 +362,7 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device) if args.device else default_device()
     finetuned.model.to(device)
     config = DecodeConfig(args.beam_size, args.max_tgt_len, args.min_tgt_len, args.length_penalty,
-                          not args.no_trigram_block, not args.no_cache)
+                          args.no_repeat_ngram, not args.no_cache)
     max_src_len = args.max_src_len or finetuned.run_settings.get("max_src_len", 448)
     records = read_jsonl(args.input)
     began = time.perf_counter()

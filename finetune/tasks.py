@@ -86,7 +86,7 @@ def build_seq2seq(cfg: FinetuneConfig, backbone: UniLMModel, tokenizer: Tokenize
                          f"{backbone.cfg.max_position_embeddings} positions")
     module = seq2seq.Seq2SeqModel(backbone, cfg.label_smoothing)
     decoding = DecodeConfig(beam_size=cfg.eval_beam_size, max_tgt_len=cfg.max_tgt_len,
-                            length_penalty=cfg.eval_length_penalty)
+                            length_penalty=cfg.eval_length_penalty, no_repeat_ngram=cfg.eval_no_repeat_ngram)
 
     def make_batch(indices: list[int], epoch: int) -> dict[str, torch.Tensor]:
         # the masking of example i in epoch e depends on (seed, e, i) only: resume and world size keep it

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from finetune.decode import (
-    CachedStepper, DecodeConfig, FullStepper, SpecialIds, block_repeated_trigrams, generate, length_penalty,
+    CachedStepper, DecodeConfig, FullStepper, SpecialIds, block_repeated_ngrams, generate, length_penalty,
 )
 from pretrain.model import ModelConfig, UniLMModel, build_model
 
@@ -51,14 +51,14 @@ def test_cached_log_probs_equal_full_recompute_step_by_step():
 
 
 @pytest.mark.parametrize("beam_size", [1, 4])
-@pytest.mark.parametrize("trigram_block", [True, False])
-def test_cache_and_no_cache_give_identical_outputs(beam_size, trigram_block):
+@pytest.mark.parametrize("no_repeat_ngram", [3, 1, 0])
+def test_cache_and_no_cache_give_identical_outputs(beam_size, no_repeat_ngram):
     model = tiny_random_model()
     batch = sources([4, 11, 7, 2])
     outputs = {}
     for use_cache in (True, False):
         config = DecodeConfig(beam_size=beam_size, max_tgt_len=12, min_tgt_len=2, length_penalty=0.6,
-                              trigram_block=trigram_block, use_cache=use_cache)
+                              no_repeat_ngram=no_repeat_ngram, use_cache=use_cache)
         outputs[use_cache] = generate(model, batch, SPECIAL, config)
     assert [h.tokens for h in outputs[True]] == [h.tokens for h in outputs[False]]
     for cached, full in zip(outputs[True], outputs[False]):
@@ -129,30 +129,37 @@ def test_beam_finds_a_higher_scoring_sequence_than_greedy():
         assert beam.log_prob > greedy.log_prob
 
 
-def test_trigram_blocking_leaves_no_repeated_trigram():
-    # a model that loops 5 6 7 5 6 7 ... and never ends
-    model = bigram({3: {5: 1.0}, 5: {6: 0.9, 8: 0.1}, 6: {7: 0.9, 9: 0.1}, 7: {5: 0.9, 10: 0.1},
-                    8: {5: 0.5, 6: 0.5}, 9: {7: 0.5, 5: 0.5}, 10: {6: 0.5, 7: 0.5}})
+@pytest.mark.parametrize("n", [3, 2, 1])
+def test_ngram_blocking_leaves_no_repeated_ngram(n):
+    # a model that loops 5 6 7 5 6 7 ... and never ends; 20 rare tokens leave room for 15 distinct word pieces
+    loop = {3: {5: 1.0}, 5: {6: 0.9, 8: 0.1}, 6: {7: 0.9, 9: 0.1}, 7: {5: 0.9, 10: 0.1},
+            8: {5: 0.5, 6: 0.5}, 9: {7: 0.5, 5: 0.5}, 10: {6: 0.5, 7: 0.5}}
+    rare = {token: 1e-4 for token in range(12, 32)}
+    model = bigram({previous: {**rare, **loop.get(previous, {})} for previous in [3, *range(5, 32)]}, vocab=32)
     batch = [[2, 11, 3], [2, 11, 11, 3]]
-    unblocked = generate(model, batch, SPECIAL, DecodeConfig(beam_size=2, max_tgt_len=15, trigram_block=False))
-    assert has_repeated_trigram(unblocked[0].tokens)  # the test has teeth
+    unblocked = generate(model, batch, SPECIAL, DecodeConfig(beam_size=2, max_tgt_len=15, no_repeat_ngram=0))
+    assert has_repeated_ngram(unblocked[0].tokens, 3)  # the test has teeth
     for beam_size in (1, 3):
         for use_cache in (True, False):
-            config = DecodeConfig(beam_size=beam_size, max_tgt_len=15, use_cache=use_cache)
+            config = DecodeConfig(beam_size=beam_size, max_tgt_len=15, no_repeat_ngram=n, use_cache=use_cache)
             for hypothesis in generate(model, batch, SPECIAL, config):
-                assert len(hypothesis.tokens) == 15 and not has_repeated_trigram(hypothesis.tokens)
+                assert len(hypothesis.tokens) == 15 and not has_repeated_ngram(hypothesis.tokens, n)
 
 
-def has_repeated_trigram(tokens: list[int]) -> bool:
-    trigrams = [tuple(tokens[i: i + 3]) for i in range(len(tokens) - 2)]
-    return len(trigrams) != len(set(trigrams))
+def has_repeated_ngram(tokens: list[int], n: int) -> bool:
+    ngrams = [tuple(tokens[i: i + n]) for i in range(len(tokens) - n + 1)]
+    return len(ngrams) != len(set(ngrams))
 
 
-def test_block_repeated_trigrams_bans_exactly_the_repeating_tokens():
-    log_probs = torch.zeros(2, 10)
-    block_repeated_trigrams(log_probs, [[1, 2, 3, 1, 2], [1, 2, 4, 1, 2, 5, 2]])
-    assert torch.isinf(log_probs[0]).nonzero().flatten().tolist() == [3]
-    assert not torch.isinf(log_probs[1]).any()
+def test_block_repeated_ngrams_bans_exactly_the_repeating_tokens():
+    hypotheses = [[1, 2, 3, 1, 2], [1, 2, 4, 1, 2, 5, 2], []]
+    expected = {3: [[3], [], []], 2: [[3], [4, 5], []], 1: [[1, 2, 3], [1, 2, 4, 5], []]}
+    for n, banned in expected.items():
+        log_probs = torch.zeros(3, 10)
+        block_repeated_ngrams(log_probs, hypotheses, n)
+        assert [torch.isinf(row).nonzero().flatten().tolist() for row in log_probs] == banned, n
+    with pytest.raises(ValueError, match="no_repeat_ngram"):
+        DecodeConfig(no_repeat_ngram=-1)
 
 
 def test_min_and_max_length_and_length_penalty():

@@ -29,12 +29,15 @@ def decode_args(model: Path, source: Path, output: Path, *extra: str) -> list[st
             "--max-tgt-len", "3", *extra]
 
 
-@pytest.mark.parametrize("batch_size", ["-1", "0"])
-def test_decode_refuses_a_batch_size_below_one_and_writes_nothing(tiny_init, sources, tmp_path, batch_size, capsys):
+@pytest.mark.parametrize("option, value, minimum", [("--batch-size", "-1", 1), ("--batch-size", "0", 1),
+                                                   ("--no-repeat-ngram", "-1", 0)])
+def test_decode_refuses_a_count_below_its_minimum_and_writes_nothing(tiny_init, sources, tmp_path, option, value,
+                                                                     minimum, capsys):
     output = tmp_path / "out.jsonl"
     with pytest.raises(SystemExit) as exit_info:
-        decode.main(decode_args(tiny_init, sources, output, "--batch-size", batch_size))
-    assert exit_info.value.code == 2 and f"must be >= 1, got {batch_size}" in capsys.readouterr().err
+        decode.main(decode_args(tiny_init, sources, output, option, value))
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 2 and option in error and f"must be >= {minimum}, got {value}" in error
     assert not output.exists()
 
 

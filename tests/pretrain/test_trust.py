@@ -276,6 +276,7 @@ def test_bad_pretraining_values_are_refused_naming_the_key(override: str, key: s
     ("max_steps=-5", "max_steps"), ("lr=abc", "lr"), ("epochs=2.5", "epochs"), ("dropout=.nan", "dropout"),
     ("grad_clip=-1", "grad_clip"), ("seed=-3", "seed"), ("exit_at_step=0", "exit_at_step"),
     ("eval_length_penalty=.inf", "eval_length_penalty"), ("similarity=3", "similarity"),
+    ("eval_no_repeat_ngram=-1", "eval_no_repeat_ngram"),
 ])
 def test_bad_finetuning_values_are_refused_naming_the_key(setting: str, key: str) -> None:
     from finetune.config import load_config
