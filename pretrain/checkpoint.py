@@ -123,9 +123,16 @@ def _fsync(path: Path) -> None:
 
 
 def fsync_tree(directory: Path) -> None:
-    """Flush every file under ``directory`` and the directories themselves (names are data too) to disk."""
+    """Flush every file under ``directory`` and the directories themselves (names are data too) to disk.
+
+    Every rank writes into the same tag directory at once, so a file listed here may be renamed away before its
+    flush (rank 0's ``WEIGHTS`` temporary becoming ``WEIGHTS``): it is skipped, its writer flushes it under its
+    final name in its own call."""
     for path in sorted(directory.rglob("*")):
-        _fsync(path)
+        try:
+            _fsync(path)
+        except FileNotFoundError:
+            continue
     _fsync(directory)
     _fsync(directory.parent)
 

@@ -37,6 +37,21 @@ def test_only_complete_checkpoints_count(tmp_path: Path) -> None:
     assert marker["format_version"] == ckpt.FORMAT_VERSION and marker["step"] == 8
 
 
+def test_fsync_tree_skips_a_file_another_rank_renamed_after_the_listing(tmp_path: Path, monkeypatch) -> None:
+    tag_dir = tmp_path / "global_step4"
+    tag_dir.mkdir()
+    (tag_dir / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(b"y" * 50)
+    listing = sorted(tag_dir.rglob("*")) + [tag_dir / (ckpt.WEIGHTS + ".tmp")]  # listed, then renamed by rank 0
+    monkeypatch.setattr(Path, "rglob", lambda self, pattern: iter(listing))
+    flushed = []
+    real_fsync = ckpt._fsync
+    monkeypatch.setattr(ckpt, "_fsync", lambda path: (real_fsync(path), flushed.append(path.name)))
+    ckpt.fsync_tree(tag_dir)
+    assert flushed == ["zero_pp_rank_1_mp_rank_00_optim_states.pt", "global_step4", tmp_path.name]
+    with pytest.raises(FileNotFoundError):  # a missing tag directory itself is still an error
+        ckpt.fsync_tree(tmp_path / "global_step8")
+
+
 def test_latest_is_replaced_atomically(tmp_path: Path) -> None:
     fake_save(tmp_path, 4)
     fake_save(tmp_path, 8)
