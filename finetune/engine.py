@@ -33,8 +33,7 @@ from pretrain import checkpoint as ckpt
 from pretrain.batch_plan import BatchPlan, plan_batch
 from pretrain.data import to_device
 from pretrain.engine import (NonFiniteLossError, any_rank, build_engine, engine_config, init_distributed,
-                             nonfinite_gradient_norm, optimizer_step, read_engine_json,
-                             zero_stage)
+                             nonfinite_gradient_norm, optimizer_step, read_engine_json, zero_stage)
 from pretrain.outputs import write_file_atomically
 
 from .config import FinetuneConfig

@@ -19,8 +19,6 @@ from .metrics import generation_metrics
 from .tokenizer import Tokenizer
 
 
-
-
 @dataclass
 class TaskSetup:
     module: torch.nn.Module

@@ -258,15 +258,17 @@ class PretrainOutput:
     def objective_losses(self) -> dict[str, torch.Tensor]:
         """Mean loss per objective present in the batch: bidirectional_mlm, nsp, left_to_right, right_to_left,
         seq2seq (or causal_lm). Waits for the device (it reads which objectives are present)."""
-        present = self.objective_counts.tolist()
-        return {name: self.objective_sums[i] / self.objective_counts[i]
-                for i, name in enumerate(REPORTED_OBJECTIVES) if present[i] > 0}
+        return {name: self.objective_sums[i] / self.objective_counts[i] for i, name in self._present()}
 
     @property
     def objective_tokens(self) -> dict[str, torch.Tensor]:
         """How many predictions each of `objective_losses` averages."""
-        present = self.objective_counts.tolist()
-        return {name: self.objective_counts[i] for i, name in enumerate(REPORTED_OBJECTIVES) if present[i] > 0}
+        return {name: self.objective_counts[i] for i, name in self._present()}
+
+    def _present(self) -> list[tuple[int, str]]:
+        """(slot, name) of each objective with predictions in the batch (waits for the device)."""
+        counts = self.objective_counts.tolist()
+        return [(i, name) for i, name in enumerate(REPORTED_OBJECTIVES) if counts[i] > 0]
 
 
 class UniLMModel(nn.Module):
@@ -368,14 +370,18 @@ class UniLMModel(nn.Module):
         return F.cross_entropy(self.mlm_logits(hidden).flatten(0, -2).float(), labels.flatten(),
                                ignore_index=IGNORE_INDEX, label_smoothing=label_smoothing, reduction="none")
 
+    def mean_token_loss(self, hidden: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
+        """`token_losses` averaged over the predicted tokens (labels other than `IGNORE_INDEX`)."""
+        losses = self.token_losses(hidden, labels, label_smoothing)
+        return losses.sum() / (labels != IGNORE_INDEX).sum().clamp(min=1)
+
     def masked_lm_loss(self, hidden: torch.Tensor, masked_positions: torch.Tensor, masked_labels: torch.Tensor,
                        label_smoothing: float = 0.0) -> torch.Tensor:
         """Mean cross-entropy of the MLM head's predictions at the masked positions only.
 
         hidden Float[B, L, H]; masked_positions Long[B, P] (padding positions arbitrary); masked_labels Long[B, P]
         (`IGNORE_INDEX` at padding)."""
-        losses = self.token_losses(gather_positions(hidden, masked_positions), masked_labels, label_smoothing)
-        return losses.sum() / (masked_labels != IGNORE_INDEX).sum().clamp(min=1)
+        return self.mean_token_loss(gather_positions(hidden, masked_positions), masked_labels, label_smoothing)
 
     def causal_lm_loss(self, input_ids: torch.Tensor, length: torch.Tensor,
                        hidden: torch.Tensor | None = None) -> torch.Tensor:
@@ -383,9 +389,7 @@ class UniLMModel(nn.Module):
         ``hidden``: that pass's Float[B, L, H] when the caller already ran it."""
         if hidden is None:
             hidden = self.encode_objective(input_ids, LEFT_TO_RIGHT, length, length)
-        labels = causal_lm_labels(input_ids, length)
-        losses = self.token_losses(hidden[:, :-1], labels)  # position t predicts token t + 1
-        return losses.sum() / (labels != IGNORE_INDEX).sum().clamp(min=1)
+        return self.mean_token_loss(hidden[:, :-1], causal_lm_labels(input_ids, length))  # t predicts token t + 1
 
     def pooled(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float[B, L, H] → Float[B, H]: tanh(dense(first token)), BERT's pooler (the NSP head's input)."""

@@ -6,12 +6,12 @@ machine other work only ever slows a step down); the matmul peak is sampled befo
 sample kept. Everything is timed twice: wall-clock (the number that matters on a quiet machine) and process CPU
 time (robust when other processes share the cores). `measure` returns, `main` prints (and with --json writes):
   - tokens/s of each model and the ratio (target >= 1.3x);
-  - useful FLOP/s of each vs the torch matmul peak measured in the same run (target >= 80% for ours).
-With --gpu (CUDA), `measure_gpu` instead: UniLM-large 32 x 512 in bf16 and fp16, our model eager, with each fast path
-(compiled blocks, chunked loss) and both, vs transformers, as MFU against the dense matmul peak in that dtype. The
+  - useful FLOP/s of each vs the torch matmul peak measured in the same run (target >= 80% for ours). The
     peak is the best of torch's fp32 GEMM backends here (`torch.matmul` = MKL, and oneDNN, which our model's
     linears use on the CPU, and the faster one on the benchmark machine), so using the faster backend raises no one's
     percentage by itself; both backends' peaks are printed.
+With --gpu (CUDA), `measure_gpu` instead: UniLM-large 32 x 512 in bf16 and fp16, our model eager, with each fast path
+(compiled blocks, chunked loss) and both, vs transformers, as MFU against the dense matmul peak in that dtype.
 Useful FLOPs of one step = 6 x encoder-block parameters x tokens (forward 2, backward 4 per multiply-add)
 + attention scores and context (3 x 4 x L^2 x hidden per layer and sample) + 6 x MLM-head and NSP parameters
 x predicted tokens (masked positions only; the embedding lookups are not counted). Work a model does beyond

@@ -16,7 +16,8 @@ walk-through of the real workflow:
     finetune  python -m finetune.task_files; python -m tools.finetune_demo
               pipeline check: the tiny model pre-trained vs from scratch on BBC topics + headlines (one seed)
     headlines python -m finetune.run --config finetune/configs/bert-headline.yaml --init <the samples' BERT>;
-              python -m finetune.decode --beam-size 5: a real BERT fine-tuned by the seq2seq recipe
+              python -m finetune.decode --beam-size 5 --no-repeat-ngram 1: a real BERT fine-tuned by the
+              seq2seq recipe
     report    OUT/REPORT.md (with the table of `make ablation` when ablation_out/ holds one)
 
 A finished stage leaves ``OUT/stages/NAME.json`` (its wall time and results) and is skipped when the demo runs
