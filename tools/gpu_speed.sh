@@ -2,16 +2,16 @@
 # The GPU speed figures in one call on a CUDA machine, into one folder:
 #   bench   `python -m tools.bench_all --only gpu`: bf16 and fp16 matmul peaks; the UniLM-large model step
 #           (32 x 512, 77 masked positions, dropout on) eager, with each fast path and both, vs
-#           transformers.BertForPreTraining; pretrain.train (ZeRO-2 bf16, batch 330 = 33 x 10) at 512 and 128
-#           tokens; every ratio against its target -> OUT/results.md, OUT/results.json, OUT/bench.log
+#           transformers.BertForPreTraining; pretrain.train (ZeRO-2, batch 330 = 33 x 10) in bf16 and fp16 at 512
+#           tokens, bf16 at 128; every ratio against its target -> OUT/results.md, OUT/results.json, OUT/bench.log
 #   tests   the fast paths' `-m gpu` tests (bf16/fp16 accuracy of the chunked loss and the compiled blocks)
 #           -> OUT/gpu_tests.log
 #   suite   the whole `-m gpu` test suite (training runs, resume, ZeRO-3, offload, fine-tuning) -> OUT/gpu_suite.log
 #
 #   tools/gpu_speed.sh [OUT=bench_out/gpu_speed] [bench|tests|suite|all (= bench and tests)]
 #
-# Expected run time on one H200 (an estimate: this script has not run on a GPU yet): bench 7-9 min (two
-# compilations of UniLM-large in bench_model, two training processes with a FusedAdam build, compilation and a
+# Expected run time on one H200 (an estimate: this script has not run on a GPU yet): bench 8-11 min (two
+# compilations of UniLM-large in bench_model, three training processes with a FusedAdam build, compilation and a
 # 4 GB checkpoint save each), tests 2-3 min, suite 10-15 min. Needs a CUDA torch and the two sample corpora the
 # shards are built from, data/samples/wiki and data/samples/books.jsonl (7 MB; `make sample-corpus` fetches them).
 set -euo pipefail
