@@ -20,7 +20,6 @@ import importlib.util
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 import traceback
@@ -30,6 +29,7 @@ from typing import Any
 
 from pretrain.accelerator import choose_ds_accelerator
 from pretrain.config import REPO_ROOT
+from tools.stages import stream
 
 SECTIONS = ("data", "model", "train", "decode", "gpu")
 
@@ -73,7 +73,7 @@ def bench_model(args: argparse.Namespace) -> dict[str, Any]:
 
 def bench_train(args: argparse.Namespace) -> dict[str, Any]:
     from tools.bench_train import measure
-    return measure(_shards(args), args.out / "train")
+    return measure(_shards(args), args.work / "train")
 
 
 def bench_decode(args: argparse.Namespace) -> dict[str, Any]:
@@ -82,22 +82,54 @@ def bench_decode(args: argparse.Namespace) -> dict[str, Any]:
     return json.loads(out.read_text())
 
 
+GPU_TRAIN_RUNS = (("bf16", 512), ("fp16", 512), ("bf16", 128))
+"""The full training step's (precision, tokens) runs, most important first."""
+
+
 def bench_gpu(args: argparse.Namespace) -> dict[str, Any]:
     """On CUDA: the model step (``tools.bench_model --gpu`` in its own process: bf16/fp16 matmul peaks, UniLM-large
     32 × 512 eager, with each fast path and both, vs transformers) and the full training step
     (``tools.bench_train.train_step_throughput``: pretrain.train, ZeRO-2, batch 330 = 33 × 10) in bf16 and fp16 at
-    512 tokens, in bf16 at 128 tokens."""
+    512 tokens, in bf16 at 128 tokens. Each part is measured on its own: one that fails is recorded under
+    ``errors`` and the others still run; after each part ``OUT/gpu_partial.json`` holds what is measured so far
+    (a run stopped by a time limit keeps it)."""
     import torch
     if not torch.cuda.is_available():
         return {"skipped": "no CUDA device"}
     from tools.bench_train import train_step_throughput
 
-    out = args.out / "gpu_model.json"
-    _run([sys.executable, "-m", "tools.bench_model", "--gpu", "--json", str(out)])
-    result = {"device": torch.cuda.get_device_name(0), "model": json.loads(out.read_text()), "train": {}}
-    for precision, seq_len in (("bf16", 512), ("fp16", 512), ("bf16", 128)):
-        result["train"].setdefault(precision, {})[seq_len] = train_step_throughput(
-            _shards(args, seq_len), args.out / "gpu_train", precision)
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "train": {}, "errors": {}}
+
+    def part(name: str, keys: tuple[Any, ...], measure: Callable[[], Any]) -> None:
+        """Measure one part and keep its value at ``result[keys[0]][keys[1]]…``, or its error."""
+        print(f"[bench] gpu {name} ...", flush=True)
+        began = time.monotonic()
+        try:
+            value = measure()
+        except Exception as error:  # one failed part must not lose the others' numbers
+            traceback.print_exc()
+            result["errors"][name] = f"{type(error).__name__}: {error}"
+        else:
+            *parents, last = keys
+            node = result
+            for key in parents:
+                node = node.setdefault(key, {})
+            node[last] = value
+            for inner, error in (value.get("errors", {}) if isinstance(value, dict) else {}).items():
+                result["errors"][f"{name}: {inner}"] = error
+            print(f"[bench] gpu {name}: {json.dumps(value, default=str)}", flush=True)
+        print(f"[bench] gpu {name}: {time.monotonic() - began:.0f} s", flush=True)
+        (args.out / "gpu_partial.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+
+    def model_step() -> dict[str, Any]:
+        out = args.out / "gpu_model.json"
+        _run([sys.executable, "-m", "tools.bench_model", "--gpu", "--json", str(out)])
+        return json.loads(out.read_text())
+
+    part("model step", ("model",), model_step)
+    for precision, seq_len in GPU_TRAIN_RUNS:
+        part(f"train {precision} {seq_len}", ("train", precision, seq_len),
+             lambda: train_step_throughput(_shards(args, seq_len), args.work / "gpu_train", precision))
     return result
 
 
@@ -105,13 +137,14 @@ RUNNERS = {"data": bench_data, "model": bench_model, "train": bench_train, "deco
 
 
 def _run(command: list[str]) -> str:
+    """Run ``command`` in the repository, its output streamed as it comes (`tools.stages.stream`); raises with
+    the end of the output when it fails."""
     print(f"[bench]   $ {' '.join(Path(command[0]).name if i == 0 else c for i, c in enumerate(command))}",
           flush=True)
-    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
-    sys.stdout.write(done.stdout)
-    if done.returncode:
-        raise RuntimeError(f"{' '.join(command[1:])} exited {done.returncode}:\n{done.stderr[-2000:]}")
-    return done.stdout
+    returncode, output = stream(command)
+    if returncode:
+        raise RuntimeError(f"{' '.join(command[1:])} exited {returncode}:\n{output[-2000:]}")
+    return output
 
 
 def _shards(args: argparse.Namespace, seq_len: int = 128) -> str:
@@ -119,7 +152,7 @@ def _shards(args: argparse.Namespace, seq_len: int = 128) -> str:
     (Wikipedia excerpt + books) at ``seq_len`` tokens with an 8,000-token vocabulary trained on it."""
     if seq_len == 128 and args.shards and Path(args.shards, "manifest.json").is_file():
         return args.shards
-    data = args.out / "data"
+    data = args.work / "data"
     inputs = ["data/samples/wiki/enwiki-excerpt.xml.bz2", "data/samples/books.jsonl"]
     shards = data / ("shards" if seq_len == 128 else f"shards-{seq_len}")
     if not (data / "vocab.txt").is_file():
@@ -127,7 +160,8 @@ def _shards(args: argparse.Namespace, seq_len: int = 128) -> str:
               "--vocab-out", str(data / "vocab.txt"), "--quiet"])
     if not (shards / "manifest.json").is_file():
         _run([sys.executable, "-m", "data_prep.build", "--input", *inputs, "--vocab", str(data / "vocab.txt"),
-              "--max-seq-len", str(seq_len), "--workers", "2", "--out", str(shards), "--overwrite", "--quiet"])
+              "--max-seq-len", str(seq_len), "--workers", str(max(2, min(8, os.cpu_count() or 1))), "--out",
+              str(shards), "--overwrite", "--quiet"])
     return str(shards)
 
 
@@ -186,34 +220,38 @@ def table_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
             f"{decode['cache']['seconds']:.2f} s", f"{decode['no_cache']['seconds']:.2f} s", decode["speedup"],
             ">= 10 (same outputs)", decode["speedup"] >= 10 and decode["identical_outputs"])
     gpu = results.get("gpu", {})
-    if "model" in gpu:
-        model, device = gpu["model"]["rows"], gpu["device"]
-        for dtype, peak in gpu["model"]["peak_tflops"].items():
-            for variant in ("eager", "chunked_loss", "compiled", "fast", "transformers"):
-                step = model[f"{dtype}_{variant}"]
-                target = ">= 0.60" if variant == "fast" else ""
-                row(f"model step {variant} {dtype} (unilm-large 32 x 512) on {device}, MFU",
-                    f"{step['tflops']:.0f} TFLOP/s", f"{peak:.0f} TFLOP/s peak", step["mfu"], target,
-                    step["mfu"] >= 0.6 if target else None)
-            fast, theirs = model[f"{dtype}_fast"], model[f"{dtype}_transformers"]
+    model = gpu.get("model", {}).get("rows", {})
+    for dtype, peak in gpu.get("model", {}).get("peak_tflops", {}).items():
+        for variant in ("eager", "chunked_loss", "compiled", "fast", "transformers"):
+            step = model.get(f"{dtype}_{variant}")
+            if step is None:  # it failed (named in the errors)
+                continue
+            target = ">= 0.60" if variant == "fast" else ""
+            row(f"model step {variant} {dtype} (unilm-large 32 x 512) on {gpu['device']}, MFU",
+                f"{step['tflops']:.0f} TFLOP/s", f"{peak:.0f} TFLOP/s peak", step["mfu"], target,
+                step["mfu"] >= 0.6 if target else None)
+        fast, theirs = model.get(f"{dtype}_fast"), model.get(f"{dtype}_transformers")
+        if fast and theirs:
             row(f"model step ours (fast paths) vs transformers BertForPreTraining {dtype}, samples/s",
                 f"{fast['samples_per_s']:.0f}", f"{theirs['samples_per_s']:.0f}",
                 fast["samples_per_s"] / theirs["samples_per_s"], ">= 1.3",
                 fast["samples_per_s"] / theirs["samples_per_s"] >= 1.3)
-        for precision, by_length in gpu["train"].items():
-            for seq_len, train in by_length.items():
-                train_rows(row, precision, int(seq_len), train, model[f"{precision}_fast"]["samples_per_s"])
+    for precision, by_length in gpu.get("train", {}).items():
+        for seq_len, train in by_length.items():
+            fast = model.get(f"{precision}_fast")
+            train_rows(row, precision, int(seq_len), train, fast["samples_per_s"] if fast else None)
     return rows
 
 
 def train_rows(row: Callable[..., None], precision: str, seq_len: int, train: dict[str, float],
-               model_rate: float) -> None:
-    """The full training step's rows: at 512 tokens against the model step of its dtype and against 420 samples/s;
-    its MFU as ``metrics.jsonl`` records it."""
+               model_rate: float | None) -> None:
+    """The full training step's rows: at 512 tokens against the model step of its dtype (when it was measured) and
+    against 420 samples/s; its MFU as ``metrics.jsonl`` records it."""
     name = f"pretrain.train step {precision} ZeRO-2, batch 330 x {seq_len} tokens"
     if seq_len == 512:
-        row(f"{name} vs the model step, samples/s", f"{train['samples_per_s']:.0f}", f"{model_rate:.0f}",
-            train["samples_per_s"] / model_rate, ">= 0.90", train["samples_per_s"] >= 0.9 * model_rate)
+        if model_rate is not None:
+            row(f"{name} vs the model step, samples/s", f"{train['samples_per_s']:.0f}", f"{model_rate:.0f}",
+                train["samples_per_s"] / model_rate, ">= 0.90", train["samples_per_s"] >= 0.9 * model_rate)
         row(f"{name}, samples/s vs 420", f"{train['samples_per_s']:.0f}", "420",
             train["samples_per_s"] / 420, ">= 1", train["samples_per_s"] >= 420)
     row(f"{name}, MFU (metrics.jsonl)", f"{train['tflops']:.0f} TFLOP/s",
@@ -240,13 +278,17 @@ def describe(info: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("bench_out"))
+    parser.add_argument("--out", type=Path, default=Path("bench_out"), help="the reports: results.md, results.json, "
+                        "each benchmark's JSON")
+    parser.add_argument("--work", type=Path, default=None, help="what the benchmarks build and run: shards, "
+                        "training runs and their logs (default: --out)")
     parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     parser.add_argument("--shards", default="data/shards/unilm-128", help="shards for the training benchmark")
     parser.add_argument("--repeat", type=int, default=3, help="repeats of the data benchmark (best kept)")
     args = parser.parse_args(argv)
     choose_ds_accelerator()
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO_ROOT / ".cache" / "torch_extensions"))
+    args.work = args.work or args.out
     args.out.mkdir(parents=True, exist_ok=True)
     info = machine()
     print(f"[bench] machine: {describe(info)}", flush=True)
@@ -261,6 +303,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         except Exception as error:  # one broken benchmark must not hide the others
             traceback.print_exc()
             errors[name] = f"{type(error).__name__}: {error}"
+        for part, error in (results.get(name) or {}).get("errors", {}).items():
+            errors[f"{name} {part}"] = error
         timings[name] = time.monotonic() - began
         print(f"[bench] {name}: {timings[name]:.0f} s", flush=True)
     rows = table_rows(results)

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -182,8 +183,9 @@ def measure_gpu(preset_name: str = "unilm-large", batch_size: int = 32, seq_len:
     """On CUDA, one forward + backward (dropout on, weights in the dtype as under DeepSpeed's bf16/fp16, no
     optimizer) of every `GPU_VARIANTS` entry in each dtype, on one batch; mean over ``steps`` after 3 warm-up steps
     (compilation happens there). Returns ``peak_tflops`` per dtype (`pretrain.accelerator.matmul_peak_tflops`,
-    1 s) and ``rows`` ``{dtype}_{variant}`` → step_s, samples_per_s, tflops (useful FLOPs), mfu."""
-    from pretrain.accelerator import matmul_peak_tflops, synchronize
+    1 s) and ``rows`` ``{dtype}_{variant}`` → step_s, samples_per_s, tflops (useful FLOPs), mfu; a variant that
+    fails (a compiler error, out of memory) is left out of ``rows`` and named in ``errors``."""
+    from pretrain.accelerator import matmul_peak_tflops
 
     transformers.logging.set_verbosity_error()
     device = torch.device(device)
@@ -200,38 +202,51 @@ def measure_gpu(preset_name: str = "unilm-large", batch_size: int = 32, seq_len:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
         peak = result["peak_tflops"][dtype_name] = matmul_peak_tflops(device, dtype, seconds=1.0)
         for variant, switches in GPU_VARIANTS.items():
-            torch.manual_seed(0)
-            if switches is None:
-                model = transformers.BertForPreTraining(transformers.BertConfig(
-                    **hf_config(cfg), attn_implementation="sdpa"))
-                batch = inputs["transformers"]
-            else:
-                model = build_model(cfg)
-                if switches[0]:
-                    model.compile_blocks()
-                model.chunked_loss = switches[1]
-                batch = inputs["ours"]
-            model = model.to(device, dtype).train()
-
-            def step() -> None:
-                model(**batch).loss.backward()
-                model.zero_grad(set_to_none=True)
-
-            for _ in range(3):
-                step()
-            synchronize(device)
-            began = time.perf_counter()
-            for _ in range(steps):
-                step()
-            synchronize(device)
-            seconds = (time.perf_counter() - began) / steps
+            try:
+                seconds = _step_seconds(cfg, switches, inputs, device, dtype, steps)
+            except Exception as error:  # e.g. a compiler failure: the other variants are still measured
+                traceback.print_exc()
+                result.setdefault("errors", {})[f"{dtype_name}_{variant}"] = f"{type(error).__name__}: {error}"
+                continue
+            finally:
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
             tflops = flops / seconds / 1e12
             result["rows"][f"{dtype_name}_{variant}"] = {"step_s": seconds, "samples_per_s": batch_size / seconds,
                                                          "tflops": tflops, "mfu": tflops / peak}
-            del model
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
     return result
+
+
+def _step_seconds(cfg: ModelConfig, switches: tuple[bool, bool] | None, inputs: dict[str, dict[str, torch.Tensor]],
+                  device: torch.device, dtype: torch.dtype, steps: int) -> float:
+    """Seconds per forward + backward of one `GPU_VARIANTS` entry (``switches`` None: transformers), the mean over
+    ``steps`` after 3 warm-up steps."""
+    from pretrain.accelerator import synchronize
+
+    torch.manual_seed(0)
+    if switches is None:
+        model = transformers.BertForPreTraining(transformers.BertConfig(**hf_config(cfg), attn_implementation="sdpa"))
+        batch = inputs["transformers"]
+    else:
+        model = build_model(cfg)
+        if switches[0]:
+            model.compile_blocks()
+        model.chunked_loss = switches[1]
+        batch = inputs["ours"]
+    model = model.to(device, dtype).train()
+
+    def step() -> None:
+        model(**batch).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        step()
+    synchronize(device)
+    began = time.perf_counter()
+    for _ in range(steps):
+        step()
+    synchronize(device)
+    return (time.perf_counter() - began) / steps
 
 
 def _device_name(device: torch.device) -> str:
@@ -250,6 +265,7 @@ def report_gpu(result: dict[str, Any]) -> str:
         if fast and theirs:
             lines.append(f"{dtype}: matmul peak {peak:.0f} TFLOP/s; ours (fast paths) MFU {100 * fast['mfu']:.1f}% "
                          f"(target >= 60%), {theirs['step_s'] / fast['step_s']:.2f}x transformers (target >= 1.3x)")
+    lines += [f"{name} FAILED: {error}" for name, error in result.get("errors", {}).items()]
     return "\n".join(lines)
 
 

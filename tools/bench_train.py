@@ -31,6 +31,7 @@ import torch
 
 from pretrain.batch_plan import plan_batch
 from pretrain.config import REPO_ROOT
+from tools.stages import stream
 
 DEFAULT_SHARDS = "data/shards/unilm-128"
 BUCKET = 10_000_000  # elements per ZeRO communication bucket in the memory measurement
@@ -89,16 +90,19 @@ def train_step_throughput(shards: str, out: Path, precision: str = "bf16", steps
     """The full training step on this machine's GPU: ``pretrain.train`` (one rank, torchrun) with
     ``unilm-large.yaml`` under ZeRO-2 in ``precision``, global batch 330 = 33 × 10, for ``steps`` steps; the
     medians of its ``metrics.jsonl`` after the first ``skipped`` steps (compilation and warm-up). The process saves
-    a checkpoint when it stops, after the measured steps."""
+    a checkpoint when it stops, after the measured steps (then deleted); its output is streamed as it runs and kept
+    in ``OUT/train_PRECISION_SHARDS.log``."""
     run_dir = out / f"train_{precision}_{Path(shards).name}"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m",
                "pretrain.train", "--config", "pretrain/configs/unilm-large.yaml",
                f"deepspeed_config=ds_configs/zero2_{precision}.json", f"data.shards={shards}", "data.verify=false",
                f"out_dir={run_dir}", "train.resume=never", "train.global_batch_size=330", "train.micro_batch_size=33",
                "optim.warmup_steps=100", f"train.exit_at_step={steps}", "train.save_interval=1000000", *overrides]
-    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"training run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    log = out / f"{run_dir.name}.log"
+    log.unlink(missing_ok=True)
+    returncode, output = stream(command, log)
+    if returncode:
+        raise RuntimeError(f"training run failed (exit {returncode}, log {log}):\n{output[-3000:]}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][skipped:]
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # 4 GB of weights and optimizer state
     return {key: statistics.median(r[key] for r in records)

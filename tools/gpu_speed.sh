@@ -10,6 +10,11 @@
 #
 #   tools/gpu_speed.sh [OUT=bench_out/gpu_speed] [bench|tests|suite|all (= bench and tests)]
 #
+# OUT receives the reports alone (machine.txt, bench.log, results.md, results.json, gpu_partial.json -- what is
+# measured so far, rewritten after each part --, gpu_model.json, the test logs); what the benchmark builds and runs
+# (shards, training runs, their logs) goes to GPU_SPEED_WORK (default OUT/work). Every part streams its output into
+# bench.log as it runs, so a run stopped by a time limit keeps its progress and the parts it finished.
+#
 # Expected run time on one H200 (an estimate: this script has not run on a GPU yet): bench 8-11 min (two
 # compilations of UniLM-large in bench_model, three training processes with a FusedAdam build, compilation and a
 # 4 GB checkpoint save each), tests 2-3 min, suite 10-15 min. Needs a CUDA torch and the two sample corpora the
@@ -18,7 +23,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-bench_out/gpu_speed}
 WHAT=${2:-all}
-PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python )}
+case $WHAT in bench|tests|suite|all) ;; *) echo "usage: $0 [OUT] [bench|tests|suite|all], not '$WHAT'" >&2; exit 2;; esac
+PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || command -v python3 || echo python )}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}
 mkdir -p "$OUT"
@@ -26,7 +32,8 @@ mkdir -p "$OUT"
   > "$OUT/machine.txt" 2>&1
 status=0
 if [[ $WHAT == bench || $WHAT == all ]]; then
-  "$PY" -m tools.bench_all --only gpu --out "$OUT" 2>&1 | tee "$OUT/bench.log" || status=1
+  "$PY" -m tools.bench_all --only gpu --out "$OUT" --work "${GPU_SPEED_WORK:-$OUT/work}" 2>&1 \
+    | tee "$OUT/bench.log" || status=1
 fi
 if [[ $WHAT == tests || $WHAT == all ]]; then
   "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/pretrain/test_kernels.py tests/pretrain/test_model.py \

@@ -44,21 +44,11 @@ class Stages:
         Returns the output."""
         shown = " ".join(Path(a).name if a in (self.python, self.deepspeed) else a for a in argv)
         self.say(f"  $ {shown}")
-        if log:
-            log.parent.mkdir(parents=True, exist_ok=True)
-        process = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   text=True, env=dict(os.environ, **(env or {})), bufsize=1)
-        lines = []
-        with open(log, "a") if log else open(os.devnull, "w") as sink:
-            for line in process.stdout:
-                sys.stdout.write(line)
-                sys.stdout.flush()
-                sink.write(line)
-                lines.append(line)
-        if process.wait():
-            raise SystemExit(f"[{self.tag}] failed (exit code {process.returncode}): {shown}"
+        returncode, output = stream(argv, log, env)
+        if returncode:
+            raise SystemExit(f"[{self.tag}] failed (exit code {returncode}): {shown}"
                              + (f" (log: {log})" if log else ""))
-        return "".join(lines)
+        return output
 
     def launcher(self, max_gpus: int | None = None) -> list[str]:
         """The DeepSpeed launcher on this machine alone (no ssh): the localhost hostfile's two ranks on a CPU, one
@@ -91,6 +81,24 @@ class Stages:
             self.marker(name).write_text(json.dumps(result, indent=1) + "\n")
             self.say(f"({number}/{len(names)}) {name}: done in {duration(result['wall_s'])}")
         return time.monotonic() - started
+
+
+def stream(argv: Sequence[str], log: Path | None = None, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run ``argv`` in the repository, its output (standard error merged in) passed to the terminal line by line
+    as it comes and appended to ``log``: a log being written keeps the progress of a run that is stopped.
+    Returns the exit code and the output."""
+    if log:
+        log.parent.mkdir(parents=True, exist_ok=True)
+    process = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, env=dict(os.environ, **(env or {})), bufsize=1)
+    lines = []
+    with open(log, "a") if log else open(os.devnull, "w") as sink:
+        for line in process.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            sink.write(line)
+            lines.append(line)
+    return process.wait(), "".join(lines)
 
 
 def duration(seconds: float | None) -> str:

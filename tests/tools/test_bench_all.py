@@ -64,3 +64,11 @@ def test_gpu_rows_judge_the_model_and_training_steps_against_their_targets() -> 
     slower = table_rows({"gpu": {"device": "H200", "model": model,
                                  "train": {"bf16": {"512": dict(train, samples_per_s=400.0)}}}})
     assert [r["met"] for r in slower if r["benchmark"].startswith("pretrain.train")] == [False, False, None]
+
+
+def test_training_rows_stand_without_the_model_step() -> None:
+    train = {"samples_per_s": 430.0, "tflops": 400.0, "mfu": 0.508, "peak_tflops": 787.0}
+    rows = table_rows({"gpu": {"device": "H200", "train": {"fp16": {"512": train}}, "errors": {"model step": "x"}}})
+    assert [r["benchmark"] for r in rows] == [
+        "pretrain.train step fp16 ZeRO-2, batch 330 x 512 tokens, samples/s vs 420",
+        "pretrain.train step fp16 ZeRO-2, batch 330 x 512 tokens, MFU (metrics.jsonl)"]
