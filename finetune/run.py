@@ -12,7 +12,7 @@ from pathlib import Path
 
 from pretrain import checkpoint as ckpt
 from pretrain.config import keys_help
-from pretrain.engine import RunStopped, seed_everything
+from pretrain.engine import RunStopped, close_distributed, seed_everything
 from pretrain.outputs import check_output
 from pretrain.model import build_model
 
@@ -79,3 +79,4 @@ def check_run_output(out: str, inputs: list[str | None], force: bool) -> None:
 
 if __name__ == "__main__":
     main()
+    close_distributed()

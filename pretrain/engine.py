@@ -79,6 +79,15 @@ def init_distributed() -> tuple[int, int]:
     return torch_dist.get_rank(), torch_dist.get_world_size()
 
 
+def close_distributed() -> None:
+    """Destroy the process group at the end of a command that completed on every rank (its ``__main__``): a
+    process leaving it to interpreter shutdown can abort there ("terminate called without an active exception",
+    SIGABRT) while gloo's worker threads still hold work — a finished run reported as failed. Not after an error:
+    destroying while other ranks are inside a collective can hang."""
+    if torch_dist.is_available() and torch_dist.is_initialized():
+        torch_dist.destroy_process_group()
+
+
 def gather_objects(value: Any) -> list[Any]:
     """``value`` of every rank, in rank order (a collective: every rank calls it)."""
     gathered: list[Any] = [None] * torch_dist.get_world_size()

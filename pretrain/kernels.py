@@ -11,12 +11,15 @@ both (numbers: BERT-base, micro-batch 8 × 128, 2 cores, `make bench-model`):
 
 - `Linear`: an `nn.Linear` (same `weight`/`bias` names, so checkpoints and Hugging Face export do not change)
   whose fp32 CPU forward and input-gradient GEMMs run through oneDNN (`torch.ops.mkldnn._linear_pointwise`, the
-  kernel torch's own compiler uses for CPU linears) instead of MKL's sgemm, which `F.linear` calls. On the
-  benchmark machine (AMD EPYC, AVX-512) oneDNN's JIT kernels run the model's shapes at 190–215 GFLOP/s where
-  MKL gets 80–190 (worst: the MLM decoder, few rows × 30k columns). Results agree with
-  `F.linear` to fp32 rounding (a different summation order). Anything else — GPU tensors, bf16/fp16, CPU
-  autocast, ZeRO-3-partitioned weights (DeepSpeed gathers those around `F.linear`), a torch without the op — takes
-  `F.linear`. The op is checked once against `F.linear` before first use; on any disagreement it is not used.
+  kernel torch's own compiler uses for CPU linears) instead of MKL's sgemm, which `F.linear` calls — on CPUs
+  whose vendor is not Intel. MKL picks its fastest kernels on Intel CPUs alone: on an AMD EPYC (AVX-512)
+  oneDNN's JIT kernels run the model's shapes at 190–215 GFLOP/s where MKL gets 80–190 (worst: the MLM decoder,
+  few rows × 30k columns), while on an Intel Xeon (Sapphire Rapids) MKL runs them at 330–400 and oneDNN's input
+  gradients at 180–360, so there `F.linear` stays (`cpu_linear_backend`; ``UNILM_CPU_LINEAR=onednn|torch``
+  overrides the choice). Results agree with `F.linear` to fp32 rounding (a different summation order). Anything
+  else — GPU tensors, bf16/fp16, CPU autocast, ZeRO-3-partitioned weights (DeepSpeed gathers those around
+  `F.linear`), a torch without the op — takes `F.linear`. The op is checked once against `F.linear` before first
+  use; on any disagreement it is not used.
 - `dropout_add`: torch's CPU dropout draws each element's mask through a serial double-precision Bernoulli
   sampler (about 6 ns per element, 6 % of a step). This draws one 63-bit random word per *four* elements from
   the same default generator (so seeding, checkpointed RNG state and activation-checkpoint recompute behave
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import platform
 import sys
 import warnings
@@ -43,8 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Linear", "chunked_cross_entropy", "dropout_add", "onednn_linear", "onednn_linear_available",
-           "retain_freed_memory"]
+__all__ = ["Linear", "attention", "chunked_cross_entropy", "cpu_linear_backend", "dropout_add", "onednn_linear",
+           "onednn_linear_available", "retain_freed_memory"]
 
 
 # ------------------------------------------------------------------------------------------------ Linear
@@ -87,6 +91,39 @@ def onednn_linear_available() -> bool:
     return True
 
 
+CPU_LINEAR_VARIABLE = "UNILM_CPU_LINEAR"
+"""Environment variable choosing `Linear`'s fp32 CPU GEMMs: ``auto`` (default), ``onednn`` or ``torch``."""
+
+
+def choose_cpu_linear(setting: str | None, vendor: str | None, onednn_available: bool) -> str:
+    """``"onednn"`` or ``"torch"`` for `Linear`'s fp32 CPU GEMMs. ``setting`` (the environment variable):
+    ``auto``/None (oneDNN where it works, except on Intel CPUs, where MKL's own kernels are at least as fast),
+    ``onednn`` (where it works) or ``torch`` (`F.linear`). ``vendor``: the CPU's vendor id (``GenuineIntel``,
+    ``AuthenticAMD``, …) or None where unknown."""
+    setting = (setting or "auto").strip().lower()
+    if setting not in ("auto", "onednn", "torch"):
+        raise ValueError(f"{CPU_LINEAR_VARIABLE}={setting!r}: expected auto, onednn or torch")
+    if setting == "torch" or not onednn_available:
+        return "torch"
+    return "torch" if setting == "auto" and vendor == "GenuineIntel" else "onednn"
+
+
+def cpu_vendor() -> str | None:
+    """The CPU's vendor id from /proc/cpuinfo (``GenuineIntel``, ``AuthenticAMD``, …), None where unknown."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("vendor_id")), None)
+    except OSError:
+        return None
+
+
+@functools.cache
+def cpu_linear_backend() -> str:
+    """`Linear`'s backend for fp32 CPU GEMMs in this process: ``"onednn"`` or ``"torch"`` (`choose_cpu_linear`
+    of ``UNILM_CPU_LINEAR``, this CPU's vendor and `onednn_linear_available`)."""
+    return choose_cpu_linear(os.environ.get(CPU_LINEAR_VARIABLE), cpu_vendor(), onednn_linear_available())
+
+
 class _OneDNNLinear(torch.autograd.Function):
     """x @ weightᵀ + bias: the forward and input-gradient GEMMs on oneDNN, the weight gradient on MKL."""
 
@@ -108,14 +145,15 @@ class _OneDNNLinear(torch.autograd.Function):
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` whose fp32 CPU GEMMs run on oneDNN (see the module docstring); F.linear everywhere else."""
+    """`nn.Linear` whose fp32 CPU GEMMs run on oneDNN where `cpu_linear_backend` says so (see the module docstring);
+    F.linear everywhere else."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Float[..., in_features] → Float[..., out_features]."""
         weight, bias = self.weight, self.bias
         if (x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32
                 or x.numel() == 0 or hasattr(weight, "ds_id") or torch.is_autocast_enabled("cpu")
-                or torch.compiler.is_compiling() or not onednn_linear_available()):
+                or torch.compiler.is_compiling() or cpu_linear_backend() != "onednn"):
             return F.linear(x, weight, bias)
         flat = x.reshape(-1, x.shape[-1])
         if not flat.is_contiguous():
@@ -174,6 +212,26 @@ def dropout_add(x: torch.Tensor, p: float, training: bool, residual: torch.Tenso
         dropped = F.dropout(x, p, training=True)
         return dropped if residual is None else residual + dropped
     return _DropoutAdd.apply(residual, x, p)
+
+
+# ------------------------------------------------------------------------------------------------ attention
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+              dropout_p: float) -> torch.Tensor:
+    """``F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout_p)``, with a cheaper
+    attention dropout on the CPU: there, with dropout, torch takes its math path, whose mask is drawn by the
+    serial Bernoulli sampler (5 % of a BERT-base step); this computes the same softmax(q·kᵀ/√d + mask) · v with
+    `dropout_add`'s mask. Elsewhere (GPU, other dtypes, no dropout, compiled code) it is SDPA itself.
+
+    query Float[B, heads, Lq, d], key/value Float[B, heads, Lk, d], mask Float[B, 1, Lq, Lk] additive (0 or
+    -inf) or None → Float[B, heads, Lq, d]. A row with every key masked gives the mean of the values, where SDPA
+    gives 0 (nothing here builds such rows: their outputs would be ignored anyway)."""
+    if (dropout_p == 0.0 or query.device.type != "cpu" or query.dtype != torch.float32
+            or torch.compiler.is_compiling()):
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout_p)
+    scores = (query * query.shape[-1] ** -0.5) @ key.transpose(-1, -2)
+    if mask is not None:  # -inf → the lowest finite float: a fully masked row cannot turn into NaN
+        scores = scores + mask.clamp(min=torch.finfo(mask.dtype).min)
+    return dropout_add(torch.softmax(scores, dim=-1), dropout_p, True) @ value
 
 
 # ------------------------------------------------------------------------------------------------ loss

@@ -8,8 +8,8 @@ Differences from vanilla BERT (Devlin et al. 2019, google-research/bert `modelin
      from (objective, len_a, length) by `pretrain.masks`; loaders never ship them.
   2. The attention mask is per example and arbitrary (Bool[B, Lq, Lk], `True` = may attend), not a key-padding
      mask. `encode` turns it once into an additive (0 / -inf) mask shared by all layers and passes that to
-     `torch.nn.functional.scaled_dot_product_attention` (with dropout, torch's math path would otherwise
-     convert a boolean mask again in every layer).
+     `torch.nn.functional.scaled_dot_product_attention` (through `pretrain.kernels.attention`; with dropout,
+     torch's math path would otherwise convert a boolean mask again in every layer).
   3. The training forward gathers the hidden states at the masked positions before the MLM head, so the
      vocabulary projection runs on P masked tokens, not all L (BERT computes logits everywhere).
   4. The NSP loss counts only bidirectional samples whose `is_random_next >= 0`; losses are also reported per
@@ -22,9 +22,9 @@ Differences from vanilla BERT (Devlin et al. 2019, google-research/bert `modelin
      training settings, not architecture, set by the run (``train.*``): activation checkpointing of each block
      (`torch.utils.checkpoint`, non-reentrant), `torch.compile` of each block (`compile_blocks`), and a token
      loss computed in chunks of rows without fp32 logits of all of them (`chunked_loss`,
-     `pretrain.kernels.chunked_cross_entropy`); on the CPU in fp32, `pretrain.kernels`: linears on oneDNN and a
-     cheaper dropout mask fused with the residual add (same parameters, same distribution; GPUs, other dtypes and
-     compiled blocks take torch's own ops).
+     `pretrain.kernels.chunked_cross_entropy`); on the CPU in fp32, `pretrain.kernels`: linears on oneDNN (on
+     non-Intel CPUs) and a cheaper dropout mask, fused with the residual add and also used for attention dropout
+     (same parameters, same distribution; GPUs, other dtypes and compiled blocks take torch's own ops).
 Unchanged: post-LayerNorm blocks, exact (erf) gelu, learned absolute positions, dropout 0.1, LayerNorm eps
 1e-12, N(0, 0.02) init, the pooler (dense + tanh on the first token) under the NSP head, the MLM head (dense +
 gelu + LayerNorm + decoder tied to the token embeddings + bias). Parameter names map one-to-one onto Hugging
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pretrain.kernels import Linear, chunked_cross_entropy, dropout_add
+from pretrain.kernels import Linear, attention, chunked_cross_entropy, dropout_add
 from pretrain.masks import (
     BIDIRECTIONAL, LEFT_TO_RIGHT, NUM_OBJECTIVES, NUM_SEGMENT_TYPES, RIGHT_TO_LEFT, SEQ2SEQ,
     build_attention_mask, build_segment_ids,
@@ -181,10 +181,7 @@ class SelfAttention(nn.Module):
         query, key, value = self._heads(self.query(x)), self._heads(self.key(x)), self._heads(self.value(x))
         if past is not None:
             key, value = torch.cat([past[0], key], dim=2), torch.cat([past[1], value], dim=2)
-        context = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask,
-            dropout_p=self.attention_dropout if self.training else 0.0,
-        )
+        context = attention(query, key, value, mask, self.attention_dropout if self.training else 0.0)
         context = context.transpose(1, 2).reshape(x.shape)
         return self.output(context), (key, value)
 

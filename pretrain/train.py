@@ -19,7 +19,7 @@ if __package__ in (None, ""):  # `deepspeed pretrain/train.py` runs this file as
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pretrain.config import RunConfig, keys_help, load_config  # noqa: E402
-from pretrain.engine import RunStopped  # noqa: E402
+from pretrain.engine import RunStopped, close_distributed  # noqa: E402
 from pretrain.trainer import train  # noqa: E402
 
 
@@ -41,3 +41,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    close_distributed()

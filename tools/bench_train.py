@@ -31,6 +31,7 @@ import torch
 
 from pretrain.batch_plan import plan_batch
 from pretrain.config import REPO_ROOT
+from pretrain.engine import close_distributed
 from tools.stages import stream
 
 DEFAULT_SHARDS = "data/shards/unilm-128"
@@ -205,6 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.memory_worker is not None:
         memory_worker(args.memory_worker, args.preset, args.result)
+        close_distributed()
         return
     out = Path(args.out)
     report = measure(args.shards, out, args.presets, args.memory_preset)

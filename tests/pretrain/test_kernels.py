@@ -20,6 +20,32 @@ def test_onednn_is_used_where_torch_has_it():
     assert onednn_linear_available() == torch.backends.mkldnn.is_available()
 
 
+@pytest.mark.parametrize("setting, vendor, available, chosen", [
+    (None, "AuthenticAMD", True, "onednn"),  # MKL's slower code path on non-Intel CPUs
+    ("auto", None, True, "onednn"),
+    (None, "GenuineIntel", True, "torch"),  # MKL's own kernels, at least as fast there
+    ("onednn", "GenuineIntel", True, "onednn"),
+    ("onednn", "AuthenticAMD", False, "torch"),  # not usable here
+    (" Torch ", "AuthenticAMD", True, "torch"),
+])
+def test_cpu_linear_backend_by_vendor_and_setting(setting, vendor, available, chosen):
+    assert kernels.choose_cpu_linear(setting, vendor, available) == chosen
+
+
+def test_cpu_linear_setting_must_be_known():
+    with pytest.raises(ValueError, match="UNILM_CPU_LINEAR='mkl': expected auto, onednn or torch"):
+        kernels.choose_cpu_linear("mkl", "GenuineIntel", True)
+
+
+@pytest.fixture(params=["onednn", "torch"])
+def cpu_linear(request, monkeypatch):
+    """Each `Linear` test runs on both CPU backends, whichever this machine's CPU would choose."""
+    if request.param == "onednn" and not onednn_linear_available():
+        pytest.skip("torch has no oneDNN linear here")
+    monkeypatch.setattr(kernels, "cpu_linear_backend", lambda: request.param)
+    return request.param
+
+
 def test_linear_keeps_nn_linear_parameters_and_names():
     layer = Linear(6, 4)
     assert isinstance(layer, nn.Linear)
@@ -28,7 +54,7 @@ def test_linear_keeps_nn_linear_parameters_and_names():
 
 
 @pytest.mark.parametrize("shape, bias", [((7, 24), True), ((3, 5, 24), False), ((2, 3, 4, 24), True)])
-def test_linear_matches_torch_forward_and_backward(shape, bias):
+def test_linear_matches_torch_forward_and_backward(shape, bias, cpu_linear):
     torch.manual_seed(0)
     ours, reference = Linear(24, 40, bias=bias), nn.Linear(24, 40, bias=bias)
     reference.load_state_dict(ours.state_dict())
@@ -47,7 +73,7 @@ def test_linear_matches_torch_forward_and_backward(shape, bias):
         assert_close(ours.bias.grad, reference.bias.grad, rtol=1e-5, atol=1e-5)
 
 
-def test_linear_is_as_accurate_as_torch_against_float64():
+def test_linear_is_as_accurate_as_torch_against_float64(cpu_linear):
     torch.manual_seed(1)
     layer = Linear(768, 3072)
     x = torch.randn(64, 768)
@@ -57,7 +83,7 @@ def test_linear_is_as_accurate_as_torch_against_float64():
     assert ours_error <= 4 * torch_error + 1e-6
 
 
-def test_linear_without_grad_frozen_weight_strided_input_and_empty_batch():
+def test_linear_without_grad_frozen_weight_strided_input_and_empty_batch(cpu_linear):
     torch.manual_seed(2)
     layer = Linear(8, 5)
     x = torch.randn(8, 6).t()  # non-contiguous [6, 8]
@@ -153,6 +179,49 @@ def test_dropout_add_replays_under_activation_checkpointing():
         grads.append((out.detach(), weight.grad.clone()))
         weight.grad = None
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+# ------------------------------------------------------------------------------------------------ attention
+def _attention_inputs(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, 3, 5, 8, generator=g, requires_grad=True) for _ in range(3))
+    allowed = torch.rand(2, 1, 5, 5, generator=g) < 0.6
+    allowed |= torch.eye(5, dtype=torch.bool)  # every query sees a key
+    mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+    return q, k, v, mask
+
+
+def test_attention_without_dropout_is_sdpa_itself():
+    q, k, v, mask = _attention_inputs()
+    assert torch.equal(kernels.attention(q, k, v, mask, 0.0),
+                       F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+
+def test_attention_dropout_on_the_cpu_is_softmax_then_dropout_adds_mask():
+    q, k, v, mask = _attention_inputs()
+    torch.manual_seed(3)
+    out = kernels.attention(q, k, v, mask, 0.25)
+    (out * torch.linspace(-1, 1, 8)).sum().backward()
+    ours = out.detach(), q.grad, k.grad, v.grad
+    q, k, v, mask = _attention_inputs()
+    torch.manual_seed(3)  # the same draw as dropout_add's
+    probs = torch.softmax(q @ k.transpose(-1, -2) / 8 ** 0.5 + mask, dim=-1)
+    reference = (probs * _scaled_keep_mask(probs, 0.25)) @ v
+    (reference * torch.linspace(-1, 1, 8)).sum().backward()
+    for a, b in zip(ours, (reference.detach(), q.grad, k.grad, v.grad)):
+        assert_close(a, b, rtol=1e-5, atol=1e-6)
+    dropped = (probs * _scaled_keep_mask(probs, 0.25) == 0) & (probs > 0)
+    assert 0 < dropped.float().mean() < 0.5  # it did drop
+
+
+def test_attention_dropout_keeps_sdpas_expectation_and_a_fully_masked_row_finite():
+    q, k, v, mask = (t.detach() for t in _attention_inputs())
+    torch.manual_seed(4)
+    mean = torch.stack([kernels.attention(q, k, v, mask, 0.5) for _ in range(4000)]).mean(0)
+    assert_close(mean, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), rtol=0, atol=0.05)
+    mask[0, 0, 2] = float("-inf")  # query 2 of example 0 sees nothing
+    out = kernels.attention(q, k, v, mask, 0.1)
+    assert torch.isfinite(out).all()
 
 
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])

@@ -90,21 +90,31 @@ def test_decoder_is_tied_to_token_embeddings():
     torch.testing.assert_close(model.mlm_logits(hidden), manual)
 
 
-def test_attention_goes_through_sdpa(monkeypatch):
+@pytest.mark.parametrize("training", [True, False])
+def test_attention_gets_one_additive_mask(monkeypatch, training):
     calls = []
-    real = F.scaled_dot_product_attention
+    real = model_module.attention
 
-    def spy(*args, **kwargs):
-        calls.append(kwargs["attn_mask"])
-        return real(*args, **kwargs)
+    def spy(query, key, value, mask, dropout_p):
+        calls.append((mask, dropout_p))
+        return real(query, key, value, mask, dropout_p)
 
-    monkeypatch.setattr(model_module.F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(model_module, "attention", spy)
     batch = make_batch()
-    tiny_model()(**batch)
+    tiny_model().train(training)(**batch)
     expected = build_attention_mask(batch["objective"], batch["len_a"], batch["length"], 12).unsqueeze(1)
     assert len(calls) == TINY.num_layers
-    for mask in calls:  # the boolean mask as one additive mask: 0 where allowed, -inf where blocked
+    for mask, dropout_p in calls:  # the boolean mask as one additive mask: 0 where allowed, -inf where blocked
         assert torch.equal(mask == 0, expected) and torch.isneginf(mask[~expected]).all()
+        assert dropout_p == (TINY.attention_dropout if training else 0.0)
+
+
+def test_attention_without_dropout_goes_through_sdpa(monkeypatch):
+    calls = []
+    real = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: calls.append(k) or real(*a, **k))
+    tiny_model().eval()(**make_batch())
+    assert len(calls) == TINY.num_layers and all(k["dropout_p"] == 0.0 for k in calls)
 
 
 def test_mlm_head_runs_only_on_masked_positions():
