@@ -15,7 +15,8 @@ both (numbers: BERT-base, micro-batch 8 × 128, 2 cores, `make bench-model`):
   whose vendor is not Intel. MKL picks its fastest kernels on Intel CPUs alone: on an AMD EPYC (AVX-512)
   oneDNN's JIT kernels run the model's shapes at 190–215 GFLOP/s where MKL gets 80–190 (worst: the MLM decoder,
   few rows × 30k columns), while on an Intel Xeon (Sapphire Rapids) MKL runs them at 330–400 and oneDNN's input
-  gradients at 180–360, so there `F.linear` stays (`cpu_linear_backend`; ``UNILM_CPU_LINEAR=onednn|torch``
+  gradients at 180–360, so there `F.linear` stays except for linears of fewer than `FEW_ROWS` rows (a beam
+  search step), where oneDNN is faster there too (`cpu_linear_backend`; ``UNILM_CPU_LINEAR=onednn|torch``
   overrides the choice). Results agree with `F.linear` to fp32 rounding (a different summation order). Anything
   else — GPU tensors, bf16/fp16, CPU autocast, ZeRO-3-partitioned weights (DeepSpeed gathers those around
   `F.linear`), a torch without the op — takes `F.linear`. The op is checked once against `F.linear` before first
@@ -94,18 +95,23 @@ def onednn_linear_available() -> bool:
 CPU_LINEAR_VARIABLE = "UNILM_CPU_LINEAR"
 """Environment variable choosing `Linear`'s fp32 CPU GEMMs: ``auto`` (default), ``onednn`` or ``torch``."""
 
+FEW_ROWS = 16
+"""On Intel CPUs (``auto``), a linear of fewer rows than this still runs on oneDNN: at 10 rows (a beam search
+step's vocabulary projection) oneDNN is 1.5–1.7× MKL there, from 20 rows on MKL is as fast or faster."""
+
 
 def choose_cpu_linear(setting: str | None, vendor: str | None, onednn_available: bool) -> str:
-    """``"onednn"`` or ``"torch"`` for `Linear`'s fp32 CPU GEMMs. ``setting`` (the environment variable):
-    ``auto``/None (oneDNN where it works, except on Intel CPUs, where MKL's own kernels are at least as fast),
-    ``onednn`` (where it works) or ``torch`` (`F.linear`). ``vendor``: the CPU's vendor id (``GenuineIntel``,
-    ``AuthenticAMD``, …) or None where unknown."""
+    """`Linear`'s fp32 CPU GEMMs: ``"onednn"``, ``"torch"`` (`F.linear`, MKL) or ``"few-rows-onednn"`` (oneDNN
+    below `FEW_ROWS` rows, `F.linear` from there). ``setting`` (the environment variable): ``auto``/None (oneDNN
+    where it works, except on Intel CPUs, where MKL's own kernels are at least as fast but for the fewest rows),
+    ``onednn`` (where it works) or ``torch``. ``vendor``: the CPU's vendor id (``GenuineIntel``, ``AuthenticAMD``,
+    …) or None where unknown."""
     setting = (setting or "auto").strip().lower()
     if setting not in ("auto", "onednn", "torch"):
         raise ValueError(f"{CPU_LINEAR_VARIABLE}={setting!r}: expected auto, onednn or torch")
     if setting == "torch" or not onednn_available:
         return "torch"
-    return "torch" if setting == "auto" and vendor == "GenuineIntel" else "onednn"
+    return "few-rows-onednn" if setting == "auto" and vendor == "GenuineIntel" else "onednn"
 
 
 def cpu_vendor() -> str | None:
@@ -119,8 +125,8 @@ def cpu_vendor() -> str | None:
 
 @functools.cache
 def cpu_linear_backend() -> str:
-    """`Linear`'s backend for fp32 CPU GEMMs in this process: ``"onednn"`` or ``"torch"`` (`choose_cpu_linear`
-    of ``UNILM_CPU_LINEAR``, this CPU's vendor and `onednn_linear_available`)."""
+    """`Linear`'s backend for fp32 CPU GEMMs in this process (`choose_cpu_linear` of ``UNILM_CPU_LINEAR``, this
+    CPU's vendor and `onednn_linear_available`)."""
     return choose_cpu_linear(os.environ.get(CPU_LINEAR_VARIABLE), cpu_vendor(), onednn_linear_available())
 
 
@@ -153,7 +159,7 @@ class Linear(nn.Linear):
         weight, bias = self.weight, self.bias
         if (x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32
                 or x.numel() == 0 or hasattr(weight, "ds_id") or torch.is_autocast_enabled("cpu")
-                or torch.compiler.is_compiling() or cpu_linear_backend() != "onednn"):
+                or torch.compiler.is_compiling() or not self._on_onednn(x.numel() // x.shape[-1])):
             return F.linear(x, weight, bias)
         flat = x.reshape(-1, x.shape[-1])
         if not flat.is_contiguous():
@@ -164,6 +170,11 @@ class Linear(nn.Linear):
         else:
             out = onednn_linear(flat, weight, bias)
         return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def _on_onednn(rows: int) -> bool:
+        backend = cpu_linear_backend()
+        return backend == "onednn" or (backend == "few-rows-onednn" and rows < FEW_ROWS)
 
 
 # ------------------------------------------------------------------------------------------------ dropout

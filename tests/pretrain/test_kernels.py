@@ -23,8 +23,9 @@ def test_onednn_is_used_where_torch_has_it():
 @pytest.mark.parametrize("setting, vendor, available, chosen", [
     (None, "AuthenticAMD", True, "onednn"),  # MKL's slower code path on non-Intel CPUs
     ("auto", None, True, "onednn"),
-    (None, "GenuineIntel", True, "torch"),  # MKL's own kernels, at least as fast there
+    (None, "GenuineIntel", True, "few-rows-onednn"),  # MKL's own kernels, at least as fast there but for few rows
     ("onednn", "GenuineIntel", True, "onednn"),
+    ("torch", "GenuineIntel", True, "torch"),
     ("onednn", "AuthenticAMD", False, "torch"),  # not usable here
     (" Torch ", "AuthenticAMD", True, "torch"),
 ])
@@ -32,14 +33,26 @@ def test_cpu_linear_backend_by_vendor_and_setting(setting, vendor, available, ch
     assert kernels.choose_cpu_linear(setting, vendor, available) == chosen
 
 
+def test_few_rows_run_on_onednn_and_more_on_torchs_linear(monkeypatch):
+    if not onednn_linear_available():
+        pytest.skip("torch has no oneDNN linear here")
+    monkeypatch.setattr(kernels, "cpu_linear_backend", lambda: "few-rows-onednn")
+    calls = []
+    monkeypatch.setattr(kernels, "_ONEDNN", lambda *args: calls.append(args[0].shape[0]) or F.linear(*args[:3]))
+    layer = Linear(8, 5)
+    for rows in (1, kernels.FEW_ROWS - 1, kernels.FEW_ROWS, 64):
+        layer(torch.randn(rows, 8, requires_grad=True)).sum().backward()
+    assert calls == [1, 1, kernels.FEW_ROWS - 1, kernels.FEW_ROWS - 1]  # forward and input gradient each
+
+
 def test_cpu_linear_setting_must_be_known():
     with pytest.raises(ValueError, match="UNILM_CPU_LINEAR='mkl': expected auto, onednn or torch"):
         kernels.choose_cpu_linear("mkl", "GenuineIntel", True)
 
 
-@pytest.fixture(params=["onednn", "torch"])
+@pytest.fixture(params=["onednn", "torch", "few-rows-onednn"])
 def cpu_linear(request, monkeypatch):
-    """Each `Linear` test runs on both CPU backends, whichever this machine's CPU would choose."""
+    """Each `Linear` test runs on every CPU backend choice, whichever this machine's CPU would make."""
     if request.param == "onednn" and not onednn_linear_available():
         pytest.skip("torch has no oneDNN linear here")
     monkeypatch.setattr(kernels, "cpu_linear_backend", lambda: request.param)
