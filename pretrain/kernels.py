@@ -27,7 +27,8 @@ both (numbers: BERT-base, micro-batch 8 × 128, 2 cores, `make bench-model`):
   as with torch's dropout) and keeps an element when its 16-bit share clears a threshold: p is
   rounded to a multiple of 1/32768 (0.1 → 0.1000061) and kept values are scaled by exactly 1/(1 - that p),
   so the expectation is unchanged. The residual add is fused into the same pass. GPU tensors (and CPU
-  tensors in other dtypes) use torch's dropout.
+  tensors in other dtypes) use torch's dropout. `attention` draws attention dropout with the same mask: with
+  dropout torch's CPU SDPA takes its math path, which samples through the serial Bernoulli (5 % of a step).
 
 And one process setting, `retain_freed_memory`: glibc's malloc hands large freed blocks back to the kernel,
 so every step page-faults its activations and gradients in again (about 150–200k faults, 0.35 CPU-seconds per
