@@ -11,8 +11,9 @@ changes shape is the segment (token-type) embedding, because UniLM uses 6 segmen
                      behaves as ours on bidirectional inputs only.
 
 Tensors are read safely: `model.safetensors` with safetensors, `pytorch_model.bin` with
-`torch.load(weights_only=True)`. Checkpoints with or without the `bert.` prefix and with or without the
-MLM/NSP heads (and pooler) load; missing heads are freshly initialised and a warning names them.
+`torch.load(weights_only=True)`, a checkpoint saved in shards through its `*.index.json`. Checkpoints with or
+without the `bert.` prefix and with or without the MLM/NSP heads (and pooler) load; missing heads are freshly
+initialised and a warning names them.
 
 A missing MLM head (sentence-embedding checkpoints such as MiniLM ship the encoder alone) starts with its
 transform's dense layer at the identity (zero bias) rather than at random: the decoder is tied to the word
@@ -112,16 +113,67 @@ def config_from_hf(config: dict) -> ModelConfig:
     )
 
 
+# Weight files of a HF model directory, in from_pretrained's order of preference; an index file lists the shards of
+# a checkpoint saved in parts (`save_pretrained(max_shard_size=...)`).
+_WEIGHT_FILES = (("model.safetensors", False), ("model.safetensors.index.json", True),
+                 ("pytorch_model.bin", False), ("pytorch_model.bin.index.json", True))
+
+
+def hf_weight_files(directory: str | Path) -> tuple[list[Path], set[str] | None]:
+    """The files that hold a HF directory's tensors — one file, or the shards an index lists — and, for an index,
+    the tensor names it lists. Checks that they exist; reads no tensor."""
+    directory = Path(directory)
+    for name, is_index in _WEIGHT_FILES:
+        path = directory / name
+        if not path.is_file():
+            continue
+        if not is_index:
+            return [path], None
+        try:
+            weight_map = json.loads(path.read_text())["weight_map"]
+            shards = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{path}: not a checkpoint index (a JSON object with a 'weight_map' of tensor name → "
+                             f"file): {e}") from None
+        missing = [shard for shard in shards if not (directory / shard).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{path} lists shard files that are not in {directory}: {missing}")
+        return [directory / shard for shard in shards], set(weight_map)
+    raise FileNotFoundError(f"{directory}: no weights (looked for {', '.join(n for n, _ in _WEIGHT_FILES)})")
+
+
 def _read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
-    if (directory / "model.safetensors").is_file():
-        return load_file(directory / "model.safetensors")
-    if (directory / "pytorch_model.bin").is_file():
-        return torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise FileNotFoundError(f"{directory}: neither model.safetensors nor pytorch_model.bin")
+    files, listed = hf_weight_files(directory)
+    state: dict[str, torch.Tensor] = {}
+    for path in files:
+        state.update(load_file(path) if path.suffix == ".safetensors"
+                     else torch.load(path, map_location="cpu", weights_only=True))
+    absent = sorted((listed or set()) - set(state))
+    if absent:
+        raise ValueError(f"{directory}: tensors its index lists are in none of its shards: {absent[:5]}"
+                         + (f" and {len(absent) - 5} more" if len(absent) > 5 else ""))
+    return state
 
 
-def load_hf_bert(path: str | Path) -> UniLMModel:
-    """Our model with the weights of a HF BERT directory (config.json + model.safetensors | pytorch_model.bin).
+def hf_model_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of a HF BERT directory, from its `config.json` alone (no weights read)."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{path}: no config.json — expected a Hugging Face BERT directory "
+                                "(config.json + model.safetensors or pytorch_model.bin)")
+    try:
+        config = json.loads(config_file.read_text())
+    except ValueError as e:
+        raise ValueError(f"{config_file}: not valid JSON ({e})") from None
+    return config_from_hf(config)
+
+
+def load_hf_bert(path: str | Path, cfg: ModelConfig | None = None) -> UniLMModel:
+    """Our model with the weights of a HF BERT directory (config.json + model.safetensors | pytorch_model.bin,
+    or either split into shards by an index file).
+
+    ``cfg`` (default: the directory's own, `hf_model_config`) builds the model instead, for settings that leave
+    the tensors' shapes alone, such as other dropout rates; a shape it changes is an error naming the tensor.
 
     Accepts BertModel, BertForMaskedLM and BertForPreTraining checkpoints, with or without the `bert.` prefix
     and with TF-era `gamma`/`beta` LayerNorm names. Segment types 2 → 6 as in the module docstring. Tensors
@@ -130,7 +182,7 @@ def load_hf_bert(path: str | Path) -> UniLMModel:
     unknown or of the wrong shape is an error.
     """
     directory = Path(path)
-    cfg = config_from_hf(json.loads((directory / "config.json").read_text()))
+    cfg = cfg or hf_model_config(directory)
     model = build_model(cfg)
     ours = model.state_dict()
 

@@ -44,6 +44,7 @@ from pretrain.accelerator import deepspeed_arch_list
 from pretrain.batch_plan import InfeasibleBatchError, plan_batch
 from pretrain.checkpoint import code_version
 from pretrain.config import REPO_ROOT, RunConfig, load_config
+from pretrain.hf import hf_model_config, hf_weight_files
 from pretrain.trainer import resolve_model_config
 
 CHECKPOINT_BYTES_PER_PARAMETER = 20  # fp32 weights + Adam moments (12) + low-precision copy / slack + safetensors fp32 (4)
@@ -90,7 +91,7 @@ def read_hostfile(path: str | Path) -> dict[str, int]:
 
 
 def probe(cfg: RunConfig) -> dict[str, Any]:
-    """What this host sees: code version, shard manifest hash, free disk under out_dir."""
+    """What this host sees: code version, shard manifest hash, ``model.init_from``, free disk under out_dir."""
     report: dict[str, Any] = {"host": socket.gethostname(), "code_version": code_version()}
     try:
         ShardDataset(cfg.data.shards)
@@ -100,6 +101,12 @@ def probe(cfg: RunConfig) -> dict[str, Any]:
     target = Path(cfg.out_dir).resolve()
     while not target.exists():
         target = target.parent
+    if cfg.model.init_from:  # every rank reads it
+        try:
+            hf_model_config(cfg.model.init_from)
+            hf_weight_files(cfg.model.init_from)
+        except (OSError, ValueError) as error:
+            report["init_from_error"] = str(error)
     report["free_bytes"] = shutil.disk_usage(target).free
     report["cuda_arch_list"] = os.environ.get("TORCH_CUDA_ARCH_LIST")
     report["write_bytes_per_s"] = write_speed(target)
@@ -191,9 +198,14 @@ def preflight(config: str, overrides: list[str], hostfile: str | None, local_ran
     except InfeasibleBatchError as error:
         problems.append(str(error))
     local = probe(cfg)
-    needed = (cfg.train.keep_last + 1) * checkpoint_bytes(cfg)
+    try:
+        checkpoint_size = checkpoint_bytes(cfg)
+    except (OSError, ValueError):  # an unreadable model.init_from: each host's probe names it
+        checkpoint_size = None
+    needed = (cfg.train.keep_last + 1) * (checkpoint_size or 0)
     for host in hosts:
         report = local if host in LOCAL_NAMES else remote_probe(host, config, overrides)
+        problems_before = len(problems)
         if "unreachable" in report:
             problems.append(f"{host}: not reachable by ssh ({report['unreachable']})")
             continue
@@ -205,17 +217,19 @@ def preflight(config: str, overrides: list[str], hostfile: str | None, local_ran
                 print(f"[preflight] {host}: {note}")
         if report["code_version"] != local["code_version"]:
             problems.append(f"{host}: code version {report['code_version']} != {local['code_version']} here")
+        if "init_from_error" in report:
+            problems.append(f"{host}: model.init_from: {report['init_from_error']}")
         if "shards_error" in report:
             problems.append(f"{host}: shards {cfg.data.shards}: {report['shards_error']}")
         elif report["manifest_hash"] != local.get("manifest_hash"):
             problems.append(f"{host}: shards {cfg.data.shards} differ from this host's (manifest hash)")
-        warning = sigterm_save_warning(checkpoint_bytes(cfg), report.get("write_bytes_per_s"), host)
+        warning = sigterm_save_warning(checkpoint_size or 0, report.get("write_bytes_per_s"), host)
         if warning is not None:
             print(f"[preflight] WARNING: {warning}", file=sys.stderr)
         if report["free_bytes"] < needed:
             problems.append(f"{host}: {report['free_bytes'] / 2**30:.1f} GiB free under {cfg.out_dir}, "
                             f"need ~{needed / 2**30:.1f} GiB for {cfg.train.keep_last + 1} checkpoints")
-        else:
+        if len(problems) == problems_before:
             print(f"[preflight] {host}: ok (code {report['code_version']}, "
                   f"{report['free_bytes'] / 2**30:.0f} GiB free)")
     return problems

@@ -35,7 +35,7 @@ from pretrain.data import PretrainLoader, SampleOrder, collate, sample_objective
 from pretrain.engine import (NonFiniteLossError, build_engine, engine_config, init_distributed,
                              nonfinite_gradient_norm, optimizer_step, precision, read_engine_json,
                              seed_everything, zero_stage)
-from pretrain.hf import load_hf_bert
+from pretrain.hf import hf_model_config, load_hf_bert
 from pretrain.model import REPORTED_OBJECTIVES, ModelConfig, build_model, preset, training_flops
 from pretrain.outputs import write_file_atomically
 
@@ -44,7 +44,7 @@ from pretrain.outputs import write_file_atomically
 def resolve_model_config(cfg: RunConfig) -> ModelConfig:
     """The model config this run trains: an HF directory's, or a preset with ``model.overrides`` applied."""
     if cfg.model.init_from:
-        base = load_hf_bert(cfg.model.init_from).cfg
+        base = hf_model_config(cfg.model.init_from)
     elif cfg.model.preset:
         base = preset(cfg.model.preset)
     else:
@@ -356,7 +356,7 @@ def build_training_engine(cfg: RunConfig, model_cfg: ModelConfig, plan: BatchPla
                           resume: ckpt.ResumePoint | None) -> Any:
     """The DeepSpeed engine around a freshly initialised (or HF-initialised) model."""
     seed_everything(cfg.train.seed)  # identical initial weights on every rank
-    model = build_model(model_cfg) if not cfg.model.init_from else _init_from_hf(cfg.model.init_from, model_cfg)
+    model = build_model(model_cfg) if not cfg.model.init_from else load_hf_bert(cfg.model.init_from, model_cfg)
     model.activation_checkpointing = cfg.train.activation_checkpointing
     fast_paths = fast_path_settings(cfg, engine_json)
     model.chunked_loss = fast_paths["chunked_loss"]
@@ -524,15 +524,6 @@ def _maybe_float(value: Any) -> float | None:
         return None
     value = float(value)
     return value if math.isfinite(value) else None
-
-
-def _init_from_hf(path: str, model_cfg: ModelConfig) -> torch.nn.Module:
-    model = load_hf_bert(path)
-    if model.cfg != model_cfg:  # overrides such as dropout changes
-        fresh = build_model(model_cfg)
-        fresh.load_state_dict(model.state_dict())
-        model = fresh
-    return model
 
 
 class EvalSet:

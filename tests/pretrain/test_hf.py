@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pretrain.data import synthetic_batch
-from pretrain.hf import SEGMENT_ROWS_FROM_HF, hf_pretraining_inputs, load_hf_bert, save_hf_bert
+from pretrain.hf import SEGMENT_ROWS_FROM_HF, hf_model_config, hf_pretraining_inputs, load_hf_bert, save_hf_bert
 from pretrain.masks import BIDIRECTIONAL, build_attention_mask, build_segment_ids
 from pretrain.model import build_model, preset
 
@@ -170,6 +170,58 @@ def test_pytorch_model_bin_without_prefix_and_with_tf_layer_norm_names(minilm, m
     for name, tensor in minilm.state_dict().items():
         if not name.startswith(("mlm_head.", "nsp_head.")):
             assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+def test_a_checkpoint_saved_in_shards_loads_like_one_file(minilm, minilm_dir, tmp_path):
+    """transformers' `save_pretrained(max_shard_size=...)` layout (safetensors), and the same split as .bin files."""
+    hf_model = transformers.BertModel.from_pretrained(minilm_dir)
+    hf_model.save_pretrained(tmp_path / "safetensors", max_shard_size="10MB")
+    assert len(list((tmp_path / "safetensors").glob("model-*.safetensors"))) > 1
+    state = load_file(minilm_dir / "model.safetensors")
+    names = sorted(state)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "config.json").write_text((minilm_dir / "config.json").read_text())
+    weight_map = {}
+    for part, chunk in enumerate((names[:len(names) // 2], names[len(names) // 2:]), start=1):
+        torch.save({k: state[k] for k in chunk}, bin_dir / f"pytorch_model-0000{part}-of-00002.bin")
+        weight_map.update({k: f"pytorch_model-0000{part}-of-00002.bin" for k in chunk})
+    (bin_dir / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    for directory in (tmp_path / "safetensors", bin_dir):
+        loaded = load_hf_bert(directory).state_dict()
+        for name, tensor in minilm.state_dict().items():
+            if not name.startswith(("mlm_head.", "nsp_head.")):
+                assert torch.equal(loaded[name], tensor), (directory.name, name)
+
+    (bin_dir / "pytorch_model-00002-of-00002.bin").unlink()
+    with pytest.raises(FileNotFoundError, match="pytorch_model-00002-of-00002.bin"):
+        load_hf_bert(bin_dir)
+    (bin_dir / "pytorch_model.bin.index.json").write_text(json.dumps({"files": []}))
+    with pytest.raises(ValueError, match="weight_map"):
+        load_hf_bert(bin_dir)
+
+
+def test_model_config_comes_from_config_json_alone(minilm, minilm_dir, tmp_path):
+    assert hf_model_config(minilm_dir) == minilm.cfg
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        hf_model_config(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no weights"):
+        (tmp_path / "config.json").write_text((minilm_dir / "config.json").read_text())
+        load_hf_bert(tmp_path)
+
+
+def test_load_with_other_dropout_keeps_every_tensor_and_refuses_other_shapes(minilm, minilm_dir):
+    """Same tensors as the checkpoint's own config gives, freshly initialised heads included (same seed)."""
+    cfg = dataclasses.replace(minilm.cfg, hidden_dropout=0.0, attention_dropout=0.0)
+    torch.manual_seed(5)
+    model = load_hf_bert(minilm_dir, cfg)
+    torch.manual_seed(5)
+    own = load_hf_bert(minilm_dir)
+    assert model.cfg == cfg and own.cfg != cfg
+    for name, tensor in own.state_dict().items():
+        assert torch.equal(model.state_dict()[name], tensor), name
+    with pytest.raises(ValueError, match="position_embeddings"):
+        load_hf_bert(minilm_dir, dataclasses.replace(minilm.cfg, max_position_embeddings=1024))
 
 
 def test_bad_checkpoints_fail_loudly(minilm_dir, tmp_path):

@@ -99,5 +99,27 @@ def test_preflight_checks_batch_plan_shards_and_hosts(unilm_shards: Path, tmp_pa
     assert len(problems) == 1 and "no manifest" in problems[0]
 
 
+def test_preflight_checks_model_init_from_on_each_host(unilm_shards: Path, minilm_dir: Path, tmp_path: Path) -> None:
+    """Every rank reads model.init_from: the preflight reads its config.json and finds its weight files (a sharded
+    checkpoint's index included) without loading a tensor."""
+    from pretrain.preflight import preflight
+
+    def problems_with(init_from: Path) -> list[str]:
+        overrides = [f"data.shards={unilm_shards}", f"out_dir={tmp_path}", "model.preset=null",
+                     f"model.init_from={init_from}"]
+        return preflight("pretrain/configs/tiny.yaml", overrides, None)
+
+    assert problems_with(minilm_dir) == []
+    problems = problems_with(tmp_path / "absent")
+    assert len(problems) == 1 and "model.init_from" in problems[0] and "no config.json" in problems[0]
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    (sharded / "config.json").write_text((minilm_dir / "config.json").read_text())
+    (sharded / "model.safetensors.index.json").write_text(
+        '{"metadata": {}, "weight_map": {"embeddings.word_embeddings.weight": "model-00001-of-00002.safetensors"}}')
+    problems = problems_with(sharded)
+    assert len(problems) == 1 and "model-00001-of-00002.safetensors" in problems[0]
+
+
 def test_slurm_script_is_valid_bash() -> None:
     subprocess.run(["bash", "-n", str(ROOT / "hostfiles/slurm.sbatch")], check=True)

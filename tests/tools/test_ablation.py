@@ -14,7 +14,8 @@ from conftest import ROOT, subprocess_env
 from finetune.model_io import load_init
 from pretrain.engine import seed_everything
 from pretrain.config import load_config
-from pretrain.trainer import _init_from_hf, resolve_model_config
+from pretrain.hf import load_hf_bert
+from pretrain.trainer import resolve_model_config
 from tools import ablation
 
 
@@ -41,7 +42,7 @@ def test_the_three_arms_start_from_identical_bert_weights(samples_dir: Path, min
         assert f"model.init_from={driver.init_dir}" in overrides
         cfg = load_config(ROOT / ablation.PRETRAIN_CONFIG, overrides)
         seed_everything(seed)
-        starts[arm] = _init_from_hf(cfg.model.init_from, resolve_model_config(cfg)).state_dict()
+        starts[arm] = load_hf_bert(cfg.model.init_from, resolve_model_config(cfg)).state_dict()
 
     names = sorted(starts["bert"])
     assert all(sorted(state) == names for state in starts.values())
