@@ -188,12 +188,14 @@ def load_hf_bert(path: str | Path, cfg: ModelConfig | None = None) -> UniLMModel
 
     loaded: dict[str, torch.Tensor] = {}
     unknown = []
+    decoder = None
     for hf_name, tensor in _read_state_dict(directory).items():
         hf_name = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", hf_name)  # TF-era names
         hf_name = re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", hf_name)
         if not hf_name.startswith(("bert.", "cls.")):
             hf_name = "bert." + hf_name
         if hf_name in _HF_REDUNDANT:
+            decoder = tensor if hf_name == "cls.predictions.decoder.weight" else decoder
             continue
         name = from_hf_name(hf_name)
         if name is None:
@@ -208,6 +210,9 @@ def load_hf_bert(path: str | Path, cfg: ModelConfig | None = None) -> UniLMModel
     if unknown:
         raise ValueError(f"{directory}: tensors our model has no place for: {unknown}")
 
+    if decoder is not None and not torch.equal(decoder, loaded.get("embeddings.token.weight", decoder)):
+        logger.warning(f"{directory}: its MLM decoder weights differ from its word embeddings (an untied "
+                       "checkpoint); our decoder is tied to the word embeddings, so they predict the tokens")
     tied = "mlm_head.decoder.weight"
     missing = sorted(n for n in ours if n not in loaded and n != tied)
     not_optional = [n for n in missing if not n.startswith(_OPTIONAL_PREFIXES)]

@@ -201,6 +201,22 @@ def test_a_checkpoint_saved_in_shards_loads_like_one_file(minilm, minilm_dir, tm
         load_hf_bert(bin_dir)
 
 
+def test_an_untied_decoder_is_named_in_a_warning(tmp_path, caplog):
+    model = build_model(preset("tiny"))
+    save_hf_bert(model, tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["cls.predictions.decoder.weight"] = model.embeddings.token.weight.detach().clone()
+    save_file(tensors, tmp_path / "model.safetensors")
+    with caplog.at_level(logging.WARNING, logger="pretrain.hf"):
+        load_hf_bert(tmp_path)
+    assert "untied" not in caplog.text
+    tensors["cls.predictions.decoder.weight"] += 1
+    save_file(tensors, tmp_path / "model.safetensors")
+    with caplog.at_level(logging.WARNING, logger="pretrain.hf"):
+        load_hf_bert(tmp_path)
+    assert "untied" in caplog.text
+
+
 def test_model_config_comes_from_config_json_alone(minilm, minilm_dir, tmp_path):
     assert hf_model_config(minilm_dir) == minilm.cfg
     with pytest.raises(FileNotFoundError, match="no config.json"):
