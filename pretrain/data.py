@@ -31,29 +31,48 @@ from pretrain.masks import BIDIRECTIONAL
 from pretrain.model import IGNORE_INDEX, ModelConfig
 
 
-def collate(samples: Sequence[Any], pad_id: int, max_len: int) -> dict[str, torch.Tensor]:
+def collate(samples: Sequence[Any], pad_id: int, max_len: int, pack: bool = False) -> dict[str, torch.Tensor]:
     """Pad ``data_prep.shard_format.Sample`` objects into the batch dict of docs/architecture.md.
 
-    Returns ``input_ids`` Long[B, L] (L = longest sample, padded with ``pad_id``), ``objective``, ``len_a``,
-    ``length``, ``is_random_next`` Long[B], ``masked_positions`` Long[B, P] (padded with 0) and
-    ``masked_labels`` Long[B, P] (padded with ``IGNORE_INDEX``), P = most masked positions in the batch (at least 1).
+    Returns ``objective``, ``len_a``, ``length``, ``is_random_next`` Long[S] per sample and ``masked_labels``
+    Long[S, P] (padded with ``IGNORE_INDEX``), P = most masked positions of a sample (at least 1), and:
+    - ``pack=False``: ``input_ids`` Long[S, L], one sample per row (L = longest sample, padded with ``pad_id``),
+      ``masked_positions`` Long[S, P] within each row (padded with 0);
+    - ``pack=True``: the samples packed into as few rows of the longest sample's length as `pack_rows` finds,
+      ``input_ids`` Long[R, L] (L = that length), ``masked_positions`` Long[S, P] into the flattened R × L
+      tokens, and ``position_ids`` (each token's position in its sample), ``token_sample`` (its sample's index, -1
+      at padding) Long[R, L] and ``sample_starts`` Long[S] (each sample's first token, flattened) for the model's
+      packed path.
     """
     if not samples:
         raise ValueError("collate needs at least one sample")
     lengths = [len(s.input_ids) for s in samples]
     if max(lengths) > max_len:
         raise ValueError(f"sample of length {max(lengths)} exceeds max_len {max_len}")
-    batch_size, seq_len = len(samples), max(lengths)
+    # Rows as long as the longest sample: never wider than one sample per row, so attention costs no more per row.
+    rows = pack_rows(lengths, max(lengths)) if pack else [[index] for index in range(len(samples))]
+    seq_len = max(sum(lengths[index] for index in row) for row in rows)
     num_masked = max(1, max(len(s.masked_positions) for s in samples))
-    input_ids = torch.full((batch_size, seq_len), pad_id, dtype=torch.long)
-    masked_positions = torch.zeros((batch_size, num_masked), dtype=torch.long)
-    masked_labels = torch.full((batch_size, num_masked), IGNORE_INDEX, dtype=torch.long)
-    for row, sample in enumerate(samples):
-        input_ids[row, :lengths[row]] = torch.from_numpy(np.asarray(sample.input_ids, dtype=np.int64))
-        count = len(sample.masked_positions)
-        masked_positions[row, :count] = torch.from_numpy(np.asarray(sample.masked_positions, dtype=np.int64))
-        masked_labels[row, :count] = torch.from_numpy(np.asarray(sample.masked_labels, dtype=np.int64))
-    return {
+    input_ids = torch.full((len(rows), seq_len), pad_id, dtype=torch.long)
+    position_ids = torch.zeros((len(rows), seq_len), dtype=torch.long)
+    token_sample = torch.full((len(rows), seq_len), -1, dtype=torch.long)
+    sample_starts = torch.zeros(len(samples), dtype=torch.long)
+    masked_positions = torch.zeros((len(samples), num_masked), dtype=torch.long)
+    masked_labels = torch.full((len(samples), num_masked), IGNORE_INDEX, dtype=torch.long)
+    for row_index, row in enumerate(rows):
+        offset = 0
+        for index in row:
+            sample, end = samples[index], offset + lengths[index]
+            input_ids[row_index, offset:end] = torch.from_numpy(np.asarray(sample.input_ids, dtype=np.int64))
+            position_ids[row_index, offset:end] = torch.arange(lengths[index])
+            token_sample[row_index, offset:end] = index
+            sample_starts[index] = row_index * seq_len + offset
+            count = len(sample.masked_positions)
+            positions = torch.from_numpy(np.asarray(sample.masked_positions, dtype=np.int64))
+            masked_positions[index, :count] = positions + sample_starts[index] if pack else positions
+            masked_labels[index, :count] = torch.from_numpy(np.asarray(sample.masked_labels, dtype=np.int64))
+            offset = end
+    batch = {
         "input_ids": input_ids,
         "objective": torch.tensor([int(s.objective) for s in samples], dtype=torch.long),
         "len_a": torch.tensor([int(s.segment_a_length) for s in samples], dtype=torch.long),
@@ -62,6 +81,26 @@ def collate(samples: Sequence[Any], pad_id: int, max_len: int) -> dict[str, torc
         "masked_positions": masked_positions,
         "masked_labels": masked_labels,
     }
+    if pack:
+        batch.update(position_ids=position_ids, token_sample=token_sample, sample_starts=sample_starts)
+    return batch
+
+
+def pack_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Sample indices grouped into rows of at most ``capacity`` tokens: first-fit over the samples from longest to
+    shortest (ties in sample order), a few percent of rows from the minimum. Deterministic; a row lists its samples
+    longest first. Samples of full length get a row each, in their order."""
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        row = next((r for r, room in enumerate(free) if room >= lengths[index]), None)
+        if row is None:
+            rows.append([])
+            free.append(capacity)
+            row = len(rows) - 1
+        rows[row].append(index)
+        free[row] -= lengths[index]
+    return rows
 
 
 def sample_objectives(dataset: Any) -> np.ndarray:
@@ -170,12 +209,14 @@ class PretrainLoader:
     """Yields, per optimizer step, this rank's list of collated micro-batches on ``device``; a daemon thread reads,
     collates and (on an accelerator) copies ``prefetch_steps`` steps ahead: pinned host memory, ``non_blocking``
     copies on a side stream, so the transfers overlap compute. On the CPU batches are handed over as collated (no
-    copy). ``wait_seconds`` accumulates the time the trainer spent blocked."""
+    copy). ``pack``: several samples per row (`collate`). ``wait_seconds`` accumulates the time the trainer spent
+    blocked."""
 
     def __init__(self, dataset: Any, order: SampleOrder, plan: BatchPlan, rank: int, consumed_samples: int,
-                 pad_id: int, max_len: int, prefetch_steps: int = 4, device: torch.device | str | None = None) -> None:
+                 pad_id: int, max_len: int, prefetch_steps: int = 4, device: torch.device | str | None = None,
+                 pack: bool = False) -> None:
         self.dataset, self.order, self.plan, self.rank = dataset, order, plan, rank
-        self.pad_id, self.max_len = pad_id, max_len
+        self.pad_id, self.max_len, self.pack = pad_id, max_len, pack
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self._feed = _DeviceFeed(self.device) if self.device.type != "cpu" else None
         self.consumed_samples = consumed_samples
@@ -189,7 +230,8 @@ class PretrainLoader:
         consumed = self.consumed_samples
         try:
             while not self._stop.is_set():
-                micro_batches = [collate([self.dataset[int(i)] for i in indices], self.pad_id, self.max_len)
+                micro_batches = [collate([self.dataset[int(i)] for i in indices], self.pad_id, self.max_len,
+                                         self.pack)
                                  for indices in self.order.rank_step_indices(consumed, self.plan, self.rank)]
                 copied = None
                 if self._feed is not None:

@@ -16,9 +16,12 @@ Differences from vanilla BERT (Devlin et al. 2019, google-research/bert `modelin
      objective (bidirectional_mlm, nsp, left_to_right, right_to_left, seq2seq; or causal_lm).
   5. `causal_lm=True` (the GPT preset) predicts every next token under the left-to-right mask, through the same
      tied MLM head (GPT-1 has no head transform; here one head serves both recipes).
-  6. `encode` takes an optional per-layer key/value cache (`past_key_values`) for UniLM-style incremental
+  6. The training forward also takes packed rows, several samples in one row (`pretrain.data.collate`,
+     ``pack=True``): each token keeps its own sample's position, segment and mask, and sees nothing of the other
+     samples in its row, so the loss is that of one sample per row, with less padding.
+  7. `encode` takes an optional per-layer key/value cache (`past_key_values`) for UniLM-style incremental
      decoding: several query positions at once, keys = cached positions + new ones.
-  7. Optional speed-ups, same numerics: apex's FusedLayerNorm when importable (torch LayerNorm otherwise);
+  8. Optional speed-ups, same numerics: apex's FusedLayerNorm when importable (torch LayerNorm otherwise);
      training settings, not architecture, set by the run (``train.*``): activation checkpointing of each block
      (`torch.utils.checkpoint`, non-reentrant), `torch.compile` of each block (`compile_blocks`), and a token
      loss computed in chunks of rows without fp32 logits of all of them (`chunked_loss`,
@@ -43,7 +46,7 @@ from torch.utils.checkpoint import checkpoint
 from pretrain.kernels import Linear, attention, chunked_cross_entropy, dropout_add
 from pretrain.masks import (
     BIDIRECTIONAL, LEFT_TO_RIGHT, NUM_OBJECTIVES, NUM_SEGMENT_TYPES, RIGHT_TO_LEFT, SEQ2SEQ,
-    build_attention_mask, build_segment_ids,
+    build_attention_mask, build_packed_attention_mask, build_packed_segment_ids, build_segment_ids,
 )
 
 try:  # an optional accelerator, never a requirement (apex is not on PyPI); falls back to torch on CPU tensors
@@ -390,7 +393,11 @@ class UniLMModel(nn.Module):
 
     def pooled(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float[B, L, H] → Float[B, H]: tanh(dense(first token)), BERT's pooler (the NSP head's input)."""
-        return torch.tanh(self.pooler(hidden[:, 0]))
+        return self.pool(hidden[:, 0])
+
+    def pool(self, first_tokens: torch.Tensor) -> torch.Tensor:
+        """Float[B, H] hidden states of the samples' first tokens → Float[B, H]: BERT's pooler, tanh(dense(·))."""
+        return torch.tanh(self.pooler(first_tokens))
 
     # -- the training forward
     def forward(
@@ -402,6 +409,9 @@ class UniLMModel(nn.Module):
         is_random_next: torch.Tensor | None = None,
         masked_positions: torch.Tensor | None = None,
         masked_labels: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        token_sample: torch.Tensor | None = None,
+        sample_starts: torch.Tensor | None = None,
     ) -> PretrainOutput:
         """Loss of a collated batch (see docs/architecture.md).
 
@@ -410,10 +420,23 @@ class UniLMModel(nn.Module):
                 (is_random_next: 1 random B, 0 true next, -1 no NSP loss; default all -1);
             masked_positions: Long[B, P] (padding positions arbitrary), masked_labels: Long[B, P] (`IGNORE_INDEX` = pad).
                 Unused (may be None) when cfg.causal_lm.
+            position_ids, token_sample: Long[R, L], sample_starts: Long[S]: packed rows, several samples per row
+                (`pretrain.data.collate` with ``pack=True``); input_ids is then Long[R, L], the per-sample tensors
+                have S rows and masked_positions index the flattened R × L tokens. Same loss as one sample per row.
         """
         if self.cfg.causal_lm:  # GPT: every sample is a left-to-right sample
             objective = torch.full_like(objective, LEFT_TO_RIGHT)
-        hidden = self.encode_objective(input_ids, objective, len_a, length)
+        if token_sample is None:
+            hidden = self.encode_objective(input_ids, objective, len_a, length)
+            first_tokens = hidden[:, 0]
+        else:
+            if self.cfg.causal_lm or position_ids is None or sample_starts is None:
+                raise ValueError("packed rows need position_ids, token_sample and sample_starts, and a masked-LM "
+                                 "model (cfg.causal_lm predicts every token of one sample per row)")
+            hidden = self.encode(input_ids, build_packed_segment_ids(token_sample, position_ids, objective, len_a),
+                                 build_packed_attention_mask(token_sample, position_ids, objective, len_a),
+                                 position_ids)
+            first_tokens = hidden.flatten(0, 1)[sample_starts]
 
         if self.cfg.causal_lm:
             predicting, labels = hidden[:, :-1], causal_lm_labels(input_ids, length)  # t predicts token t + 1
@@ -421,7 +444,11 @@ class UniLMModel(nn.Module):
         else:
             if masked_positions is None or masked_labels is None:
                 raise ValueError("masked_positions and masked_labels are required unless cfg.causal_lm")
-            predicting, labels = gather_positions(hidden, masked_positions), masked_labels
+            if token_sample is None:
+                predicting = gather_positions(hidden, masked_positions)
+            else:
+                predicting = hidden.flatten(0, 1)[masked_positions]
+            labels = masked_labels
             token_objective = objective.unsqueeze(1).expand_as(labels)
         token_loss = self.token_losses(predicting, labels)
         predicted = (labels.flatten() != IGNORE_INDEX).float()
@@ -433,7 +460,7 @@ class UniLMModel(nn.Module):
         if is_random_next is None:
             is_random_next = torch.full_like(objective, -1)
         nsp_weight = ((objective == BIDIRECTIONAL) & (is_random_next >= 0)).float()
-        nsp_loss = F.cross_entropy(self.nsp_head(self.pooled(hidden)).float(), is_random_next.clamp(min=0),
+        nsp_loss = F.cross_entropy(self.nsp_head(self.pool(first_tokens)).float(), is_random_next.clamp(min=0),
                                    reduction="none")
         nsp_count = nsp_weight.sum()
         loss = loss + (nsp_loss * nsp_weight).sum() / nsp_count.clamp(min=1)

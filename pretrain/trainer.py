@@ -311,10 +311,12 @@ def _train_locked(cfg: RunConfig, rank: int, world_size: int, started: float) ->
     engine_json = read_engine_json(cfg.deepspeed_config_path)
     resume = ckpt.find_resume_point(cfg.checkpoint_dir, cfg.train.resume, identity, world_size,
                                     zero_stage(engine_json), report=print if rank == 0 else None)
-    engine = build_training_engine(cfg, model_cfg, plan, engine_json, resume)
+    fast_paths = fast_path_settings(cfg, engine_json, model_cfg)
+    engine = build_training_engine(cfg, model_cfg, plan, engine_json, resume, fast_paths)
     throughput = Throughput(model_cfg, world_size, cfg.train.peak_tflops or measured_peak_tflops(engine, rank))
     progress = restore_progress(engine, resume, cfg.train.seed, rank, world_size)
-    loader = build_loader(cfg, dataset, model_cfg, plan, rank, progress.consumed_samples, engine.device)
+    loader = build_loader(cfg, dataset, model_cfg, plan, rank, progress.consumed_samples, engine.device,
+                          pack=fast_paths["pack_samples"])
     eval_set = EvalSet(cfg, plan, rank, world_size, loader.pad_id, loader.max_len) if cfg.train.eval_interval else None
     write_run_config(cfg, rank)
     metrics = Metrics(Path(cfg.out_dir) / "metrics.jsonl", progress.step if resume else None, cfg.train.max_steps,
@@ -353,12 +355,11 @@ def check_vocabulary_fits(dataset: ShardDataset, model_cfg: ModelConfig) -> None
 
 
 def build_training_engine(cfg: RunConfig, model_cfg: ModelConfig, plan: BatchPlan, engine_json: dict[str, Any],
-                          resume: ckpt.ResumePoint | None) -> Any:
+                          resume: ckpt.ResumePoint | None, fast_paths: dict[str, bool]) -> Any:
     """The DeepSpeed engine around a freshly initialised (or HF-initialised) model."""
     seed_everything(cfg.train.seed)  # identical initial weights on every rank
     model = build_model(model_cfg) if not cfg.model.init_from else load_hf_bert(cfg.model.init_from, model_cfg)
     model.activation_checkpointing = cfg.train.activation_checkpointing
-    fast_paths = fast_path_settings(cfg, engine_json)
     model.chunked_loss = fast_paths["chunked_loss"]
     if fast_paths["compile"]:
         model.compile_blocks()
@@ -366,10 +367,10 @@ def build_training_engine(cfg: RunConfig, model_cfg: ModelConfig, plan: BatchPla
     return build_engine(model, config, cfg.optim.weight_decay)
 
 
-def fast_path_settings(cfg: RunConfig, engine_json: dict[str, Any]) -> dict[str, bool]:
-    """``train.compile`` and ``train.chunked_loss`` with their null defaults resolved for this run: compile on CUDA
-    under ZeRO 0-2, chunked loss under bf16/fp16. Refuses compiling under ZeRO-3 (its parameter hooks run inside
-    the blocks)."""
+def fast_path_settings(cfg: RunConfig, engine_json: dict[str, Any], model_cfg: ModelConfig) -> dict[str, bool]:
+    """``train.compile``, ``train.chunked_loss`` and ``train.pack_samples`` with their null defaults resolved for this
+    run: compile on CUDA under ZeRO 0-2, chunked loss under bf16/fp16, packing unless the model is a causal LM.
+    Refuses compiling under ZeRO-3 (its parameter hooks run inside the blocks) and packing a causal LM."""
     stage = zero_stage(engine_json)
     half = any(engine_json.get(key, {}).get("enabled", False) for key in ("fp16", "bf16", "bfloat16"))
     compile_blocks = cfg.train.compile
@@ -379,7 +380,11 @@ def fast_path_settings(cfg: RunConfig, engine_json: dict[str, Any]) -> dict[str,
         raise ValueError("train.compile=true does not work with ZeRO-3 (DeepSpeed gathers each block's parameters "
                          "inside its forward); use ZeRO 0-2 or train.compile=false")
     chunked_loss = half if cfg.train.chunked_loss is None else cfg.train.chunked_loss
-    return {"compile": compile_blocks, "chunked_loss": chunked_loss}
+    pack_samples = not model_cfg.causal_lm if cfg.train.pack_samples is None else cfg.train.pack_samples
+    if pack_samples and model_cfg.causal_lm:
+        raise ValueError("train.pack_samples=true does not apply to a causal LM (model.causal_lm: its samples are "
+                         "full-length blocks, each predicted whole); use train.pack_samples=false or null")
+    return {"compile": compile_blocks, "chunked_loss": chunked_loss, "pack_samples": pack_samples}
 
 
 def restore_progress(engine: Any, resume: ckpt.ResumePoint | None, seed: int, rank: int,
@@ -395,11 +400,11 @@ def restore_progress(engine: Any, resume: ckpt.ResumePoint | None, seed: int, ra
 
 
 def build_loader(cfg: RunConfig, dataset: ShardDataset, model_cfg: ModelConfig, plan: BatchPlan, rank: int,
-                 consumed_samples: int, device: torch.device) -> PretrainLoader:
+                 consumed_samples: int, device: torch.device, pack: bool = False) -> PretrainLoader:
     order = SampleOrder(sample_objectives(dataset), cfg.train.seed)
     max_len = cfg.data.max_seq_len or model_cfg.max_position_embeddings
     return PretrainLoader(dataset, order, plan, rank, consumed_samples, dataset.special_tokens["pad"], max_len,
-                          cfg.data.prefetch_steps, device=device)
+                          cfg.data.prefetch_steps, device=device, pack=pack)
 
 
 def write_run_config(cfg: RunConfig, rank: int) -> None:

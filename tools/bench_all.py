@@ -90,7 +90,8 @@ def bench_gpu(args: argparse.Namespace) -> dict[str, Any]:
     """On CUDA: the model step (``tools.bench_model --gpu`` in its own process: bf16/fp16 matmul peaks, UniLM-large
     32 × 512 eager, with each fast path and both, vs transformers) and the full training step
     (``tools.bench_train.train_step_throughput``: pretrain.train, ZeRO-2, batch 330 = 33 × 10) in bf16 and fp16 at
-    512 tokens, in bf16 at 128 tokens. Each part is measured on its own: one that fails is recorded under
+    512 tokens, in bf16 at 128 tokens, and the first of these again with one sample per row
+    (``train.pack_samples=false``). Each part is measured on its own: one that fails is recorded under
     ``errors`` and the others still run; after each part ``OUT/gpu_partial.json`` holds what is measured so far
     (a run stopped by a time limit keeps it)."""
     import torch
@@ -130,6 +131,11 @@ def bench_gpu(args: argparse.Namespace) -> dict[str, Any]:
     for precision, seq_len in GPU_TRAIN_RUNS:
         part(f"train {precision} {seq_len}", ("train", precision, seq_len),
              lambda: train_step_throughput(_shards(args, seq_len), args.work / "gpu_train", precision))
+    # what packing rows gives: the first run again with one sample per row
+    precision, seq_len = GPU_TRAIN_RUNS[0]
+    part(f"train {precision} {seq_len} one sample per row", ("train_unpacked", precision, seq_len),
+         lambda: train_step_throughput(_shards(args, seq_len), args.work / "gpu_train", precision,
+                                       overrides=("train.pack_samples=false",), label="unpacked"))
     return result
 
 
@@ -240,6 +246,13 @@ def table_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
         for seq_len, train in by_length.items():
             fast = model.get(f"{precision}_fast")
             train_rows(row, precision, int(seq_len), train, fast["samples_per_s"] if fast else None)
+    for precision, by_length in gpu.get("train_unpacked", {}).items():
+        for seq_len, unpacked in by_length.items():
+            packed = gpu.get("train", {}).get(precision, {}).get(seq_len)
+            if packed:
+                ratio = packed["samples_per_s"] / unpacked["samples_per_s"]
+                row(f"pretrain.train step {precision} x {seq_len}: packed rows vs one sample per row, samples/s",
+                    f"{packed['samples_per_s']:.0f}", f"{unpacked['samples_per_s']:.0f}", ratio, "> 1", ratio > 1)
     return rows
 
 

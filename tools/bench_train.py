@@ -87,13 +87,13 @@ def data_wait_share(shards: str, out: Path) -> dict[str, float]:
 
 
 def train_step_throughput(shards: str, out: Path, precision: str = "bf16", steps: int = 12, skipped: int = 4,
-                          overrides: tuple[str, ...] = ()) -> dict[str, float]:
+                          overrides: tuple[str, ...] = (), label: str = "") -> dict[str, float]:
     """The full training step on this machine's GPU: ``pretrain.train`` (one rank, torchrun) with
     ``unilm-large.yaml`` under ZeRO-2 in ``precision``, global batch 330 = 33 × 10, for ``steps`` steps; the
     medians of its ``metrics.jsonl`` after the first ``skipped`` steps (compilation and warm-up). The process saves
     a checkpoint when it stops, after the measured steps (then deleted); its output is streamed as it runs and kept
-    in ``OUT/train_PRECISION_SHARDS.log``."""
-    run_dir = out / f"train_{precision}_{Path(shards).name}"
+    in ``OUT/train_PRECISION_SHARDS[_LABEL].log`` (``label`` tells runs with other ``overrides`` apart)."""
+    run_dir = out / f"train_{precision}_{Path(shards).name}{'_' + label if label else ''}"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m",
                "pretrain.train", "--config", "pretrain/configs/unilm-large.yaml",
                f"deepspeed_config=ds_configs/zero2_{precision}.json", f"data.shards={shards}", "data.verify=false",

@@ -7,7 +7,7 @@ import torch
 
 from data_prep.shard_format import Objective, ShardDataset
 from pretrain.batch_plan import plan_batch
-from pretrain.data import PretrainLoader, SampleOrder, collate, sample_objectives
+from pretrain.data import PretrainLoader, SampleOrder, collate, pack_rows, sample_objectives
 from pretrain.model import IGNORE_INDEX
 
 
@@ -37,6 +37,43 @@ def test_collate_matches_the_architecture_contract(dataset: ShardDataset) -> Non
                           "masked_labels"}
     with pytest.raises(ValueError, match="exceeds max_len"):
         collate(samples, pad_id, max_len=max(lengths) - 1)
+
+
+def test_pack_rows_fills_rows_first_fit_longest_first() -> None:
+    assert pack_rows([64, 64, 64], 64) == [[0], [1], [2]]  # full-length samples: a row each, in order
+    assert pack_rows([30, 64, 20, 40, 34], 64) == [[1], [3, 2], [4, 0]]
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        lengths = rng.integers(1, 65, size=int(rng.integers(1, 40))).tolist()
+        rows = pack_rows(lengths, 64)
+        assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
+        assert all(sum(lengths[i] for i in row) <= 64 for row in rows)
+        assert len(rows) >= -(-sum(lengths) // 64)
+        assert rows == pack_rows(lengths, 64)
+
+
+def test_packed_collate_holds_every_sample_where_its_fields_say(dataset: ShardDataset) -> None:
+    shortest = sorted(range(len(dataset)), key=lambda i: dataset[i].length)[:24]
+    samples = [dataset[i] for i in sorted(shortest + list(range(24)))]  # mostly full-length, and short ones
+    pad_id = dataset.special_tokens["pad"]
+    plain, packed = collate(samples, pad_id, max_len=64), collate(samples, pad_id, max_len=64, pack=True)
+    rows, width = packed["input_ids"].shape
+    assert width == plain["input_ids"].shape[1]  # rows no wider than the longest sample
+    assert rows < len(samples) - 12  # short samples share rows
+    for key in ("objective", "len_a", "length", "is_random_next", "masked_labels"):
+        assert torch.equal(packed[key], plain[key]), key
+    flat_ids, flat_sample = packed["input_ids"].flatten(), packed["token_sample"].flatten()
+    flat_positions = packed["position_ids"].flatten()
+    for index, sample in enumerate(samples):
+        tokens = slice(int(packed["sample_starts"][index]), int(packed["sample_starts"][index]) + sample.length)
+        assert flat_ids[tokens].tolist() == sample.input_ids.tolist()
+        assert (flat_sample[tokens] == index).all() and flat_positions[tokens].tolist() == list(range(sample.length))
+        assert tokens.start // width == (tokens.stop - 1) // width  # a sample never spans two rows
+        count = len(sample.masked_positions)
+        assert torch.equal(flat_ids[packed["masked_positions"][index, :count]],
+                           plain["input_ids"][index, plain["masked_positions"][index, :count]])
+    assert (flat_ids[flat_sample < 0] == pad_id).all()
+    assert int((flat_sample >= 0).sum()) == sum(s.length for s in samples)
 
 
 def test_objectives_come_from_the_index(dataset: ShardDataset) -> None:

@@ -6,7 +6,7 @@ import torch
 from data_prep.shard_format import Objective
 from pretrain.masks import (
     BIDIRECTIONAL, LEFT_TO_RIGHT, NUM_SEGMENT_TYPES, RIGHT_TO_LEFT, SEQ2SEQ, build_attention_mask,
-    build_segment_ids,
+    build_packed_attention_mask, build_packed_segment_ids, build_segment_ids,
 )
 
 
@@ -83,3 +83,37 @@ def test_segment_ids():
         [4, 4, 4, 5, 5, 0],
     ]
     assert segments.max() < NUM_SEGMENT_TYPES
+
+
+def test_packed_rows_give_each_sample_its_own_mask_and_segments_and_nothing_of_the_others():
+    """Row 0: samples 0 (seq2seq, 5 tokens), 1 (left-to-right, 3), padding 2; row 1: sample 2 (bidirectional, 6),
+    sample 3 (right-to-left, 4); row 2: sample 4 (bidirectional, 7), padding 3."""
+    objective = torch.tensor([SEQ2SEQ, LEFT_TO_RIGHT, BIDIRECTIONAL, RIGHT_TO_LEFT, BIDIRECTIONAL])
+    len_a = torch.tensor([3, 3, 2, 4, 4])
+    length = torch.tensor([5, 3, 6, 4, 7])
+    rows, width = [[0, 1], [2, 3], [4]], 10
+    token_sample = torch.full((3, width), -1)
+    position_ids = torch.zeros((3, width), dtype=torch.long)
+    starts = {}
+    for r, row in enumerate(rows):
+        offset = 0
+        for sample in row:
+            n = int(length[sample])
+            token_sample[r, offset:offset + n] = sample
+            position_ids[r, offset:offset + n] = torch.arange(n)
+            starts[sample] = (r, offset)
+            offset += n
+    mask = build_packed_attention_mask(token_sample, position_ids, objective, len_a)
+    segments = build_packed_segment_ids(token_sample, position_ids, objective, len_a)
+    assert mask.shape == (3, width, width) and mask.dtype == torch.bool and mask.any(-1).all()
+    alone_mask = build_attention_mask(objective, len_a, length, width)
+    alone_segments = build_segment_ids(objective, len_a, length, width)
+    for sample, (r, offset) in starts.items():
+        n = int(length[sample])
+        block = slice(offset, offset + n)
+        assert torch.equal(mask[r, block, block], alone_mask[sample, :n, :n]), sample
+        assert not mask[r, block, :offset].any() and not mask[r, block, offset + n:].any(), sample
+        assert torch.equal(segments[r, block], alone_segments[sample, :n]), sample
+    padded = token_sample < 0
+    assert torch.equal(mask[padded], torch.eye(width, dtype=torch.bool).expand(3, -1, -1)[padded])
+    assert (segments[padded] == 0).all()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,6 +12,8 @@ import pretrain.model as model_module
 from pretrain.masks import (
     BIDIRECTIONAL, LEFT_TO_RIGHT, RIGHT_TO_LEFT, SEQ2SEQ, build_attention_mask, build_segment_ids,
 )
+from data_prep.shard_format import Sample, ShardDataset
+from pretrain.data import collate
 from pretrain.model import IGNORE_INDEX, PretrainOutput, build_model, preset
 
 OBJECTIVES = (BIDIRECTIONAL, LEFT_TO_RIGHT, RIGHT_TO_LEFT, SEQ2SEQ)
@@ -274,6 +277,40 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients():
         torch.testing.assert_close(results[1][1][name], grad, msg=name)
 
 
+@pytest.mark.parametrize("shards", ["unilm_shards", "bert_shards"])
+def test_packed_rows_give_the_loss_and_gradients_of_one_sample_per_row(shards, request):
+    """Real shard samples, the shortest ones packed two or more to a row; dropout off (its draws follow the layout).
+    fp32 on the CPU: equal to 1e-5 relative (a row's masked-out keys add exactly 0 to its softmax)."""
+    dataset = ShardDataset(request.getfixturevalue(shards))
+    shortest = sorted(range(len(dataset)), key=lambda i: dataset[i].length)[:16]
+    samples = [dataset[i] for i in shortest + list(range(16))]
+    pad_id = dataset.special_tokens["pad"]
+    plain, packed = collate(samples, pad_id, 64), collate(samples, pad_id, 64, pack=True)
+    assert packed["input_ids"].shape[0] <= len(samples) - 8
+    model = tiny_model(vocab_size=4000, max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0)
+    outputs, gradients = [], []
+    for batch in (plain, packed):
+        model.zero_grad()
+        output = model(**batch)
+        output.loss.backward()
+        outputs.append(output)
+        gradients.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+    torch.testing.assert_close(outputs[1].loss, outputs[0].loss, rtol=1e-5, atol=0)
+    torch.testing.assert_close(outputs[1].objective_sums, outputs[0].objective_sums, rtol=1e-5, atol=1e-6)
+    assert torch.equal(outputs[1].objective_counts, outputs[0].objective_counts)
+    assert gradients[1].keys() == gradients[0].keys()
+    for name, gradient in gradients[0].items():
+        torch.testing.assert_close(gradients[1][name], gradient, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_packed_rows_are_refused_for_a_causal_lm():
+    model = tiny_model(causal_lm=True)
+    batch = make_batch()
+    with pytest.raises(ValueError, match="packed rows"):
+        model(**batch, position_ids=torch.zeros_like(batch["input_ids"]),
+              token_sample=torch.zeros_like(batch["input_ids"]), sample_starts=torch.zeros(5, dtype=torch.long))
+
+
 def test_layer_norm_is_apex_when_importable_else_torch():
     try:
         from apex.normalization import FusedLayerNorm
@@ -386,15 +423,34 @@ def test_compiled_blocks_match_eager_in_fp32():
         torch.testing.assert_close(mine.grad, reference.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def varied_samples(count: int, max_len: int, vocab_size: int, seed: int = 0) -> list[Sample]:
+    """Samples of every objective and of lengths from 16 to ``max_len`` (a quarter of them full length), 15 %
+    masked, NSP labels on the bidirectional ones."""
+    g = np.random.default_rng(seed)
+    samples = []
+    for index in range(count):
+        length = max_len if index % 4 == 0 else int(g.integers(16, max_len))
+        objective = OBJECTIVES[index % len(OBJECTIVES)]
+        positions = np.sort(g.choice(np.arange(1, length - 1), size=max(1, length * 15 // 100), replace=False))
+        samples.append(Sample(input_ids=g.integers(5, vocab_size, length), objective=objective,
+                              segment_a_length=int(g.integers(2, length - 1)),
+                              is_random_next=int(g.integers(0, 2)) if objective == BIDIRECTIONAL else -1,
+                              masked_positions=positions, masked_labels=g.integers(5, vocab_size, len(positions))))
+    return samples
+
+
 def fast_path_errors(device: str, dtype: torch.dtype) -> dict[str, tuple[float, float]]:
-    """Loss and per-parameter gradients of the model in ``dtype``, eager and with both fast paths (compiled blocks,
-    chunked loss), as relative errors against fp32 with the same (``dtype``-rounded) weights; dropout off."""
+    """Loss and per-parameter gradients of the model in ``dtype``, eager and with all three fast paths (compiled
+    blocks, chunked loss, packed rows), as relative errors against fp32 with the same (``dtype``-rounded) weights
+    on the same samples; dropout off."""
     cfg = dataclasses.replace(preset("tiny"), vocab_size=4000, hidden_size=256, num_heads=4, intermediate_size=1024,
                               hidden_dropout=0.0, attention_dropout=0.0)
     torch.manual_seed(0)
     reference = build_model(cfg).to(device=device, dtype=dtype).float().train()
-    from pretrain.data import synthetic_batch
-    batch = {k: v.to(device) for k, v in synthetic_batch(cfg, 8, 128, 20).items()}
+    samples = varied_samples(12, 128, cfg.vocab_size)
+    batches = {packed: {k: v.to(device) for k, v in collate(samples, 0, 128, pack=packed).items()}
+               for packed in (False, True)}
+    assert batches[True]["input_ids"].shape[0] < len(samples)
     results = {}
     for name in ("fp32", "eager", "fast"):
         model = build_model(cfg).to(device).train()
@@ -404,7 +460,7 @@ def fast_path_errors(device: str, dtype: torch.dtype) -> dict[str, tuple[float, 
         if name == "fast":
             model.compile_blocks()
             model.chunked_loss = True
-        out = model(**batch)
+        out = model(**batches[name == "fast"])
         out.loss.backward()
         results[name] = {"loss": out.loss.detach().double(),
                          **{n: p.grad.double() for n, p in model.named_parameters()}}
@@ -420,7 +476,7 @@ def fast_path_errors(device: str, dtype: torch.dtype) -> dict[str, tuple[float, 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fast_paths_in_half_precision_on_cuda_are_as_accurate_as_eager(dtype):
-    """Compiled blocks + chunked loss against fp32 are at most 1.5x as far off as the eager model in the same dtype
+    """Compiled blocks + chunked loss + packed rows against fp32 are at most 1.5x as far off as the eager model in the same dtype
     (+2e-3: the compiler keeps some fused intermediates in fp32 where eager rounds them, or the reverse)."""
     for key, (fast, eager) in fast_path_errors("cuda", dtype).items():
         assert fast <= 1.5 * eager + 2e-3, (key, fast, eager)

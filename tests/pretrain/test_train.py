@@ -6,6 +6,7 @@ their outputs:
   stopped  the same command with train.exit_at_step=10, then junk planted (an incomplete newer tag and a
            truncated one), then the same command again (auto-resume) to step 24
   nodrop   2 ranks, dropout off, 12 steps; then resumed from its step-8 checkpoint on 1 rank (universal)
+  unpacked nodrop with train.pack_samples=false (one sample per row)
 """
 from __future__ import annotations
 
@@ -57,6 +58,8 @@ def runs(unilm_shards: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
                            "model.overrides.hidden_dropout=0.0", "model.overrides.attention_dropout=0.0"]
     out["nodrop"] = base / "nodrop"
     check(launch(nodrop + [f"out_dir={out['nodrop']}"], nproc=2))
+    out["unpacked"] = base / "unpacked"
+    check(launch(nodrop + [f"out_dir={out['unpacked']}", "train.pack_samples=false"], nproc=2))
     out["one_rank"] = base / "one_rank"
     out["one_rank_log"] = check(launch(
         nodrop + [f"out_dir={out['one_rank']}", f"train.resume={out['nodrop'] / 'checkpoints' / 'global_step8'}"],
@@ -139,6 +142,24 @@ def test_resume_on_another_world_size_continues_at_the_exact_sample(runs: dict) 
         assert one_rank[step] == pytest.approx(two_ranks[step], rel=1e-5, abs=1e-5), step
     marker = json.loads((runs["one_rank"] / "checkpoints" / "global_step12" / "complete.json").read_text())
     assert marker["world_size"] == 1
+
+
+def test_packed_rows_train_with_the_losses_of_one_sample_per_row(runs: dict, unilm_shards: Path) -> None:
+    from data_prep.shard_format import ShardDataset
+    from pretrain.batch_plan import plan_batch
+    from pretrain.data import SampleOrder, collate, sample_objectives
+
+    # the run packed some of its micro-batches into fewer rows (tiny.yaml: batch 24 = 4 × 3 × 2 ranks, seed 1234)
+    dataset = ShardDataset(unilm_shards)
+    order, plan = SampleOrder(sample_objectives(dataset), 1234), plan_batch(24, 4, 2)
+    rows_saved = sum(len(indices) - len(collate([dataset[int(i)] for i in indices], 0, 64, pack=True)["input_ids"])
+                     for step in range(12) for rank in range(2)
+                     for indices in order.rank_step_indices(24 * step, plan, rank))
+    assert rows_saved > 0
+    packed, unpacked = losses(runs["nodrop"]), losses(runs["unpacked"])
+    assert sorted(packed) == sorted(unpacked) == list(range(1, 13))
+    for step in packed:  # fp32, dropout off: the same sums in another order
+        assert packed[step] == pytest.approx(unpacked[step], rel=1e-5, abs=1e-6), step
 
 
 def test_mismatched_resume_is_refused_naming_the_field(runs: dict) -> None:

@@ -138,17 +138,23 @@ def test_help_lists_every_key() -> None:
 
 
 def test_fast_path_defaults_resolve_per_run_and_compile_refuses_zero3() -> None:
+    from pretrain.model import preset
     from pretrain.trainer import fast_path_settings
 
-    def resolved(overrides: list[str], engine_json: dict) -> dict[str, bool]:
-        return fast_path_settings(load_config(REPO_ROOT / "pretrain/configs/tiny.yaml", overrides), engine_json)
+    def resolved(overrides: list[str], engine_json: dict, model: str = "tiny") -> dict[str, bool]:
+        return fast_path_settings(load_config(REPO_ROOT / "pretrain/configs/tiny.yaml", overrides), engine_json,
+                                  preset(model))
 
     fp32, bf16 = {"zero_optimization": {"stage": 2}}, {"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}
     # this process runs on DeepSpeed's CPU accelerator (conftest), where compiling is off by default
-    assert resolved([], fp32) == {"compile": False, "chunked_loss": False}
+    assert resolved([], fp32) == {"compile": False, "chunked_loss": False, "pack_samples": True}
     assert resolved([], bf16)["chunked_loss"] is True
-    assert resolved(["train.compile=true", "train.chunked_loss=false"], bf16) == {"compile": True,
-                                                                                  "chunked_loss": False}
+    assert resolved(["train.compile=true", "train.chunked_loss=false", "train.pack_samples=false"], bf16) == {
+        "compile": True, "chunked_loss": False, "pack_samples": False}
     with pytest.raises(ValueError, match="train.compile=true does not work with ZeRO-3"):
         resolved(["train.compile=true"], {"zero_optimization": {"stage": 3}})
     assert resolved([], {"zero_optimization": {"stage": 3}})["compile"] is False
+    # a causal LM (GPT) trains one full-length block per row
+    assert resolved([], fp32, "gpt")["pack_samples"] is False
+    with pytest.raises(ValueError, match="train.pack_samples=true does not apply to a causal LM"):
+        resolved(["train.pack_samples=true"], fp32, "gpt")

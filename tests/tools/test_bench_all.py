@@ -61,6 +61,10 @@ def test_gpu_rows_judge_the_model_and_training_steps_against_their_targets() -> 
     share = by_name["pretrain.train step bf16 ZeRO-2, batch 330 x 512 tokens vs the model step, samples/s"]
     assert abs(share["ratio"] - 430 / (770 * 0.61)) < 1e-12 and share["met"]  # 430 >= 0.9 x 469.7
     assert by_name["pretrain.train step bf16 ZeRO-2, batch 330 x 512 tokens, samples/s vs 420"]["met"]
+    packing = table_rows({"gpu": {"device": "H200", "train": {"bf16": {"512": train}},
+                                  "train_unpacked": {"bf16": {"512": dict(train, samples_per_s=410.0)}}}})[-1]
+    assert packing["benchmark"] == "pretrain.train step bf16 x 512: packed rows vs one sample per row, samples/s"
+    assert abs(packing["ratio"] - 430 / 410) < 1e-12 and packing["met"]
     slower = table_rows({"gpu": {"device": "H200", "model": model,
                                  "train": {"bf16": {"512": dict(train, samples_per_s=400.0)}}}})
     assert [r["met"] for r in slower if r["benchmark"].startswith("pretrain.train")] == [False, False, None]

@@ -82,16 +82,21 @@ def test_the_gpu_section_keeps_the_parts_that_ran_when_one_fails(tmp_path: Path,
     monkeypatch.setattr(bench_all, "_run", lambda command: Path(command[-1]).write_text(json.dumps(model)))
     partial_after: list[dict] = []
 
-    def training(shards: str, out: Path, precision: str) -> dict[str, float]:
+    def training(shards: str, out: Path, precision: str, overrides: tuple[str, ...] = (),
+                 label: str = "") -> dict[str, float]:
         partial_after.append(json.loads((tmp_path / "gpu_partial.json").read_text()))
         if precision == "fp16":
             raise RuntimeError("training run failed (exit 1)")
+        if overrides:
+            assert overrides == ("train.pack_samples=false",) and label == "unpacked" and shards == "shards-512"
+            return {"samples_per_s": 380.0}
         return {"samples_per_s": 400.0 if shards == "shards-512" else 1500.0}
 
     monkeypatch.setattr("tools.bench_train.train_step_throughput", training)
     result = bench_all.bench_gpu(argparse.Namespace(out=tmp_path, work=tmp_path / "work"))
     assert result["model"] == model and result["device"] == "GPU"
     assert result["train"] == {"bf16": {512: {"samples_per_s": 400.0}, 128: {"samples_per_s": 1500.0}}}
+    assert result["train_unpacked"] == {"bf16": {512: {"samples_per_s": 380.0}}}
     assert list(result["errors"]) == ["model step: bf16_fast", "train fp16 512"]
     assert "exit 1" in result["errors"]["train fp16 512"]
     assert partial_after[0]["model"] == model and partial_after[0]["train"] == {}  # written after each part
