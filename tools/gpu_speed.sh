@@ -3,7 +3,8 @@
 #   bench   `python -m tools.bench_all --only gpu`: bf16 and fp16 matmul peaks; the UniLM-large model step
 #           (32 x 512, 77 masked positions, dropout on) eager, with each fast path and both, vs
 #           transformers.BertForPreTraining; pretrain.train (ZeRO-2, batch 330 = 33 x 10) in bf16 and fp16 at 512
-#           tokens, bf16 at 128; every ratio against its target -> OUT/results.md, OUT/results.json, OUT/bench.log
+#           tokens, bf16 at 128, then bf16 at 512 again with one sample per row (train.pack_samples=false); every
+#           ratio against its target -> OUT/results.md, OUT/results.json, OUT/bench.log
 #   tests   the fast paths' `-m gpu` tests (bf16/fp16 accuracy of the chunked loss and the compiled blocks)
 #           -> OUT/gpu_tests.log
 #   suite   the whole `-m gpu` test suite (training runs, resume, ZeRO-3, offload, fine-tuning) -> OUT/gpu_suite.log
@@ -15,9 +16,9 @@
 # (shards, training runs, their logs) goes to GPU_SPEED_WORK (default OUT/work). Every part streams its output into
 # bench.log as it runs, so a run stopped by a time limit keeps its progress and the parts it finished.
 #
-# Expected run time on one H200 (an estimate: this script has not run on a GPU yet): bench 8-11 min (two
-# compilations of UniLM-large in bench_model, three training processes with a FusedAdam build, compilation and a
-# 4 GB checkpoint save each), tests 2-3 min, suite 10-15 min. Needs a CUDA torch and the two sample corpora the
+# Expected run time on one H200 (an estimate: this script has not run on a GPU yet): bench 10-13 min (two
+# compilations of UniLM-large in bench_model, four training processes with a FusedAdam build, compilation and a
+# 4 GB checkpoint save each; the parts run most important first), tests 2-3 min, suite 10-15 min. Needs a CUDA torch and the two sample corpora the
 # shards are built from, data/samples/wiki and data/samples/books.jsonl (7 MB; `make sample-corpus` fetches them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
