@@ -100,7 +100,8 @@ class ModelSection:
     preset: str | None = "tiny"
     """A ``pretrain.model.preset`` name: unilm-large, bert-large, bert-base, gpt, tiny."""
     init_from: str | None = None
-    """A Hugging Face BERT directory to initialise from (UniLM starts from BERT-large); overrides ``preset``."""
+    """A Hugging Face BERT directory to initialise from (UniLM starts from BERT-large): ``config.json`` and its
+    weights, in one file or in shards; a fine-tuned BERT's task head is left out. Overrides ``preset``."""
     overrides: dict[str, Any] = field(default_factory=dict, metadata={"schema": ModelConfig})
     """``ModelConfig`` fields replaced on top of the preset, e.g. ``{hidden_dropout: 0.0}``; with
     ``preset: null`` and no ``init_from``, the complete model config."""

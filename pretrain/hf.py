@@ -63,6 +63,9 @@ _HF_REDUNDANT = ("bert.embeddings.position_ids", "bert.embeddings.token_type_ids
                  "cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
 # Our tensors that a HF BERT checkpoint may lack (BertModel has no heads, BertForMaskedLM no pooler/NSP).
 _OPTIONAL_PREFIXES = ("pooler.", "mlm_head.", "nsp_head.")
+# The task heads of HF's fine-tuned BERT classes (sequence / token classification, multiple choice; question
+# answering): a fine-tuned BERT's encoder loads, its head is left out with a warning, as from_pretrained does.
+_HF_TASK_HEADS = ("classifier.", "qa_outputs.")
 # HF type 0 → our rows 0, 2, 3, 4; HF type 1 → rows 1, 5 (see the module docstring).
 SEGMENT_ROWS_FROM_HF = (0, 1, 0, 0, 0, 1)
 
@@ -176,7 +179,8 @@ def load_hf_bert(path: str | Path, cfg: ModelConfig | None = None) -> UniLMModel
     the tensors' shapes alone, such as other dropout rates; a shape it changes is an error naming the tensor.
 
     Accepts BertModel, BertForMaskedLM and BertForPreTraining checkpoints, with or without the `bert.` prefix
-    and with TF-era `gamma`/`beta` LayerNorm names. Segment types 2 → 6 as in the module docstring. Tensors
+    and with TF-era `gamma`/`beta` LayerNorm names; of a fine-tuned BERT (BertForSequenceClassification …) the
+    encoder, its task head left out with a warning. Segment types 2 → 6 as in the module docstring. Tensors
     our model has but the checkpoint lacks (pooler, MLM head, NSP head) keep their fresh init, with a warning,
     except a missing MLM transform, which starts at the identity (module docstring); anything else missing,
     unknown or of the wrong shape is an error.
@@ -187,9 +191,12 @@ def load_hf_bert(path: str | Path, cfg: ModelConfig | None = None) -> UniLMModel
     ours = model.state_dict()
 
     loaded: dict[str, torch.Tensor] = {}
-    unknown = []
+    unknown, task_head = [], []
     decoder = None
     for hf_name, tensor in _read_state_dict(directory).items():
+        if hf_name.startswith(_HF_TASK_HEADS):
+            task_head.append(hf_name)
+            continue
         hf_name = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", hf_name)  # TF-era names
         hf_name = re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", hf_name)
         if not hf_name.startswith(("bert.", "cls.")):
@@ -209,6 +216,8 @@ def load_hf_bert(path: str | Path, cfg: ModelConfig | None = None) -> UniLMModel
         loaded[name] = tensor
     if unknown:
         raise ValueError(f"{directory}: tensors our model has no place for: {unknown}")
+    if task_head:
+        logger.warning(f"{directory}: left out its fine-tuned task head {sorted(task_head)}; the encoder loads")
 
     if decoder is not None and not torch.equal(decoder, loaded.get("embeddings.token.weight", decoder)):
         logger.warning(f"{directory}: its MLM decoder weights differ from its word embeddings (an untied "

@@ -217,6 +217,18 @@ def test_an_untied_decoder_is_named_in_a_warning(tmp_path, caplog):
     assert "untied" in caplog.text
 
 
+@pytest.mark.parametrize("head_class", ["BertForSequenceClassification", "BertForQuestionAnswering"])
+def test_a_fine_tuned_bert_gives_its_encoder_and_its_task_head_is_named(minilm, minilm_dir, tmp_path, caplog,
+                                                                        head_class):
+    getattr(transformers, head_class).from_pretrained(minilm_dir).save_pretrained(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="pretrain.hf"):
+        loaded = load_hf_bert(tmp_path).state_dict()
+    assert "task head" in caplog.text and ("classifier.weight" in caplog.text or "qa_outputs.weight" in caplog.text)
+    for name, tensor in minilm.state_dict().items():
+        if name.startswith(("embeddings.", "layers.")):
+            assert torch.equal(loaded[name], tensor), name
+
+
 def test_model_config_comes_from_config_json_alone(minilm, minilm_dir, tmp_path):
     assert hf_model_config(minilm_dir) == minilm.cfg
     with pytest.raises(FileNotFoundError, match="no config.json"):
