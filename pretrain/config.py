@@ -178,8 +178,8 @@ class TrainConfig:
     """Compute the MLM/LM loss in chunks of rows, logits in the training dtype and never all in fp32
     (``pretrain.kernels.chunked_cross_entropy``). Null: on under bf16/fp16, off in fp32 (nothing to save there)."""
     pack_samples: bool | None = None
-    """Pack each micro-batch's samples into as few rows as fit ``data.max_seq_len`` (several short samples per row,
-    each seeing only itself: the same loss, less padding). Null: on, except for a causal LM (GPT), whose samples
+    """Pack each micro-batch's samples into as few rows as fit, each as long as the micro-batch's longest sample
+    (several short samples per row, each seeing only itself: the same loss, less padding). Null: on, except for a causal LM (GPT), whose samples
     are full-length blocks."""
     peak_tflops: float | None = None
     """Dense matmul peak of one rank's device in the training dtype, TFLOP/s: the denominator of the ``mfu`` metric

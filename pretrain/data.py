@@ -54,23 +54,26 @@ def collate(samples: Sequence[Any], pad_id: int, max_len: int, pack: bool = Fals
     seq_len = max(sum(lengths[index] for index in row) for row in rows)
     num_masked = max(1, max(len(s.masked_positions) for s in samples))
     input_ids = torch.full((len(rows), seq_len), pad_id, dtype=torch.long)
-    position_ids = torch.zeros((len(rows), seq_len), dtype=torch.long)
-    token_sample = torch.full((len(rows), seq_len), -1, dtype=torch.long)
-    sample_starts = torch.zeros(len(samples), dtype=torch.long)
     masked_positions = torch.zeros((len(samples), num_masked), dtype=torch.long)
     masked_labels = torch.full((len(samples), num_masked), IGNORE_INDEX, dtype=torch.long)
+    if pack:
+        position_ids = torch.zeros((len(rows), seq_len), dtype=torch.long)
+        token_sample = torch.full((len(rows), seq_len), -1, dtype=torch.long)
+        sample_starts = torch.zeros(len(samples), dtype=torch.long)
     for row_index, row in enumerate(rows):
         offset = 0
         for index in row:
             sample, end = samples[index], offset + lengths[index]
             input_ids[row_index, offset:end] = torch.from_numpy(np.asarray(sample.input_ids, dtype=np.int64))
-            position_ids[row_index, offset:end] = torch.arange(lengths[index])
-            token_sample[row_index, offset:end] = index
-            sample_starts[index] = row_index * seq_len + offset
             count = len(sample.masked_positions)
             positions = torch.from_numpy(np.asarray(sample.masked_positions, dtype=np.int64))
-            masked_positions[index, :count] = positions + sample_starts[index] if pack else positions
             masked_labels[index, :count] = torch.from_numpy(np.asarray(sample.masked_labels, dtype=np.int64))
+            if pack:  # positions index the flattened rows
+                position_ids[row_index, offset:end] = torch.arange(lengths[index])
+                token_sample[row_index, offset:end] = index
+                sample_starts[index] = row_index * seq_len + offset
+                positions = positions + sample_starts[index]
+            masked_positions[index, :count] = positions
             offset = end
     batch = {
         "input_ids": input_ids,
@@ -88,8 +91,7 @@ def collate(samples: Sequence[Any], pad_id: int, max_len: int, pack: bool = Fals
 
 def pack_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     """Sample indices grouped into rows of at most ``capacity`` tokens: first-fit over the samples from longest to
-    shortest (ties in sample order), a few percent of rows from the minimum. Deterministic; a row lists its samples
-    longest first. Samples of full length get a row each, in their order."""
+    shortest (ties in sample order). Deterministic; a row lists its samples longest first. Samples of full length get a row each, in their order."""
     rows: list[list[int]] = []
     free: list[int] = []
     for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
