@@ -312,6 +312,9 @@ def _train_locked(cfg: RunConfig, rank: int, world_size: int, started: float) ->
     resume = ckpt.find_resume_point(cfg.checkpoint_dir, cfg.train.resume, identity, world_size,
                                     zero_stage(engine_json), report=print if rank == 0 else None)
     fast_paths = fast_path_settings(cfg, engine_json, model_cfg)
+    if rank == 0:
+        print("[fast paths] " + ", ".join(f"train.{name}={'on' if on else 'off'}" for name, on in fast_paths.items())
+              + " (null settings resolved for this run's device, precision and model)", flush=True)
     engine = build_training_engine(cfg, model_cfg, plan, engine_json, resume, fast_paths)
     throughput = Throughput(model_cfg, world_size, cfg.train.peak_tflops or measured_peak_tflops(engine, rank))
     progress = restore_progress(engine, resume, cfg.train.seed, rank, world_size)

@@ -7,6 +7,8 @@ their outputs:
            truncated one), then the same command again (auto-resume) to step 24
   nodrop   2 ranks, dropout off, 12 steps; then resumed from its step-8 checkpoint on 1 rank (universal)
   unpacked nodrop with train.pack_samples=false (one sample per row)
+  fast     nodrop on 1 rank to step 6 with compiled blocks, chunked loss and activation checkpointing (with the
+           packed rows, CUDA's defaults)
 """
 from __future__ import annotations
 
@@ -57,7 +59,11 @@ def runs(unilm_shards: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     nodrop = common[:2] + ["train.max_steps=12", "train.save_interval=4", "train.keep_last=5",
                            "model.overrides.hidden_dropout=0.0", "model.overrides.attention_dropout=0.0"]
     out["nodrop"] = base / "nodrop"
-    check(launch(nodrop + [f"out_dir={out['nodrop']}"], nproc=2))
+    out["nodrop_log"] = check(launch(nodrop + [f"out_dir={out['nodrop']}"], nproc=2))
+    out["fast"] = base / "fast"  # what a CUDA run does by default, forced on the CPU
+    out["fast_log"] = check(launch(nodrop + [f"out_dir={out['fast']}", "train.exit_at_step=6", "train.compile=true",
+                                             "train.chunked_loss=true", "train.activation_checkpointing=true"],
+                                   nproc=1))
     out["unpacked"] = base / "unpacked"
     check(launch(nodrop + [f"out_dir={out['unpacked']}", "train.pack_samples=false"], nproc=2))
     out["one_rank"] = base / "one_rank"
@@ -160,6 +166,15 @@ def test_packed_rows_train_with_the_losses_of_one_sample_per_row(runs: dict, uni
     assert sorted(packed) == sorted(unpacked) == list(range(1, 13))
     for step in packed:  # fp32, dropout off: the same sums in another order
         assert packed[step] == pytest.approx(unpacked[step], rel=1e-5, abs=1e-6), step
+
+
+def test_the_fast_paths_together_train_with_the_plain_paths_losses(runs: dict) -> None:
+    assert "[fast paths] train.compile=off, train.chunked_loss=off, train.pack_samples=on" in runs["nodrop_log"].stdout
+    assert "[fast paths] train.compile=on, train.chunked_loss=on, train.pack_samples=on" in runs["fast_log"].stdout
+    plain, fast = losses(runs["nodrop"]), losses(runs["fast"])
+    assert sorted(fast) == list(range(1, 7))
+    for step in fast:  # fp32, dropout off: compiled sums and chunked log-softmax round differently, 1 rank vs 2
+        assert fast[step] == pytest.approx(plain[step], rel=1e-5, abs=1e-5), step
 
 
 def test_mismatched_resume_is_refused_naming_the_field(runs: dict) -> None:
