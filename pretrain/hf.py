@@ -90,12 +90,18 @@ def from_hf_name(name: str) -> str | None:
     return _rename(name, tuple((hf, ours) for ours, hf in _HF_NAMES))
 
 
+# transformers' names of the exact (erf) gelu, the one our blocks compute
+_EXACT_GELU = ("gelu", "gelu_python")
+
+
 def config_from_hf(config: dict) -> ModelConfig:
     """Our ModelConfig from a HF BERT `config.json` dict; refuses what our model cannot express."""
     if config.get("model_type", "bert") != "bert":
         raise ValueError(f"not a BERT config: model_type={config.get('model_type')!r}")
-    if config.get("hidden_act", "gelu") != "gelu":
-        raise ValueError(f"only exact gelu is supported, config has hidden_act={config['hidden_act']!r}")
+    if config.get("hidden_act", "gelu") not in _EXACT_GELU:
+        raise ValueError(f"only the exact (erf) gelu is supported (hidden_act {' or '.join(map(repr, _EXACT_GELU))}), "
+                         f"config has hidden_act={config['hidden_act']!r}; tanh approximations such as 'gelu_new' "
+                         "and other activations would change what the weights compute")
     if config.get("position_embedding_type", "absolute") != "absolute":
         raise ValueError("only absolute position embeddings are supported, config has "
                          f"position_embedding_type={config['position_embedding_type']!r}")

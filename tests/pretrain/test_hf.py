@@ -11,7 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pretrain.data import synthetic_batch
-from pretrain.hf import SEGMENT_ROWS_FROM_HF, hf_model_config, hf_pretraining_inputs, load_hf_bert, save_hf_bert
+from pretrain.hf import (
+    SEGMENT_ROWS_FROM_HF, config_from_hf, hf_model_config, hf_pretraining_inputs, load_hf_bert, save_hf_bert,
+)
 from pretrain.masks import BIDIRECTIONAL, build_attention_mask, build_segment_ids
 from pretrain.model import build_model, preset
 
@@ -263,9 +265,15 @@ def test_bad_checkpoints_fail_loudly(minilm_dir, tmp_path):
     torch.save({k: v for k, v in state.items() if "layer.3.output.dense" not in k}, tmp_path / "pytorch_model.bin")
     with pytest.raises(ValueError, match="lacks"):
         load_hf_bert(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_act": "relu"}))
-    with pytest.raises(ValueError, match="gelu"):
-        load_hf_bert(tmp_path)
+    for activation in ("relu", "gelu_new"):  # gelu_new: the tanh approximation
+        (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_act": activation}))
+        with pytest.raises(ValueError, match=f"exact .erf. gelu.*hidden_act='{activation}'"):
+            load_hf_bert(tmp_path)
+
+
+def test_gelu_python_is_the_exact_gelu(minilm_dir):
+    config = json.loads((minilm_dir / "config.json").read_text())
+    assert config_from_hf({**config, "hidden_act": "gelu_python"}) == config_from_hf(config)
 
 
 def test_a_checkpoint_with_six_segment_types_loads_as_is(tmp_path):
