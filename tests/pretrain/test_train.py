@@ -8,7 +8,7 @@ their outputs:
   nodrop   2 ranks, dropout off, 12 steps; then resumed from its step-8 checkpoint on 1 rank (universal)
   unpacked nodrop with train.pack_samples=false (one sample per row)
   fast     nodrop on 1 rank to step 6 with compiled blocks, chunked loss and activation checkpointing (with the
-           packed rows, CUDA's defaults)
+           packed rows, CUDA's defaults), reporting what torch.compile did (tests/compile_report.py)
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def runs(unilm_shards: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     out["fast"] = base / "fast"  # what a CUDA run does by default, forced on the CPU
     out["fast_log"] = check(launch(nodrop + [f"out_dir={out['fast']}", "train.exit_at_step=6", "train.compile=true",
                                              "train.chunked_loss=true", "train.activation_checkpointing=true"],
-                                   nproc=1))
+                                   nproc=1, module="compile_report"))
     out["unpacked"] = base / "unpacked"
     check(launch(nodrop + [f"out_dir={out['unpacked']}", "train.pack_samples=false"], nproc=2))
     out["one_rank"] = base / "one_rank"
@@ -171,6 +171,10 @@ def test_packed_rows_train_with_the_losses_of_one_sample_per_row(runs: dict, uni
 def test_the_fast_paths_together_train_with_the_plain_paths_losses(runs: dict) -> None:
     assert "[fast paths] train.compile=off, train.chunked_loss=off, train.pack_samples=on" in runs["nodrop_log"].stdout
     assert "[fast paths] train.compile=on, train.chunked_loss=on, train.pack_samples=on" in runs["fast_log"].stdout
+    # The blocks really ran compiled: one graph serves every block (a second at most, when a micro-batch's shape
+    # first changes and dynamo recompiles with dynamic sizes), traced without a graph break.
+    report = json.loads(runs["fast_log"].stdout.split("[compile report] ", 1)[1].splitlines()[0])
+    assert report["frames"] >= 1 and 1 <= report["unique_graphs"] <= 2 and report["graph_breaks"] == 0, report
     plain, fast = losses(runs["nodrop"]), losses(runs["fast"])
     assert sorted(fast) == list(range(1, 7))
     for step in fast:  # fp32, dropout off: compiled sums and chunked log-softmax round differently, 1 rank vs 2
