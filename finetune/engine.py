@@ -12,9 +12,10 @@ gradient stops the run with `pretrain.engine.NonFiniteLossError` (exit code 3), 
 
 Only fine-tuning's own parts live here: epochs and per-epoch evaluation, keeping the best model (written as a
 Hugging Face export into `out`), `metrics.jsonl` (one record per step) and `summary.json`. Evaluation runs on
-every rank (same result; needed under ZeRO-3's partitioned parameters) and rank 0 writes. Export of the best
-model reads the full module, so ZeRO stages 0-2 (the CPU configs) are supported; a ZeRO-3 fine-tuning run
-needs a consolidation step first (not done here).
+every rank (needed under ZeRO-3's partitioned parameters; rank 0's scores decide) and rank 0 writes. The best
+model is exported from DeepSpeed's fp32 master weights, gathered from every rank's partition
+(`pretrain.checkpoint.gather_full_weights`): under bf16/fp16 the module itself holds rounded copies, under
+ZeRO-3 only partitions; so every ZeRO stage and precision exports the same full-precision model.
 """
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ import torch
 from pretrain import checkpoint as ckpt
 from pretrain.batch_plan import BatchPlan, plan_batch
 from pretrain.data import to_device
-from pretrain.engine import (NonFiniteLossError, any_rank, build_engine, engine_config, init_distributed,
-                             nonfinite_gradient_norm, optimizer_step, read_engine_json, zero_stage)
+from pretrain.engine import (NonFiniteLossError, any_rank, build_engine, engine_config, gather_objects,
+                             init_distributed, nonfinite_gradient_norm, optimizer_step, read_engine_json, zero_stage)
 from pretrain.outputs import write_file_atomically
 
 from .config import FinetuneConfig
@@ -61,6 +62,10 @@ def schedule(cfg: FinetuneConfig, train_size: int) -> tuple[int, int, int]:
 def deepspeed_config(cfg: FinetuneConfig, plan: BatchPlan, engine_json: dict[str, Any], total_steps: int,
                      warmup_steps: int, load_universal: bool) -> dict[str, Any]:
     """The engine JSON with batch sizes, optimizer values and the warm-up/decay schedule injected."""
+    if cfg.optimizer == "adamax" and engine_json.get("zero_optimization", {}).get("offload_optimizer"):
+        raise ValueError(f"{cfg.deepspeed_config_path}: optimizer adamax (torch.optim.Adamax) cannot run under "
+                         "ZeRO-Offload (zero_optimization.offload_optimizer): DeepSpeed offloads only its own CPU "
+                         "Adam; set optimizer=adamw, or use a DeepSpeed JSON without offload_optimizer")
     adamw = None if cfg.optimizer == "adamax" else dict(lr=cfg.lr, weight_decay=cfg.weight_decay)  # Adamax: client
     return engine_config(engine_json, plan, grad_clip=cfg.grad_clip, optimizer_params=adamw, lr=cfg.lr, min_lr=0.0,
                          warmup_steps=warmup_steps, total_steps=max(total_steps, warmup_steps + 1),
@@ -211,8 +216,10 @@ def train_step(cfg: FinetuneConfig, engine: Any, task: TaskSetup, plan: BatchPla
 
 def end_epoch(cfg: FinetuneConfig, engine: Any, task: TaskSetup, tokenizer: Tokenizer, progress: Progress, epoch: int,
               total_steps: int, rank: int, out: Path) -> None:
-    """Evaluate on dev, record the epoch, and export the model when it is the best so far (rank 0 writes)."""
-    scores = task.evaluate(engine.module)
+    """Evaluate on dev, record the epoch, and export the model when it is the best so far (rank 0 writes, the
+    fp32 master weights every rank helps gather). Rank 0's scores decide for all: every rank keeps the same
+    record, and all join the gathering collective or none does."""
+    scores = gather_objects(task.evaluate(engine.module))[0]
     engine.train()
     record = {"epoch": epoch + 1, "step": progress.step, "train_loss": float(np.mean(progress.epoch_losses)),
               **scores}
@@ -221,9 +228,10 @@ def end_epoch(cfg: FinetuneConfig, engine: Any, task: TaskSetup, tokenizer: Toke
     improved = progress.best is None or scores[task.primary_metric] > progress.best[task.primary_metric]
     if improved:
         progress.best = record
+        weights = ckpt.gather_full_weights(engine.module)  # collective under ZeRO-3
         if rank == 0:
             save_finetuned(out, task.module.backbone, task.head, tokenizer, task=cfg.task,
-                           extra_meta={"settings": cfg.to_dict(), "best": record, **task.meta})
+                           extra_meta={"settings": cfg.to_dict(), "best": record, **task.meta}, weights=weights)
     if rank == 0:
         print(f"[finetune] epoch {epoch + 1} step {progress.step}/{total_steps}: " +
               "  ".join(f"{k} {v:.4g}" for k, v in record.items() if isinstance(v, float)) +

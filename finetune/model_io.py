@@ -104,19 +104,26 @@ def check_vocab(model: UniLMModel, tokenizer: Tokenizer) -> None:
 
 
 def save_finetuned(out_dir: str | Path, model: UniLMModel, head: torch.nn.Module | None, tokenizer: Tokenizer,
-                   task: str, extra_meta: dict[str, Any]) -> Path:
-    """Write the directory described in the module docstring (rank 0 only); other files in it are left alone."""
+                   task: str, extra_meta: dict[str, Any], weights: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write the directory described in the module docstring (rank 0 only); other files in it are left alone.
+    ``weights``: the task module's state under its names (``backbone.*``, ``head.*``) to write instead of what
+    ``model`` and ``head`` hold — under DeepSpeed, the fp32 master copy from
+    `pretrain.checkpoint.gather_full_weights` (the modules hold bf16/fp16 copies, or ZeRO-3 partitions)."""
     from data_prep.shard_format import sha256_file
 
+    if weights is None:
+        weights = {f"backbone.{k}": v for k, v in model.state_dict().items()}
+        weights.update({f"head.{k}": v for k, v in (head.state_dict() if head is not None else {}).items()})
+    backbone = {k.removeprefix("backbone."): v for k, v in weights.items() if k.startswith("backbone.")}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     staging = out / f".model.partial-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        save_hf_bert(model, staging)
-        tensors = {SEGMENT_WEIGHT: model.embeddings.segment.weight.detach().cpu().contiguous()}
+        save_hf_bert(model, staging, state=backbone)
+        tensors = {SEGMENT_WEIGHT: backbone[SEGMENT_WEIGHT].detach().cpu().contiguous()}
         if head is not None:
-            tensors.update({f"head.{k}": v.detach().cpu().contiguous() for k, v in head.state_dict().items()})
+            tensors.update({k: v.detach().cpu().contiguous() for k, v in weights.items() if k.startswith("head.")})
         save_file(tensors, staging / EXTRA_FILE)
         write_hf_tokenizer(tokenizer.vocab_path, tokenizer.lowercase, staging)
         files = sorted(p.name for p in staging.iterdir())

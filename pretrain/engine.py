@@ -118,15 +118,17 @@ def engine_config(engine_json: dict[str, Any], plan: BatchPlan, grad_clip: float
                   optimizer_params: dict[str, Any] | None, lr: float, min_lr: float, warmup_steps: int,
                   total_steps: int, load_universal: bool = False) -> dict[str, Any]:
     """A copy of the DeepSpeed JSON with the values that come from a run config: batch sizes, clipping, the
-    AdamW block's params (``optimizer_params=None`` drops the block for a client optimizer), the linear
-    warm-up/decay schedule (DeepSpeed's WarmupDecayLR unless the JSON names another scheduler), and
-    ``load_universal`` when resuming from a universal checkpoint (``pretrain.checkpoint.find_resume_point``)."""
+    AdamW block's params (``optimizer_params=None`` drops the block for a client optimizer, such as torch's Adamax,
+    and lets ZeRO wrap it), the linear warm-up/decay schedule (DeepSpeed's WarmupDecayLR unless the JSON names
+    another scheduler), and ``load_universal`` when resuming from a universal checkpoint
+    (``pretrain.checkpoint.find_resume_point``)."""
     engine = copy.deepcopy(engine_json)
     engine.update(plan.deepspeed_fields())
     engine["gradient_clipping"] = grad_clip
     engine.setdefault("steps_per_print", 10**9)
-    if optimizer_params is None:
+    if optimizer_params is None:  # a client optimizer: ZeRO refuses ones off DeepSpeed's own list without this
         engine.pop("optimizer", None)
+        engine["zero_allow_untested_optimizer"] = True
     else:
         engine.setdefault("optimizer", {"type": "AdamW", "params": {}})
         engine["optimizer"].setdefault("params", {}).update(optimizer_params)

@@ -278,7 +278,8 @@ def hf_config(cfg: ModelConfig, architecture: str = "BertForPreTraining") -> dic
     }
 
 
-def save_hf_bert(model: UniLMModel, path: str | Path, architecture: str = "BertForPreTraining") -> Path:
+def save_hf_bert(model: UniLMModel, path: str | Path, architecture: str = "BertForPreTraining",
+                 state: dict[str, torch.Tensor] | None = None) -> Path:
     """Write `config.json` + `model.safetensors` for one HF class to `path`; returns it.
 
     `architecture` is the class that will load it with no missing and no unexpected weights:
@@ -286,13 +287,16 @@ def save_hf_bert(model: UniLMModel, path: str | Path, architecture: str = "BertF
     no NSP head) or `BertModel` (no heads; `bert.` prefix dropped). A BertForPreTraining export also loads
     into the other two, which then list the heads they lack as unexpected (HF's usual report).
     Segment rows 2..5 are dropped (warning): see the module docstring. Copy a vocab.txt beside it yourself.
+    `state` (our names) replaces `model.state_dict()` as the weights written: under DeepSpeed, the fp32 master
+    copy that `pretrain.checkpoint.gather_full_weights` collects (the module itself holds bf16/fp16 copies, or
+    ZeRO-3 partitions).
     """
     if architecture not in HF_ARCHITECTURES:
         raise ValueError(f"architecture must be one of {list(HF_ARCHITECTURES)}, got {architecture!r}")
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {}
-    for name, tensor in model.state_dict().items():
+    for name, tensor in (model.state_dict() if state is None else state).items():
         hf_name = to_hf_name(name)
         # the decoder weight is the token embedding (HF re-ties it on load); heads the class lacks are left out
         if hf_name is None or not hf_name.startswith(HF_ARCHITECTURES[architecture]):

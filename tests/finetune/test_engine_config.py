@@ -1,10 +1,15 @@
-"""The DeepSpeed engine config fine-tuning picks when none is named: the machine's (CPU here), else the named one."""
+"""The DeepSpeed engine config fine-tuning picks when none is named: the machine's (CPU here), else the named one;
+what the run config injects into it for the optimizer."""
 from __future__ import annotations
 
+import pytest
 from deepspeed.accelerator import get_accelerator
 
 from finetune.config import CPU_DEEPSPEED_CONFIG, GPU_DEEPSPEED_CONFIGS, default_deepspeed_config, load_config
+from finetune.engine import deepspeed_config
+from pretrain.batch_plan import plan_batch
 from pretrain.config import REPO_ROOT
+from pretrain.engine import read_engine_json
 
 REQUIRED = {"task": "classify", "train": "t.jsonl", "dev": "d.jsonl", "init": "m", "out": "o"}
 
@@ -27,3 +32,17 @@ def test_a_named_config_wins_from_the_cli_and_from_overrides() -> None:
     assert flag.deepspeed_config_path.resolve() == (REPO_ROOT / "ds_configs/zero2_fp16.json").resolve()
     override = load_config(None, REQUIRED, ["deepspeed_config=ds_configs/zero1_fp32_cpu.json"])
     assert override.deepspeed_config_path.resolve() == (REPO_ROOT / "ds_configs/zero1_fp32_cpu.json").resolve()
+
+
+def test_adamax_is_a_client_optimizer_that_zero_accepts_and_offload_refuses() -> None:
+    plan = plan_batch(8, 4, 1)
+    adamax = load_config(None, dict(REQUIRED, optimizer="adamax", deepspeed_config="ds_configs/zero2_bf16.json"))
+    engine = deepspeed_config(adamax, plan, read_engine_json(adamax.deepspeed_config_path), 10, 1, False)
+    assert "optimizer" not in engine and engine["zero_allow_untested_optimizer"] is True
+    adamw = load_config(None, dict(REQUIRED, deepspeed_config="ds_configs/zero2_bf16.json"))
+    engine = deepspeed_config(adamw, plan, read_engine_json(adamw.deepspeed_config_path), 10, 1, False)
+    assert engine["optimizer"]["params"]["lr"] == adamw.lr and "zero_allow_untested_optimizer" not in engine
+    offload = load_config(None, dict(REQUIRED, optimizer="adamax",
+                                     deepspeed_config="ds_configs/zero2_offload_fp16.json"))
+    with pytest.raises(ValueError, match=r"zero2_offload_fp16.json: optimizer adamax .* set optimizer=adamw"):
+        deepspeed_config(offload, plan, read_engine_json(offload.deepspeed_config_path), 10, 1, False)
