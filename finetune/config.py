@@ -21,7 +21,8 @@ GPU_DEEPSPEED_CONFIGS = {"bf16": "ds_configs/zero2_bf16.json", "fp16": "ds_confi
 
 def default_deepspeed_config() -> str:
     """The engine JSON fine-tuning uses when none is named: on a GPU, ZeRO-2 in bf16 where the device supports it,
-    else fp16 (dynamic loss scaling); on a CPU (DeepSpeed's CPU accelerator) fp32 ZeRO-0, since CPUs refuse fp16."""
+    else fp16 (dynamic loss scaling); on a CPU (DeepSpeed's CPU accelerator) fp32 ZeRO-0 (DeepSpeed trains fp16 on
+    CPUs with oneDNN fp16 kernels only, and slowly)."""
     from deepspeed.accelerator import get_accelerator
     accelerator = get_accelerator()
     if accelerator.device_name() == "cpu":

@@ -490,7 +490,7 @@ def train_step(engine: Any, loader: PretrainLoader, plan: BatchPlan, metrics: Me
             if not math.isfinite(summary["local_loss"]):
                 print(f"[rank {rank}] non-finite local loss at step {progress.step + 1}", file=sys.stderr)
             message = nonfinite_diagnostic(progress.step + 1, loader.consumed_samples - plan.global_batch_size,
-                                           summary, summary["lr"], engine.optimizer.cur_scale if fp16 else None,
+                                           summary, summary["lr"], engine.optimizer.loss_scale if fp16 else None,
                                            last_tag(progress))
             metrics.write({"step": progress.step + 1, "event": "nonfinite_loss", "message": message})
             raise NonFiniteLossError(message)
@@ -516,10 +516,10 @@ def train_step(engine: Any, loader: PretrainLoader, plan: BatchPlan, metrics: Me
     }
     if fp16:
         overflow = engine.skipped_steps > skipped_before
-        record.update(loss_scale=engine.optimizer.cur_scale, overflow=overflow, skipped_steps=engine.skipped_steps)
+        record.update(loss_scale=engine.optimizer.loss_scale, overflow=overflow, skipped_steps=engine.skipped_steps)
         if overflow and rank == 0:
             print(f"[step {progress.step}] fp16 overflow: optimizer step skipped, loss scale now "
-                  f"{engine.optimizer.cur_scale}", file=sys.stderr)
+                  f"{engine.optimizer.loss_scale}", file=sys.stderr)
     return record, summary["stop"]
 
 

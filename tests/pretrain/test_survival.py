@@ -237,17 +237,41 @@ def test_an_inf_gradient_stops_with_step_and_objectives_and_keeps_the_checkpoint
     assert metrics(tmp_path)[-1]["event"] == "nonfinite_gradient"
 
 
-@pytest.mark.gpu
+def cpu_fp16_supported() -> bool:
+    """DeepSpeed's CPU accelerator trains fp16 where oneDNN has fp16 kernels (AVX512-FP16 / AMX-FP16 CPUs)."""
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+    return bool(CPU_Accelerator().is_fp16_supported())
+
+
+FP16_ENGINES = [  # (ZeRO stage, where): stage 0 is DeepSpeed's FP16 optimizer, 1-3 ZeRO's own loss scaling
+    pytest.param(0, "cpu", marks=pytest.mark.skipif(not cpu_fp16_supported(), reason="this CPU has no fp16 kernels")),
+    pytest.param(2, "cpu", marks=pytest.mark.skipif(not cpu_fp16_supported(), reason="this CPU has no fp16 kernels")),
+    pytest.param(2, "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not __import__("torch").cuda.is_available(),
+                                                                      reason="needs a CUDA GPU")]),
+]
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="fp16 needs a CUDA GPU")
-def test_fp16_skips_an_inf_gradient_through_the_loss_scaler_and_logs_it(common: list[str], tmp_path: Path) -> None:
-    process = check(launch(common + [f"out_dir={tmp_path}", "deepspeed_config=ds_configs/zero2_fp16.json"],
-                           extra_env={FAULT_ENV: "inf_grad@3", **GPU_ENV}, module="fault_injection"))
+@pytest.mark.parametrize("stage, where", FP16_ENGINES)
+def test_fp16_skips_an_inf_gradient_through_the_loss_scaler_and_logs_it(common: list[str], tmp_path: Path,
+                                                                        stage: int, where: str) -> None:
+    config = ROOT / "ds_configs" / "zero2_fp16.json"
+    if where == "cpu":  # the GPU JSON with DeepSpeed's portable Adam and the stage under test
+        engine = json.loads(config.read_text())
+        engine["zero_optimization"] = {"stage": stage}
+        engine["optimizer"] = {"type": "AdamW", "params": {"torch_adam": True}}
+        config = tmp_path / f"zero{stage}_fp16_cpu.json"
+        config.write_text(json.dumps(engine))
+    process = check(launch(common + [f"out_dir={tmp_path / 'run'}", f"deepspeed_config={config}"],
+                           extra_env={FAULT_ENV: "inf_grad@3", **(GPU_ENV if where == "cuda" else {})},
+                           module="fault_injection"))
     assert "[step 3] fp16 overflow: optimizer step skipped" in process.stderr
-    records = metrics(tmp_path)
+    records = metrics(tmp_path / "run")
     assert [r["step"] for r in records] == list(range(1, 9))
     assert records[2]["overflow"] is True and records[2]["skipped_steps"] == records[1]["skipped_steps"] + 1
-    assert "event" not in records[-1] and (tmp_path / "checkpoints" / "latest").read_text() == "global_step8"
+    # the scaler backs off on an overflow (at once, or after `hysteresis` of them: ZeRO's scaler waits for 2)
+    assert all(0 < r["loss_scale"] <= records[0]["loss_scale"] for r in records)
+    assert "event" not in records[-1] and (tmp_path / "run" / "checkpoints" / "latest").read_text() == "global_step8"
 
 
 # --------------------------------------------------------------------------------------------- 7. safe loading
