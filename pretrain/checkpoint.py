@@ -628,6 +628,24 @@ class ResumePoint:
         return Saved(self.tag, self.meta.get("save_id"))
 
 
+CONVERTIBLE_STAGES = (1, 2)
+"""ZeRO stages a checkpoint moves between through DeepSpeed's universal checkpoint. Stage 0 keeps its optimizer
+state in another layout that the conversion neither reads nor writes, and loading a universal checkpoint into
+stage 3 from another stage (or the reverse) fails inside DeepSpeed (0.19)."""
+
+
+def check_stage_change(saved: int, stage: int, where: Path) -> None:
+    """Refuse, before anything is converted or loaded, a resume across ZeRO stages that DeepSpeed cannot do."""
+    if saved == stage or (saved in CONVERTIBLE_STAGES and stage in CONVERTIBLE_STAGES):
+        return
+    raise ValueError(
+        f"{where} was saved under ZeRO stage {saved} and this run's DeepSpeed config uses stage {stage}: a checkpoint "
+        f"moves between stages {CONVERTIBLE_STAGES[0]} and {CONVERTIBLE_STAGES[1]} only (DeepSpeed's universal "
+        f"checkpoint), at any world size. Resume with a stage-{saved} config, or start a new run from its weights "
+        f"(pre-training: `python -m pretrain.export {where} HF_DIR`, then model.init_from=HF_DIR; fine-tuning: "
+        f"--init {where})")
+
+
 def find_resume_point(checkpoint_dir: Path, resume: str, identity: dict[str, Any], world_size: int,
                       zero_stage: int, report: Callable[[str], None] | None = None) -> ResumePoint | None:
     """The checkpoint to resume (a collective when a conversion is needed).
@@ -635,7 +653,8 @@ def find_resume_point(checkpoint_dir: Path, resume: str, identity: dict[str, Any
     ``resume``: ``auto`` (`choose_resume_tag`'s checkpoint of ``checkpoint_dir``, ``latest`` repaired to name
     it; ``report(line)`` hears which tags were skipped and why), ``never``, or a tag directory. The choice is
     checked against ``identity`` (`check_compatible`) and converted to a universal checkpoint when the world
-    size or the ZeRO stage changed (rank 0 converts, the others wait).
+    size or the ZeRO stage changed (rank 0 converts, the others wait); a stage change DeepSpeed cannot make is
+    refused (`check_stage_change`).
     """
     if resume == "never":
         return None
@@ -652,6 +671,7 @@ def find_resume_point(checkpoint_dir: Path, resume: str, identity: dict[str, Any
     if meta is None:
         raise FileNotFoundError(f"{directory / tag} is not a complete checkpoint: {problem}")
     check_compatible(meta, identity, str(directory / tag))
+    check_stage_change(meta["zero_stage"], zero_stage, directory / tag)
     load_tag = tag
     if (meta["world_size"] != world_size or meta["zero_stage"] != zero_stage) and meta["zero_stage"] > 0:
         if torch_dist.get_rank() == 0:

@@ -5,7 +5,8 @@ their outputs:
   full     2 ranks, ZeRO-2 fp32, dropout on, 24 steps, checkpoints every 4 (keep 3)
   stopped  the same command with train.exit_at_step=10, then junk planted (an incomplete newer tag and a
            truncated one), then the same command again (auto-resume) to step 24
-  nodrop   2 ranks, dropout off, 12 steps; then resumed from its step-8 checkpoint on 1 rank (universal)
+  nodrop   2 ranks, dropout off, 12 steps; then resumed from its step-8 checkpoint on 1 rank (universal), on 1 rank
+           under ZeRO-1 to step 10, and refused under ZeRO-3
   unpacked nodrop with train.pack_samples=false (one sample per row)
   fast     nodrop on 1 rank to step 6 with compiled blocks, chunked loss and activation checkpointing (with the
            packed rows, CUDA's defaults), reporting what torch.compile did (tests/compile_report.py)
@@ -70,6 +71,12 @@ def runs(unilm_shards: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     out["one_rank_log"] = check(launch(
         nodrop + [f"out_dir={out['one_rank']}", f"train.resume={out['nodrop'] / 'checkpoints' / 'global_step8'}"],
         nproc=1))
+    step8 = f"train.resume={out['nodrop'] / 'checkpoints' / 'global_step8'}"
+    out["zero1"] = base / "zero1"
+    out["zero1_log"] = check(launch(nodrop + [f"out_dir={out['zero1']}", step8, "train.exit_at_step=10",
+                                              "deepspeed_config=ds_configs/zero1_fp32_cpu.json"], nproc=1))
+    out["zero3_log"] = launch(nodrop + [f"out_dir={base / 'zero3'}", step8,
+                                        "deepspeed_config=ds_configs/zero3_fp32_cpu.json"], nproc=1)
     return out
 
 
@@ -148,6 +155,18 @@ def test_resume_on_another_world_size_continues_at_the_exact_sample(runs: dict) 
         assert one_rank[step] == pytest.approx(two_ranks[step], rel=1e-5, abs=1e-5), step
     marker = json.loads((runs["one_rank"] / "checkpoints" / "global_step12" / "complete.json").read_text())
     assert marker["world_size"] == 1
+
+
+def test_a_checkpoint_moves_between_zero_stages_1_and_2_and_other_changes_are_refused(runs: dict) -> None:
+    assert "world size 2 -> 1, ZeRO stage 2 -> 1: converting" in runs["zero1_log"].stdout
+    two_ranks, zero1 = losses(runs["nodrop"]), losses(runs["zero1"])
+    assert sorted(zero1) == [9, 10]
+    for step in zero1:
+        assert zero1[step] == pytest.approx(two_ranks[step], rel=1e-5, abs=1e-5), step
+    refused = runs["zero3_log"]
+    assert refused.returncode != 0
+    assert "global_step8 was saved under ZeRO stage 2 and this run's DeepSpeed config uses stage 3" in refused.stderr
+    assert "converting" not in refused.stdout
 
 
 def test_packed_rows_train_with_the_losses_of_one_sample_per_row(runs: dict, unilm_shards: Path) -> None:
