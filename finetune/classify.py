@@ -199,7 +199,7 @@ class ClassifierModel(nn.Module):
         return loss
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: run mid-training, ZeRO-3 may keep parameters it gathers here
 def predict(model: ClassifierModel, examples: list[ClassifyExample], pad_id: int, batch_size: int = 32) -> list:
     """Class ids (or choice indices, or regression values) of `examples`."""
     was_training = model.training

@@ -211,7 +211,7 @@ class Hypothesis:
     """log_prob / length penalty: what beams are ranked by."""
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: run mid-training, ZeRO-3 may keep parameters it gathers here
 def generate(model: torch.nn.Module, sources: list[list[int]], special: SpecialIds,
              config: DecodeConfig) -> list[Hypothesis]:
     """Best hypothesis per source. `sources`: packed `[CLS] src [SEP]` id lists (one batch).

@@ -34,8 +34,10 @@ from pretrain import checkpoint as ckpt
 from pretrain.batch_plan import BatchPlan, plan_batch
 from pretrain.data import to_device
 from pretrain.engine import (NonFiniteLossError, any_rank, build_engine, engine_config, gather_objects,
-                             init_distributed, nonfinite_gradient_norm, optimizer_step, read_engine_json, zero_stage)
+                             init_distributed, mean_over_ranks, nonfinite_gradient_norm, optimizer_step,
+                             read_engine_json, zero_stage)
 from pretrain.outputs import write_file_atomically
+from pretrain.trainer import prepare_metrics_file
 
 from .config import FinetuneConfig
 from .model_io import save_finetuned
@@ -132,7 +134,9 @@ def _fit_locked(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer, rank
         (out / "run_config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
     meta = dict(identity, run_config=cfg.to_dict(), code_version=ckpt.code_version(), world_size=world_size,
                 zero_stage=engine.zero_optimization_stage())
-    log = open(out / LOG_FILE, "a" if resume is not None else "w") if rank == 0 else None
+    if rank == 0:  # resumed: the steps past the checkpoint are redone, their old records dropped
+        prepare_metrics_file(out / LOG_FILE, progress.step if resume is not None else None)
+    log = open(out / LOG_FILE, "a") if rank == 0 else None
     engine.train()
     try:
         while progress.step < total_steps:
@@ -181,8 +185,9 @@ def restore_progress(engine: Any, resume: ckpt.ResumePoint | None, seed: int, ra
 
 def train_step(cfg: FinetuneConfig, engine: Any, task: TaskSetup, plan: BatchPlan, progress: Progress, epoch: int,
                index_in_epoch: int, rank: int, log: Any) -> float:
-    """One optimizer step on this rank's slice of the step's global batch; returns this rank's loss. A NaN/inf
-    loss on any rank (before the update) or gradient (after it) raises `NonFiniteLossError`."""
+    """One optimizer step on this rank's slice of the step's global batch; returns the step's loss, the mean over
+    ranks (what one rank holding the whole batch would report). A NaN/inf loss on any rank (before the update) or
+    gradient (after it) raises `NonFiniteLossError`."""
     order = np.random.default_rng([cfg.seed, epoch]).permutation(task.train_size)
     global_batch = order[index_in_epoch * cfg.batch_size: (index_in_epoch + 1) * cfg.batch_size]
     per_rank = plan.samples_per_rank
@@ -211,7 +216,7 @@ def train_step(cfg: FinetuneConfig, engine: Any, task: TaskSetup, plan: BatchPla
     bad_norm = nonfinite_gradient_norm(engine)
     if bad_norm is not None:
         stop_if_nonfinite(f"non-finite gradient norm {bad_norm}", "without saving this step")
-    return sum(loss / plan.gradient_accumulation_steps for loss in losses)
+    return mean_over_ranks(sum(loss / plan.gradient_accumulation_steps for loss in losses))
 
 
 def end_epoch(cfg: FinetuneConfig, engine: Any, task: TaskSetup, tokenizer: Tokenizer, progress: Progress, epoch: int,

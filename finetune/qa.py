@@ -149,7 +149,7 @@ class SpanModel(nn.Module):
         return (F.cross_entropy(start_logits, start_positions) + F.cross_entropy(end_logits, end_positions)) / 2
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: run mid-training, ZeRO-3 may keep parameters it gathers here
 def predict(model: SpanModel, questions: list[Question], windows: list[Window], pad_id: int,
             max_answer_len: int, version_2: bool, batch_size: int = 32, top_k: int = 20) -> dict[str, str]:
     """Predicted answer text per question id ("" = no answer, SQuAD 2.0 only)."""

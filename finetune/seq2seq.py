@@ -105,7 +105,7 @@ def seq2seq_loss(model: UniLMModel, batch: dict[str, torch.Tensor], label_smooth
     return model.masked_lm_loss(hidden, batch["masked_positions"], batch["masked_labels"], label_smoothing)
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: run mid-training, ZeRO-3 may keep parameters it gathers here
 def held_out_loss(model: UniLMModel, examples: list[Seq2SeqExample], tokenizer: Tokenizer, mask_prob: float,
                   masking_seed: int, batch_size: int) -> float:
     """Masked-target cross-entropy (no label smoothing) per predicted token over held-out examples, each masked

@@ -18,6 +18,7 @@ import os
 import random
 import socket
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,10 @@ def close_distributed() -> None:
     destroying while other ranks are inside a collective can hang."""
     if torch_dist.is_available() and torch_dist.is_initialized():
         torch_dist.destroy_process_group()
+        # Groups DeepSpeed still references keep their gloo worker threads; a worker releasing the last
+        # collective's tensors takes the GIL, and one that asks for it while the interpreter finalizes aborts the
+        # process the same way. Give up the GIL briefly so they finish now.
+        time.sleep(0.1)
 
 
 def gather_objects(value: Any) -> list[Any]:
@@ -247,6 +252,13 @@ def optimizer_step(engine: Any, micro_batches: Sequence[dict[str, torch.Tensor]]
         if index == len(micro_batches) - 1:
             before_update()
         engine.step()
+
+
+def mean_over_ranks(value: float) -> float:
+    """The mean of ``value`` over all ranks (a collective)."""
+    tensor = torch.tensor([value], dtype=torch.float64, device=collective_device())
+    torch_dist.all_reduce(tensor)
+    return tensor.item() / torch_dist.get_world_size()
 
 
 def any_rank(flag: bool) -> bool:

@@ -3,6 +3,7 @@ slices, the HF export + summary.json, exact resume after a stop, `finetune.decod
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -41,6 +42,8 @@ def test_a_stopped_run_resumes_to_the_same_losses(small_tasks, tiny_init, tmp_pa
     run.main(classify_args(small_tasks, tiny_init, straight, "--epochs", "2"))
     run.main(classify_args(small_tasks, tiny_init, stopped, "--epochs", "2", "--set", "exit_at_step=3"))
     assert len(losses(stopped)) == 3 and not json.loads((stopped / "summary.json").read_text())["finished"]
+    with open(stopped / "metrics.jsonl", "a") as handle:  # a run killed while logging step 5: steps past the save, one torn
+        handle.write('{"step": 4, "epoch": 1, "loss": 9.0, "lr": 0.001}\n{"step": 5, "epoch": 2, "loss": 9.0, "lr"')
     run.main(classify_args(small_tasks, tiny_init, stopped, "--epochs", "2", "--set", "exit_at_step=3"))
     assert losses(stopped) == losses(straight)  # dropout on: RNG states travel in the checkpoint
     epochs = [json.loads((d / "summary.json").read_text())["epochs"] for d in (straight, stopped)]
@@ -138,19 +141,29 @@ def test_qa_run_on_the_squad_sample(small_tasks, tiny_init, tmp_path):
 
 
 def test_two_ranks_train_stop_and_resume_under_torchrun(small_tasks, tiny_init, tmp_path):
-    """The same command on 2 data-parallel ranks (gloo): stops at a step, resumes, finishes every step once."""
+    """The same command on 2 data-parallel ranks (gloo): stops at a step, resumes, finishes every step once; the
+    logged loss is the mean over ranks, so (dropout off) it is the 1-rank run's loss."""
     import subprocess
     import sys
 
     from conftest import subprocess_env
 
+    init = tmp_path / "init"  # the backbone without dropout, as the head (dropout=0)
+    shutil.copytree(tiny_init, init)
+    config = json.loads((init / "config.json").read_text())
+    (init / "config.json").write_text(json.dumps(dict(config, hidden_dropout_prob=0.0,
+                                                      attention_probs_dropout_prob=0.0)))
+    args = classify_args(small_tasks, init, tmp_path / "two", "--epochs", "2", "--set", "dropout=0")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               "-m", "finetune.run", *classify_args(small_tasks, tiny_init, tmp_path, "--epochs", "2")]
+               "-m", "finetune.run", *args]
     for extra in (["--set", "exit_at_step=3"], []):
         process = subprocess.run(command + extra, env=subprocess_env(), capture_output=True, text=True, timeout=300)
         assert process.returncode == 0, process.stdout[-2000:] + process.stderr[-4000:]
-    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [json.loads(line)["step"] for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, len(steps) + 1)) and len(steps) == 10  # 2 epochs × 40 examples / batch 8
+    run.main(classify_args(small_tasks, init, tmp_path / "one", "--epochs", "2", "--set", "dropout=0"))
+    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
+    tmp_path = tmp_path / "two"
     metrics = json.loads((tmp_path / "summary.json").read_text())
     assert metrics["finished"] and len(metrics["epochs"]) == 2
     assert load_finetuned(tmp_path).task == "classify"
