@@ -65,7 +65,8 @@ from deepspeed.utils import safe_get_full_fp32_param
 from safetensors.torch import load_file, save_file
 
 from data_prep.shard_format import sha256_file
-from pretrain.engine import RunStopped, gather_objects, portable_rng_state, resume_rng, seed_everything
+from pretrain.engine import (RunStopped, first_error, gather_objects, portable_rng_state, resume_rng,
+                             seed_everything)
 from pretrain.model import RETIRED_FIELDS
 
 FORMAT_VERSION = 1
@@ -408,7 +409,7 @@ LOCK_FILE = "run.lock"
 
 
 class RunLockedError(RunStopped):
-    """Another live process holds the run directory's lock (the message names it)."""
+    """Another live process holds the run directory's lock (the message names it), or its filesystem cannot lock."""
     exit_code = 5
 
 
@@ -496,13 +497,12 @@ def lock_run_directory(out_dir: str | Path, rank: int) -> RunLock | None:
             lock = RunLock.acquire(out_dir)
         except RunLockedError as exc:
             error = str(exc)
-    if torch_dist.is_initialized() and torch_dist.get_world_size() > 1:
-        shared = [error]
-        # NCCL moves the object through this rank's GPU: name it (the process group may not have set one yet)
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) \
-            if torch_dist.get_backend() == "nccl" else None
-        torch_dist.broadcast_object_list(shared, src=0, device=device)
-        error = shared[0]
+        except OSError as exc:  # stops every rank, not rank 0 alone
+            error = f"{Path(out_dir) / LOCK_FILE}: cannot take the run lock ({exc})"
+            if exc.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP):
+                error += ("; put out_dir on a filesystem with flock support (a local disk, NFS with lockd, Lustre "
+                          "mounted with -o flock)")
+    error = first_error(error)
     if error is not None:
         raise RunLockedError(error)
     return lock
@@ -580,6 +580,7 @@ def save(engine: Any, checkpoint_dir: Path, step: int, meta: dict[str, Any], cli
     state = dict(meta, step=step, rng_states=gather_objects(portable_rng_state()), **client_state)
     if rank == 0:
         (tag_dir / MARKER).unlink(missing_ok=True)
+    failure = None
     try:
         engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state=state, save_latest=False)
         weights = gather_full_weights(engine.module)  # collective under ZeRO
@@ -593,13 +594,16 @@ def save(engine: Any, checkpoint_dir: Path, step: int, meta: dict[str, Any], cli
         full = getattr(error, "errno", None) == errno.ENOSPC or free < 2**20
         if not (full or isinstance(error, OSError)):
             raise  # not the disk (e.g. a peer died in DeepSpeed's barrier): a crash, not a diagnosis
-        shutil.rmtree(tag_dir, ignore_errors=True)  # never resumed from; frees what it took
+        failure = (f"rank {rank} could not write checkpoint {tag_dir}: "
+                   f"{'No space left on device' if full else 'I/O error'} ({free / 2**20:.1f} MiB free there; "
+                   f"{error})")
+    failure = first_error(failure)  # every rank's files are written before the marker, or every rank stops
+    if failure is not None:
+        if rank == 0:
+            shutil.rmtree(tag_dir, ignore_errors=True)  # never resumed from; frees what it took
         raise CheckpointWriteError(
-            f"rank {rank} could not write checkpoint {tag_dir}: "
-            f"{'No space left on device' if full else 'I/O error'} ({free / 2**20:.1f} MiB free there; {error}). "
-            f"The last complete checkpoint ({previous.tag if previous else 'none'}) is intact: free disk space (make preflight "
-            "estimates what a run needs) and rerun the same command to continue from it") from error
-    torch_dist.barrier()  # every rank's files are written before the marker
+            f"{failure}. The last complete checkpoint ({previous.tag if previous else 'none'}) is intact: free disk "
+            "space (make preflight estimates what a run needs) and rerun the same command to continue from it")
     save_id = None
     if rank == 0:
         save_id = write_marker(tag_dir, dict(meta, step=step, parent_save_id=previous.save_id if previous else None))
@@ -674,11 +678,17 @@ def find_resume_point(checkpoint_dir: Path, resume: str, identity: dict[str, Any
     check_stage_change(meta["zero_stage"], zero_stage, directory / tag)
     load_tag = tag
     if (meta["world_size"] != world_size or meta["zero_stage"] != zero_stage) and meta["zero_stage"] > 0:
+        error = None
         if torch_dist.get_rank() == 0:
             print(f"[resume] {tag}: world size {meta['world_size']} -> {world_size}, ZeRO stage "
                   f"{meta['zero_stage']} -> {zero_stage}: converting to a universal checkpoint", flush=True)
-            to_universal(directory, tag)
-        torch_dist.barrier()
+            try:
+                to_universal(directory, tag)
+            except (OSError, subprocess.CalledProcessError) as exc:
+                error = f"converting {directory / tag} to a universal checkpoint failed on rank 0: {exc}"
+        error = first_error(error)  # the others wait for the conversion here
+        if error is not None:
+            raise RuntimeError(error)
         load_tag = f"{tag}_universal"
     return ResumePoint(directory=directory, tag=tag, load_tag=load_tag, meta=meta)
 

@@ -100,6 +100,14 @@ def gather_objects(value: Any) -> list[Any]:
     return gathered
 
 
+def first_error(error: Any) -> Any:
+    """The first ``error`` that is not None over the ranks, in rank order (a collective, and a barrier): what
+    one rank hit before a collective stops every rank, instead of leaving the others waiting in it."""
+    if not (torch_dist.is_initialized() and torch_dist.get_world_size() > 1):
+        return error
+    return next((e for e in gather_objects(error) if e is not None), None)
+
+
 # ----------------------------------------------------------------------------------------- DeepSpeed JSON
 def read_engine_json(path: Path) -> dict[str, Any]:
     """The DeepSpeed JSON at ``path``, refused if it sets a value that the run config injects."""

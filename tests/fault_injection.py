@@ -4,10 +4,12 @@ outside the library, by wrapping the functions where the fault belongs.
 ``UNILM_TEST_FAULT=POINT@STEP`` or ``POINT@STEP@RANK`` picks it. Kill points (SIGKILL: no cleanup, no flush,
 a crash): ``step`` (as optimizer step STEP begins), ``save_begin`` (the checkpoint of STEP, before anything
 is written), ``after:FILE`` (after DeepSpeed wrote FILE of that checkpoint), ``before_marker``,
-``before_latest``. ``inf_grad`` turns one gradient of step STEP to inf instead.
+``before_latest``. ``inf_grad`` turns one gradient of step STEP to inf instead; ``enospc`` makes this rank's
+checkpoint of STEP fail as on a full disk (ENOSPC as its files are synced).
 """
 from __future__ import annotations
 
+import errno
 import functools
 import inspect
 import math
@@ -95,6 +97,12 @@ def install() -> None:
           after=lambda a: _kill_if_wanted(f"after:{Path(a['path']).name}", _step_of_path(a["path"])))
     _wrap(ckpt, "write_marker", before=lambda a: _kill_if_wanted("before_marker", _step_of_path(a["tag_dir"])))
     _wrap(ckpt, "update_latest", before=lambda a: _kill_if_wanted("before_latest", ckpt.step_of_tag(a["tag"])))
+    _wrap(ckpt, "fsync_tree", before=lambda a: _disk_full_if_wanted(_step_of_path(a["directory"])))
+
+
+def _disk_full_if_wanted(step: int | None) -> None:
+    if step is not None and _wanted("enospc", step):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
 if __name__ == "__main__":

@@ -209,6 +209,20 @@ def test_a_second_holder_is_refused_naming_the_first_and_a_killed_holder_is_repo
     assert reports == []
 
 
+def test_a_filesystem_without_flock_is_a_diagnosed_stop_naming_the_fix(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+    import fcntl
+
+    def flock(fd: int, operation: int) -> None:  # what NFS without lockd or Lustre without -o flock answer
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    with pytest.raises(ckpt.RunLockedError, match=r"run.lock: cannot take the run lock .*No locks available.*"
+                                                  r"filesystem with flock support"):
+        ckpt.lock_run_directory(tmp_path, rank=0)
+
+
 @pytest.mark.slow
 def test_a_training_run_in_a_directory_in_use_stops_at_once_naming_the_holder(unilm_shards: Path,
                                                                               tmp_path: Path) -> None:
