@@ -46,12 +46,16 @@ def bind_local_device() -> torch.device:
     """Make device ``LOCAL_RANK`` this process's current device; returns it (``cpu`` on a CPU accelerator).
 
     Without it every rank of a node would start on GPU 0: NCCL would hang or fail, and CUDA RNG states and
-    pinned copies would belong to the wrong device."""
+    pinned copies would belong to the wrong device. A process whose launcher made one device visible to it alone
+    (``CUDA_VISIBLE_DEVICES`` naming one device, as ``srun --gpus-per-task=1`` does) takes that device."""
     from deepspeed.accelerator import get_accelerator
     accelerator = get_accelerator()
     if accelerator.device_name() == "cpu":
         return torch.device("cpu")
     index = local_rank()
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if index >= accelerator.device_count() and accelerator.device_count() == 1 and len(visible) == 1:
+        index = 0
     if index >= accelerator.device_count():
         raise RuntimeError(f"local rank {index} has no {accelerator.device_name()} device: this machine shows "
                            f"{accelerator.device_count()}; launch at most that many ranks per machine "

@@ -91,6 +91,39 @@ def test_local_rank_comes_from_whichever_launcher_set_it(monkeypatch: pytest.Mon
     assert accelerator.local_rank() == 1
 
 
+class OneVisibleGpu:
+    """What DeepSpeed's CUDA accelerator shows a process that sees one GPU."""
+
+    def __init__(self) -> None:
+        self.bound: list[int] = []
+
+    def device_name(self, index: int | None = None) -> str:
+        return "cuda" if index is None else f"cuda:{index}"
+
+    def device_count(self) -> int:
+        return 1
+
+    def set_device(self, index: int) -> None:
+        self.bound.append(index)
+
+
+def test_a_rank_that_sees_one_gpu_of_its_own_binds_it_and_extra_ranks_are_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import deepspeed.accelerator
+
+    gpu = OneVisibleGpu()
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: gpu)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # srun --gpus-per-task=1: this rank's own GPU
+    assert accelerator.bind_local_device() == torch.device("cuda:0") and gpu.bound == [0]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # a machine with one GPU and more ranks than GPUs
+    with pytest.raises(RuntimeError, match="local rank 3 has no cuda device: this machine shows 1"):
+        accelerator.bind_local_device()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with pytest.raises(RuntimeError, match="local rank 3 has no cuda device"):
+        accelerator.bind_local_device()
+
+
 def test_on_the_cpu_accelerator_binding_is_a_no_op_and_collectives_use_cpu_tensors(one_rank_group) -> None:
     from pretrain.model import REPORTED_OBJECTIVES, PretrainOutput
     from pretrain.trainer import StepSums
