@@ -56,6 +56,11 @@ class FinetuneConfig:
     """Cap on optimizer steps over the whole run (None: epochs decide)."""
     exit_at_step: int | None = None
     """Save a checkpoint and exit after this step; rerunning the command resumes (tests, preemption)."""
+    exit_after_minutes: float | None = None
+    """Save a checkpoint and exit after the first step past this wall time (a job's time limit); SIGTERM does the
+    same at any time. Rerunning the command resumes."""
+    save_interval: int | None = None
+    """Also checkpoint every N optimizer steps (None: at epoch ends only), so a crash loses less than an epoch."""
     batch_size: int = 32
     """Global batch (= micro × accumulation × data-parallel ranks)."""
     micro_batch_size: int = 8
@@ -122,7 +127,9 @@ class FinetuneConfig:
             raise ValueError("need lr > 0, 0 <= warmup_ratio < 1 and 0 < mask_prob <= 1")
         if not 0 <= self.label_smoothing < 1 or self.aux_lm_weight < 0:
             raise ValueError("need 0 <= label_smoothing < 1 and aux_lm_weight >= 0")
-        for name in ("max_steps", "exit_at_step", "eval_max_examples"):
+        if self.exit_after_minutes is not None and self.exit_after_minutes <= 0:
+            raise ValueError(f"exit_after_minutes must be > 0 (or null), got {self.exit_after_minutes}")
+        for name in ("max_steps", "exit_at_step", "eval_max_examples", "save_interval"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 (or null), got {getattr(self, name)}")
         for name in ("weight_decay", "grad_clip", "seed", "eval_no_repeat_ngram"):

@@ -37,7 +37,7 @@ from pretrain.engine import (NonFiniteLossError, any_rank, build_engine, engine_
                              init_distributed, mean_over_ranks, nonfinite_gradient_norm, optimizer_step,
                              read_engine_json, zero_stage)
 from pretrain.outputs import write_file_atomically
-from pretrain.trainer import prepare_metrics_file
+from pretrain.trainer import StopRequest, prepare_metrics_file
 
 from .config import FinetuneConfig
 from .model_io import save_finetuned
@@ -137,6 +137,7 @@ def _fit_locked(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer, rank
     if rank == 0:  # resumed: the steps past the checkpoint are redone, their old records dropped
         prepare_metrics_file(out / LOG_FILE, progress.step if resume is not None else None)
     log = open(out / LOG_FILE, "a") if rank == 0 else None
+    stop_requested = StopRequest(time.monotonic(), cfg.exit_after_minutes)
     engine.train()
     try:
         while progress.step < total_steps:
@@ -148,19 +149,23 @@ def _fit_locked(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer, rank
                 log.write(json.dumps({"step": progress.step, "epoch": epoch + 1, "loss": step_loss,
                                       "lr": engine.get_lr()[0]}) + "\n")
                 log.flush()
+            stop = any_rank(bool(stop_requested))  # one rank signalled: all save and exit together
             epoch_done = progress.step % steps_per_epoch == 0 or progress.step == total_steps
             if epoch_done:
                 end_epoch(cfg, engine, task, tokenizer, progress, epoch, total_steps, rank, out)
-            if epoch_done or progress.step == cfg.exit_at_step:
+            exiting = (stop or progress.step == cfg.exit_at_step) and progress.step < total_steps
+            if epoch_done or exiting or (cfg.save_interval and progress.step % cfg.save_interval == 0):
                 progress.last_checkpoint = ckpt.save(engine, cfg.checkpoint_dir, progress.step, meta,
                                                      progress.client_state(), cfg.keep_last,
                                                      progress.last_checkpoint)
-            if progress.step == cfg.exit_at_step and progress.step < total_steps:
+            if exiting:
                 if rank == 0:
-                    print(f"[finetune] exit_at_step {progress.step}: checkpoint saved; rerun the command to "
-                          "continue", flush=True)
+                    reason = "exit_at_step" if progress.step == cfg.exit_at_step else "time limit / SIGTERM"
+                    print(f"[finetune] {reason}: saved {progress.last_checkpoint.tag} at step {progress.step}; "
+                          "rerun the command to continue", flush=True)
                 break
     finally:
+        stop_requested.close()
         if log:
             log.close()
     summary = {"task": cfg.task, "primary_metric": task.primary_metric, "best": progress.best,

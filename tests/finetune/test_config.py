@@ -29,6 +29,8 @@ def test_precedence_yaml_then_flags_then_set(tmp_path) -> None:
     ("lr=fast", "lr='fast' is not a valid"),
     ("epoch=3", "unknown config key.*epoch"),
     ("lr=-1", "need lr > 0"),
+    ("exit_after_minutes=0", "exit_after_minutes must be > 0"),
+    ("save_interval=0", "save_interval must be >= 1"),
 ])
 def test_bad_values_are_refused_by_name(override: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
