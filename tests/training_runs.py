@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from conftest import ROOT, subprocess_env
@@ -44,3 +47,17 @@ def metrics(out_dir: Path) -> list[dict]:
 
 def losses(out_dir: Path) -> dict[int, float]:
     return {record["step"]: record["loss"] for record in metrics(out_dir) if "loss" in record}
+
+
+def preempt(command: list[str], out_dir: Path, steps: int) -> subprocess.CompletedProcess:
+    """Start ``command`` (a training run writing ``out_dir/metrics.jsonl``), send it SIGTERM once it has logged
+    ``steps`` steps, as a cluster scheduler's preemption does, and wait for it to end."""
+    process = subprocess.Popen(command, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    logged: Callable[[], int] = lambda: len(metrics(out_dir)) if (out_dir / "metrics.jsonl").exists() else 0
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and process.poll() is None and logged() < steps:
+        time.sleep(0.1)
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=120)
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)

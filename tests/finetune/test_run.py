@@ -172,28 +172,17 @@ def test_two_ranks_train_stop_and_resume_under_torchrun(small_tasks, tiny_init, 
 def test_sigterm_saves_the_step_and_the_rerun_continues(small_tasks, tiny_init, tmp_path):
     """What a scheduler's preemption does mid-epoch: SIGTERM saves that step and exits 0 (save_interval checkpoints
     on the way); the same command then continues with the next step, none repeated or skipped."""
-    import signal
-    import subprocess
     import sys
-    import time
 
-    from conftest import ROOT, subprocess_env
+    from training_runs import preempt
 
     args = classify_args(small_tasks, tiny_init, tmp_path, "--epochs", "40", "--set", "save_interval=3",
                          "--set", "keep_last=50")
-    process = subprocess.Popen([sys.executable, "-m", "finetune.run", *args], cwd=ROOT, env=subprocess_env(),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and process.poll() is None:
-        if (tmp_path / "metrics.jsonl").exists() and len(losses(tmp_path)) >= 4:
-            break
-        time.sleep(0.1)
-    process.send_signal(signal.SIGTERM)
-    stdout, stderr = process.communicate(timeout=120)
-    assert process.returncode == 0, stderr[-3000:]
+    process = preempt([sys.executable, "-m", "finetune.run", *args], tmp_path, steps=4)
+    assert process.returncode == 0, process.stderr[-3000:]
     stopped_at = len(losses(tmp_path))
     assert 4 <= stopped_at < 200
-    assert f"[finetune] time limit / SIGTERM: saved global_step{stopped_at} at step {stopped_at}" in stdout
+    assert f"[finetune] time limit / SIGTERM: saved global_step{stopped_at} at step {stopped_at}" in process.stdout
     tags = {p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("global_step")}
     assert {"global_step3", f"global_step{stopped_at}"} <= tags  # save_interval's and the stop's
     assert not json.loads((tmp_path / "summary.json").read_text())["finished"]

@@ -17,19 +17,14 @@ import csv
 import dataclasses
 import json
 import shutil
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
-from conftest import subprocess_env
-from training_runs import check, launch, losses, metrics, train_command
+from training_runs import check, launch, losses, metrics, preempt, train_command
 import torch
 
 from pretrain.model import preset, training_flops
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
@@ -277,17 +272,9 @@ def test_sigterm_saves_a_checkpoint_and_the_rerun_continues(unilm_shards: Path, 
     """What a cluster scheduler's preemption does: SIGTERM mid-run, then the same command again."""
     overrides = [f"data.shards={unilm_shards}", "model.overrides.vocab_size=4000", f"out_dir={tmp_path}",
                  "train.max_steps=400", "train.save_interval=1000", "train.global_batch_size=8"]
-    process = subprocess.Popen(train_command(overrides), cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and process.poll() is None:
-        if (tmp_path / "metrics.jsonl").exists() and len(metrics(tmp_path)) >= 2:
-            break
-        time.sleep(0.2)
-    process.send_signal(signal.SIGTERM)
-    stdout, stderr = process.communicate(timeout=120)
-    assert process.returncode == 0, stderr[-3000:]
-    assert "[exit] time limit / SIGTERM" in stdout
+    process = preempt(train_command(overrides), tmp_path, steps=2)
+    assert process.returncode == 0, process.stderr[-3000:]
+    assert "[exit] time limit / SIGTERM" in process.stdout
     stopped_at = metrics(tmp_path)[-1]["step"]
     assert stopped_at < 400
     assert (tmp_path / "checkpoints" / "latest").read_text() == f"global_step{stopped_at}"
