@@ -122,8 +122,7 @@ def save_finetuned(out_dir: str | Path, model: UniLMModel, head: torch.nn.Module
     try:
         save_hf_bert(model, staging, state=backbone)
         tensors = {SEGMENT_WEIGHT: backbone[SEGMENT_WEIGHT].detach().cpu().contiguous()}
-        if head is not None:
-            tensors.update({k: v.detach().cpu().contiguous() for k, v in weights.items() if k.startswith("head.")})
+        tensors.update({k: v.detach().cpu().contiguous() for k, v in weights.items() if k.startswith("head.")})
         save_file(tensors, staging / EXTRA_FILE)
         write_hf_tokenizer(tokenizer.vocab_path, tokenizer.lowercase, staging)
         files = sorted(p.name for p in staging.iterdir())

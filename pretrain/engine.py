@@ -271,9 +271,7 @@ def mean_over_ranks(value: float) -> float:
 
 def any_rank(flag: bool) -> bool:
     """Whether ``flag`` is set on any rank (a collective)."""
-    tensor = torch.tensor([float(flag)], dtype=torch.float64, device=collective_device())
-    torch_dist.all_reduce(tensor)
-    return tensor.item() > 0
+    return mean_over_ranks(float(flag)) > 0
 
 
 def nonfinite_gradient_norm(engine: Any) -> float | None:
