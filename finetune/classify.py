@@ -214,14 +214,34 @@ def predict(model: ClassifierModel, examples: list[ClassifyExample], pad_id: int
     return predictions
 
 
-def evaluate(model: ClassifierModel, examples: list[ClassifyExample], pad_id: int) -> dict[str, float]:
+def evaluate(model: ClassifierModel, examples: list[ClassifyExample], pad_id: int,
+             positive: int | None = None) -> dict[str, float]:
+    """Dev scores of `examples`: correlations for regression, else accuracy, macro-F1, Matthews correlation and,
+    with a `positive` class id, that class's F1."""
     predictions = predict(model, examples, pad_id)
     gold = [e.label for e in examples]
     if model.labels.regression:
         return regression_metrics(predictions, gold)
-    return classification_metrics(predictions, gold)
+    return classification_metrics(predictions, gold, positive)
 
 
-def primary_metric(labels: LabelSpace) -> str:
-    return "pearson" if labels.regression else "accuracy"
+def positive_class(labels: LabelSpace, positive_label: str | None, where: str) -> int | None:
+    """The class id whose F1 is reported: `positive_label`'s, else with two classes the second's, else none."""
+    if labels.regression or labels.multiple_choice:
+        if positive_label is not None:
+            raise ValueError(f"positive_label={positive_label!r}, but {where} has no classes (its labels are "
+                             f"{'numbers' if labels.regression else 'choice indices'})")
+        return None
+    if positive_label is not None:
+        if positive_label not in labels.classes:
+            raise ValueError(f"positive_label={positive_label!r} is not a class of {where}: "
+                             f"{list(labels.classes)}")
+        return labels.classes.index(positive_label)
+    return 1 if len(labels.classes) == 2 else None
 
+
+def metrics_of(labels: LabelSpace, positive: int | None) -> tuple[str, ...]:
+    """The names `evaluate` reports for this label space (the first is the default primary metric)."""
+    if labels.regression:
+        return ("pearson", "spearman")
+    return ("accuracy", "macro_f1", "mcc", *(("f1",) if positive is not None else ()))

@@ -15,6 +15,9 @@ from typing import Any
 from pretrain.config import REPO_ROOT, check_field_types, load_dataclass
 
 TASKS = ("classify", "qa", "seq2seq")
+TASK_METRICS = {"classify": ("accuracy", "macro_f1", "mcc", "f1", "pearson", "spearman"),
+                "qa": ("f1", "exact_match"), "seq2seq": ("rougeL", "rouge1", "rouge2", "bleu")}
+"""The dev scores a task can pick its best epoch by (the first is the default; regression's is pearson)."""
 CPU_DEEPSPEED_CONFIG = "ds_configs/zero0_fp32_cpu.json"
 GPU_DEEPSPEED_CONFIGS = {"bf16": "ds_configs/zero2_bf16.json", "fp16": "ds_configs/zero2_fp16.json"}
 
@@ -90,7 +93,8 @@ class FinetuneConfig:
     """classify: GPT-1's auxiliary language-model loss, L = L_task + weight · L_lm on the same inputs (GPT: 0.5)."""
 
     doc_stride: int = 128
-    """qa: step between sliding windows over a long context."""
+    """qa: step between sliding windows over a long context, in context word pieces; capped at the context a
+    window holds (max_seq_len - question - 3), so every context token is in some window."""
     max_query_len: int = 64
     """qa: question word pieces kept."""
     max_answer_len: int = 30
@@ -112,6 +116,13 @@ class FinetuneConfig:
     """seq2seq: the dev decoding forbids repeating an n-gram of this many word pieces (0: off)."""
     eval_max_examples: int | None = None
     """Evaluate on the first N dev examples only (None: all)."""
+    metric: str | None = None
+    """The dev score that picks the best epoch, higher is better: classify accuracy, macro_f1, mcc (Matthews
+    correlation; GLUE's CoLA), f1 (F1 of `positive_label`; MRPC, QQP), regression pearson, spearman (STS-B); qa f1,
+    exact_match; seq2seq rougeL, rouge1, rouge2, bleu (None: accuracy, pearson, f1, rougeL)."""
+    positive_label: str | None = None
+    """classify: the class whose F1 is reported as `f1`; None: with two classes the second in sorted order ("1" of
+    0/1, "true", "yes", "positive"), with more no `f1`."""
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -135,6 +146,9 @@ class FinetuneConfig:
         for name in ("weight_decay", "grad_clip", "seed", "eval_no_repeat_ngram"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.metric is not None and self.metric not in TASK_METRICS[self.task]:
+            raise ValueError(f"metric {self.metric!r} is not a {self.task} dev score; choose one of "
+                             f"{', '.join(TASK_METRICS[self.task])}")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 

@@ -17,7 +17,8 @@ minimum and maximum target length, and early stop: an example is done once it ho
 hypotheses (a [SEP] among the top `beam_size` candidates), the batch once every example is done. At the maximum length
 unfinished beams count as finished.
 
-CLI: `python -m finetune.decode --model DIR --input FILE.jsonl --output FILE.jsonl [--beam-size 5] ...`.
+CLI: `python -m finetune.decode --model DIR --input FILE.jsonl --output FILE.jsonl [--beam-size 5] ...`; when every
+record has a `tgt`, ROUGE and BLEU against it go to `FILE.metrics.json` (`score_predictions`).
 """
 from __future__ import annotations
 
@@ -318,6 +319,13 @@ def decode_records(model: torch.nn.Module, tokenizer: Tokenizer, records: list[d
     return predictions, truncated
 
 
+def score_predictions(tokenizer: Tokenizer, predictions: list[str], references: list[str]) -> dict[str, float]:
+    """ROUGE and BLEU of decoded `predictions` against `references`, both in the model's word form
+    (`Tokenizer.words`: an uncased model is scored on lower-cased, accent-stripped references; punctuation split
+    off on both sides), the tokenised, lower-cased comparison UniLM's generation results use."""
+    return generation_metrics([tokenizer.words(p) for p in predictions], [tokenizer.words(r) for r in references])
+
+
 def metrics_path(output: str | Path) -> Path:
     """`out.jsonl` → `out.metrics.json` (beside the output)."""
     output = Path(output)
@@ -376,7 +384,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"[decode] {len(records)} inputs in {seconds:.1f}s ({truncated} sources truncated to {max_src_len} "
           f"word pieces) → {args.output}")
     if all(isinstance(r.get("tgt"), str) for r in records):
-        scores = generation_metrics(predictions, [r["tgt"] for r in records])
+        scores = score_predictions(finetuned.tokenizer, predictions, [r["tgt"] for r in records])
         write_file_atomically(metrics_path(args.output),
                               lambda tmp: tmp.write_text(json.dumps(scores, indent=2) + "\n"))
         print("[decode] " + "  ".join(f"{k} {v:.2f}" for k, v in scores.items()) + f" → {metrics_path(args.output)}")

@@ -1,16 +1,22 @@
 """Fine-tuning metrics: classification, regression, SQuAD EM/F1, ROUGE and BLEU.
 
-Accuracy, macro-F1 and the correlations are a few lines each (scikit-learn is not a dependency).
+Accuracy, macro-F1, Matthews correlation, binary F1 and the correlations are a few lines each (scikit-learn is
+not a dependency); they follow scikit-learn's and scipy's definitions (GLUE reports Matthews correlation for
+CoLA, F1 of the positive class for MRPC and QQP, Pearson/Spearman for STS-B).
 SQuAD answer normalisation follows the rules of the official v1.1/v2.0 evaluation script: lower-case,
 drop punctuation, drop the articles a/an/the, collapse whitespace; F1 is over the bag of normalised tokens,
-and a question scores the maximum over its gold answers. ROUGE and BLEU come from `rouge-score` and
-`sacrebleu` (libraries, not hand-written metrics).
+and a question scores the maximum over its gold answers (those that normalise to nothing left out, as v2.0 does).
+ROUGE and BLEU come from `rouge-score` and `sacrebleu` (libraries, not hand-written metrics); ROUGE's words
+are Unicode letters and digits (rouge-score's default keeps ASCII only, scoring "Москва" or "société" as
+nothing), identical to rouge-score's default tokenisation on ASCII text.
 """
 from __future__ import annotations
 
 import collections
+import math
 import re
 import string
+import unicodedata
 from collections.abc import Sequence
 
 import numpy as np
@@ -36,9 +42,35 @@ def macro_f1(predictions: Sequence, labels: Sequence) -> float:
     return float(np.mean(scores))
 
 
+def matthews_corrcoef(predictions: Sequence, labels: Sequence) -> float:
+    """Matthews correlation coefficient, its multi-class form for more than two classes (as scikit-learn): 1 for
+    perfect predictions, 0 for a constant prediction or chance, -1 at worst."""
+    if len(predictions) != len(labels) or not labels:
+        raise ValueError(f"matthews_corrcoef needs equally long, non-empty sequences (got {len(predictions)} and "
+                         f"{len(labels)})")
+    classes = sorted(set(labels) | set(predictions), key=str)
+    true_counts = np.array([sum(g == c for g in labels) for c in classes], dtype=np.float64)
+    predicted_counts = np.array([sum(p == c for p in predictions) for c in classes], dtype=np.float64)
+    correct, total = float(sum(p == g for p, g in zip(predictions, labels))), float(len(labels))
+    covariance = correct * total - predicted_counts @ true_counts
+    variance = (total**2 - predicted_counts @ predicted_counts) * (total**2 - true_counts @ true_counts)
+    return float(covariance / math.sqrt(variance)) if variance else 0.0
+
+
+def binary_f1(predictions: Sequence, labels: Sequence, positive) -> float:
+    """F1 of the class `positive` (0.0 when it is neither predicted nor present)."""
+    if len(predictions) != len(labels) or not labels:
+        raise ValueError(f"binary_f1 needs equally long, non-empty sequences (got {len(predictions)} and {len(labels)})")
+    true_pos = sum(p == positive and g == positive for p, g in zip(predictions, labels))
+    predicted, actual = sum(p == positive for p in predictions), sum(g == positive for g in labels)
+    return 2 * true_pos / (predicted + actual) if predicted + actual else 0.0
+
+
 def pearson(predictions: Sequence[float], labels: Sequence[float]) -> float:
-    """Pearson correlation coefficient (0.0 when either side is constant)."""
+    """Pearson correlation coefficient (0.0 when either side is constant, NaN when a value is not finite)."""
     x, y = np.asarray(predictions, dtype=np.float64), np.asarray(labels, dtype=np.float64)
+    if not (np.isfinite(x).all() and np.isfinite(y).all()):
+        return math.nan
     if x.std() == 0 or y.std() == 0:
         return 0.0
     return float(np.corrcoef(x, y)[0, 1])
@@ -56,12 +88,20 @@ def _average_ranks(values: np.ndarray) -> np.ndarray:
 
 
 def spearman(predictions: Sequence[float], labels: Sequence[float]) -> float:
-    """Spearman rank correlation: Pearson over tie-averaged ranks."""
+    """Spearman rank correlation: Pearson over tie-averaged ranks (NaN when a value is not finite)."""
+    x, y = np.asarray(predictions, dtype=np.float64), np.asarray(labels, dtype=np.float64)
+    if not (np.isfinite(x).all() and np.isfinite(y).all()):
+        return math.nan
     return pearson(_average_ranks(np.asarray(predictions, float)), _average_ranks(np.asarray(labels, float)))
 
 
-def classification_metrics(predictions: Sequence, labels: Sequence) -> dict[str, float]:
-    return {"accuracy": accuracy(predictions, labels), "macro_f1": macro_f1(predictions, labels)}
+def classification_metrics(predictions: Sequence, labels: Sequence, positive=None) -> dict[str, float]:
+    """Accuracy, macro-F1 and Matthews correlation; with a `positive` class also its F1 (`f1`)."""
+    scores = {"accuracy": accuracy(predictions, labels), "macro_f1": macro_f1(predictions, labels),
+              "mcc": matthews_corrcoef(predictions, labels)}
+    if positive is not None:
+        scores["f1"] = binary_f1(predictions, labels, positive)
+    return scores
 
 
 def regression_metrics(predictions: Sequence[float], labels: Sequence[float]) -> dict[str, float]:
@@ -100,13 +140,14 @@ def squad_f1(prediction: str, gold: str) -> float:
 def squad_metrics(predictions: dict[str, str], gold_answers: dict[str, list[str]]) -> dict[str, float]:
     """EM and F1 in percent over every question of `gold_answers` (a missing prediction scores 0).
 
-    A question with no gold answers (SQuAD 2.0 unanswerable) has the gold answer "" (as the official script).
+    Gold answers that normalise to nothing are left out, and a question with none left (SQuAD 2.0 unanswerable)
+    has the gold answer "" (as the official v2.0 script).
     """
     if not gold_answers:
         raise ValueError("squad_metrics: no gold questions")
     exact, f1 = 0.0, 0.0
     for qid, answers in gold_answers.items():
-        answers = answers or [""]
+        answers = [a for a in answers if normalize_answer(a)] or [""]
         prediction = predictions.get(qid, None)
         if prediction is None:
             continue
@@ -117,8 +158,26 @@ def squad_metrics(predictions: dict[str, str], gold_answers: dict[str, list[str]
 
 # ---- generation ----
 
+class RougeWords:
+    """rouge-score's tokenisation (lower-case, words of letters and digits, Porter stemming of words longer than
+    three characters) with Unicode letters and digits kept: equal to rouge-score's default on ASCII text."""
+
+    _WORD = re.compile(r"[^\W_]+")
+
+    def __init__(self) -> None:
+        from nltk.stem import porter  # a dependency of rouge-score
+        self._stemmer = porter.PorterStemmer()
+
+    def tokenize(self, text: str) -> list[str]:
+        words = self._WORD.findall(unicodedata.normalize("NFC", text).lower())
+        return [self._stemmer.stem(w) if len(w) > 3 and w.isascii() else w for w in words]
+
+
 def generation_metrics(predictions: Sequence[str], references: Sequence[str]) -> dict[str, float]:
-    """ROUGE-1/2/L F1 (rouge-score, with stemming, mean over examples, in percent) and corpus BLEU-4 (sacrebleu)."""
+    """ROUGE-1/2/L F1 (rouge-score, with stemming, mean over examples, in percent; words as `RougeWords`) and
+    corpus BLEU-4 (sacrebleu's defaults). ROUGE-L is the sentence-level LCS (rouge-score's `rougeL`), not the
+    summary-level `rougeLsum` over newline-split sentences. The fine-tuning tasks score text in the model's word
+    form on both sides (`finetune.tokenizer.Tokenizer.words`)."""
     # optional (extras): only generation metrics need them
     import sacrebleu
     from rouge_score import rouge_scorer
@@ -126,7 +185,7 @@ def generation_metrics(predictions: Sequence[str], references: Sequence[str]) ->
     if len(predictions) != len(references) or not references:
         raise ValueError(f"generation_metrics needs equally long, non-empty lists "
                          f"({len(predictions)} predictions, {len(references)} references)")
-    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
+    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], tokenizer=RougeWords())
     totals = collections.Counter()
     for prediction, reference in zip(predictions, references):
         for name, score in scorer.score(reference, prediction).items():

@@ -107,7 +107,7 @@ def make_windows(questions: list[Question], tokenizer: Tokenizer, max_seq_len: i
             windows.append(Window(index, tuple(ids), len_a, tuple(offsets[start:stop]), *target))
             if stop >= len(context_ids):
                 break
-            start += doc_stride
+            start += min(doc_stride, room)  # a longer stride would skip context tokens no window then holds
     return windows
 
 

@@ -12,10 +12,9 @@ import torch
 from pretrain.model import UniLMModel
 
 from . import classify, qa, seq2seq
-from .config import FinetuneConfig
+from .config import TASK_METRICS, FinetuneConfig
 from .task_files import read_jsonl
-from .decode import DecodeConfig, decode_records
-from .metrics import generation_metrics
+from .decode import DecodeConfig, decode_records, score_predictions
 from .tokenizer import Tokenizer
 
 
@@ -40,9 +39,20 @@ def _limit(items: list, count: int | None) -> list:
     return items if count is None else items[:count]
 
 
+def _primary_metric(cfg: FinetuneConfig, available: tuple[str, ...]) -> str:
+    """`cfg.metric` when this task reports it, else the task's default (the first of `available`)."""
+    if cfg.metric is None:
+        return available[0]
+    if cfg.metric not in available:
+        raise ValueError(f"metric={cfg.metric!r}: this {cfg.task} task reports {', '.join(available)} "
+                         f"(f1 needs two classes or positive_label; pearson and spearman need numeric labels)")
+    return cfg.metric
+
+
 def build_classify(cfg: FinetuneConfig, backbone: UniLMModel, tokenizer: Tokenizer) -> TaskSetup:
     train_records, dev_records = read_jsonl(cfg.train), _limit(read_jsonl(cfg.dev), cfg.eval_max_examples)
     labels = classify.LabelSpace.from_records(train_records, cfg.train)
+    positive = classify.positive_class(labels, cfg.positive_label, cfg.train)
     settings = (tokenizer, labels, cfg.max_seq_len, cfg.similarity)
     train, train_cut = classify.encode_examples(train_records, *settings, where=cfg.train)
     dev, dev_cut = classify.encode_examples(dev_records, *settings, where=cfg.dev)
@@ -51,9 +61,10 @@ def build_classify(cfg: FinetuneConfig, backbone: UniLMModel, tokenizer: Tokeniz
         module=module, head=module.head, train_size=len(train),
         make_batch=lambda indices, epoch: classify.collate([train[i] for i in indices], tokenizer.pad_id,
                                                            labels.regression),
-        evaluate=lambda m: classify.evaluate(m, dev, tokenizer.pad_id),
-        primary_metric=classify.primary_metric(labels),
-        meta={"labels": list(labels.classes), "regression": labels.regression,
+        evaluate=lambda m: classify.evaluate(m, dev, tokenizer.pad_id, positive),
+        primary_metric=_primary_metric(cfg, classify.metrics_of(labels, positive)),
+        meta={"labels": list(labels.classes),
+              "positive_label": None if positive is None else labels.classes[positive], "regression": labels.regression,
               "multiple_choice": labels.multiple_choice, "truncated": {"train": train_cut, "dev": dev_cut}},
     )
 
@@ -69,7 +80,7 @@ def build_qa(cfg: FinetuneConfig, backbone: UniLMModel, tokenizer: Tokenizer) ->
         module=module, head=module.head, train_size=len(train),
         make_batch=lambda indices, epoch: qa.collate([train[i] for i in indices], tokenizer.pad_id),
         evaluate=lambda m: qa.evaluate(m, dev_questions, dev, tokenizer.pad_id, cfg.max_answer_len, version_2),
-        primary_metric="f1",
+        primary_metric=_primary_metric(cfg, TASK_METRICS["qa"]),
         meta={"version_2": version_2, "windows": {"train": len(train), "dev": len(dev)}},
     )
 
@@ -94,12 +105,12 @@ def build_seq2seq(cfg: FinetuneConfig, backbone: UniLMModel, tokenizer: Tokenize
 
     def evaluate(m: torch.nn.Module) -> dict[str, float]:
         predictions, _ = decode_records(m.backbone, tokenizer, dev_records, decoding, cfg.max_src_len)
-        scores = generation_metrics(predictions, [r["tgt"] for r in dev_records])
+        scores = score_predictions(tokenizer, predictions, [r["tgt"] for r in dev_records])
         return {**scores, "dev_loss": seq2seq.held_out_loss(m.backbone, dev, tokenizer, cfg.mask_prob, cfg.seed,
                                                              cfg.micro_batch_size)}
 
     return TaskSetup(module=module, head=None, train_size=len(train), make_batch=make_batch, evaluate=evaluate,
-                     primary_metric="rougeL",
+                     primary_metric=_primary_metric(cfg, TASK_METRICS["seq2seq"]),
                      meta={"truncated": {"sources": cut.sources, "targets": cut.targets}})
 
 

@@ -57,6 +57,14 @@ class Tokenizer:
         encoding = self.encoder.encode(text)
         return encoding.ids, encoding.offsets
 
+    def words(self, text: str) -> str:
+        """`text` in the model's word form: normalised as the encoder normalises (lower-cased and accents
+        stripped for an uncased vocabulary) and split into words and punctuation, joined by single spaces. A
+        decoded prediction and its reference compare in this form: "$280bn" and the decoder's "$ 280bn" both give
+        "$ 280bn", so a score measures the model, not the detokeniser."""
+        normalised = self.encoder.normalizer.normalize_str(text)
+        return " ".join(piece for piece, _ in self.encoder.pre_tokenizer.pre_tokenize_str(normalised))
+
     def decode(self, ids: list[int]) -> str:
         """Text of `ids`: special tokens dropped, `##` pieces joined to their word."""
         special = set(self.vocab.special_ids.values())

@@ -31,6 +31,7 @@ def test_precedence_yaml_then_flags_then_set(tmp_path) -> None:
     ("lr=-1", "need lr > 0"),
     ("exit_after_minutes=0", "exit_after_minutes must be > 0"),
     ("save_interval=0", "save_interval must be >= 1"),
+    ("metric=rougeL", "metric 'rougeL' is not a classify dev score; choose one of accuracy, macro_f1, mcc"),
 ])
 def test_bad_values_are_refused_by_name(override: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):

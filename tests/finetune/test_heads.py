@@ -152,6 +152,30 @@ def test_qa_windows_targets_and_predictions_round_trip(samples_dir, backbone, to
     assert scores["exact_match"] >= 20.0 and scores["f1"] >= scores["exact_match"], scores
 
 
+def test_positive_class_and_the_metric_that_picks_the_best_epoch():
+    binary, topics = classify.LabelSpace(classes=("0", "1")), classify.LabelSpace(classes=("a", "b", "c"))
+    assert classify.positive_class(binary, None, "t") == 1  # "1" of 0/1
+    assert classify.positive_class(topics, None, "t") is None and classify.positive_class(topics, "c", "t") == 2
+    with pytest.raises(ValueError, match=r"positive_label='yes' is not a class of t: \['0', '1'\]"):
+        classify.positive_class(binary, "yes", "t")
+    with pytest.raises(ValueError, match="has no classes"):
+        classify.positive_class(classify.LabelSpace(regression=True), "1", "t")
+    assert classify.metrics_of(binary, 1) == ("accuracy", "macro_f1", "mcc", "f1")
+    assert classify.metrics_of(classify.LabelSpace(regression=True), None) == ("pearson", "spearman")
+
+
+def test_qa_windows_cover_every_context_token_when_the_stride_exceeds_the_window(samples_dir, tokenizer):
+    """doc_stride larger than the context a window holds (the defaults 128/128 with any question) is capped at
+    that room: no context token falls between two windows."""
+    questions, _ = qa.read_squad(samples_dir / "squad.json")
+    for max_seq_len, doc_stride in ((64, 64), (128, 128), (48, 200)):
+        windows = qa.make_windows(questions, tokenizer, max_seq_len, doc_stride, max_query_len=16)
+        for index, q in enumerate(questions):
+            _, offsets = tokenizer.encode_with_offsets(q.context)
+            covered = {span for w in windows if w.question_index == index for span in w.offsets}
+            assert covered == set(offsets), (max_seq_len, doc_stride, q.qid)
+
+
 def test_qa_answer_not_in_context_and_squad2_no_answer(tmp_path, backbone, tokenizer):
     bad = {"data": [{"paragraphs": [{"context": "Paris is in France.", "qas": [
         {"id": "q1", "question": "Where?", "answers": [{"text": "Berlin", "answer_start": 0}]}]}]}]}

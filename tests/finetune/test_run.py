@@ -25,10 +25,11 @@ def losses(out) -> list[float]:
 
 
 def test_classify_run_exports_the_best_model_and_metrics(small_tasks, tiny_init, tmp_path):
-    summary = run.main(classify_args(small_tasks, tiny_init, tmp_path, "--epochs", "2"))
+    summary = run.main(classify_args(small_tasks, tiny_init, tmp_path, "--epochs", "2", "--set", "metric=mcc"))
     metrics = json.loads((tmp_path / "summary.json").read_text())
-    assert metrics["finished"] and len(metrics["epochs"]) == 2 and metrics["primary_metric"] == "accuracy"
-    assert {"accuracy", "macro_f1", "train_loss"} <= set(metrics["best"])
+    assert metrics["finished"] and len(metrics["epochs"]) == 2 and metrics["primary_metric"] == "mcc"
+    assert {"accuracy", "macro_f1", "mcc", "train_loss"} <= set(metrics["best"]) and "f1" not in metrics["best"]
+    assert metrics["best"]["mcc"] == max(epoch["mcc"] for epoch in metrics["epochs"])
     assert summary["best"] == metrics["best"]
     finetuned = load_finetuned(tmp_path)
     assert finetuned.task == "classify" and finetuned.meta["labels"] == sorted(
