@@ -1,17 +1,21 @@
 """WordPiece vocabularies: validate a BERT ``vocab.txt``, build the ``tokenizers`` encoder, train a new vocab.
 
 ``resolve_vocab_source`` accepts a ``vocab.txt``, a Hugging Face model/tokenizer directory (``vocab.txt`` with
-``tokenizer_config.json``, or ``tokenizer.json``) or a ``tokenizer.json``, and reads the casing it states;
+``tokenizer_config.json``, or ``tokenizer.json`` alone, as transformers 5 saves it), a ``tokenizer.json`` or a
+shard directory, and reads the casing stated beside the vocabulary; ``resolve_casing`` falls back to the
+vocabulary itself (uncased when no word piece changes under lower-casing, as in BERT's uncased vocabularies).
+Shard building and fine-tuning both resolve a vocabulary this way, so they tokenize alike.
 ``write_hf_tokenizer`` writes the files ``transformers.AutoTokenizer`` loads (``vocab.txt``,
 ``tokenizer_config.json``, ``special_tokens_map.json``) so it tokenizes exactly as this encoder does.
 
-The encoder is HF ``tokenizers`` WordPiece with BERT's normaliser and pre-tokeniser. Cased by default (as
-UniLM); ``uncased=True`` lowercases and strips accents (BERT-uncased). Special tokens are deliberately *not*
+The encoder is HF ``tokenizers`` WordPiece with BERT's normaliser and pre-tokeniser. ``uncased=True`` lowercases
+and strips accents (BERT-uncased); a trained vocabulary is cased unless asked (as UniLM). Special tokens are deliberately *not*
 registered as added tokens, so a corpus that contains the literal text ``[SEP]`` or ``[MASK]`` is split into
 ordinary word pieces and can never inject structure into a sample.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -37,6 +41,8 @@ class Vocab:
     tokens: tuple[str, ...]
     sha256: str
     special_ids: dict[str, int]  # pad, unk, cls, sep, mask
+    extracted: bool = False
+    """the tokens come from a tokenizer.json (``path``), not from a vocab.txt file"""
 
     @property
     def size(self) -> int:
@@ -46,34 +52,54 @@ class Vocab:
 def load_vocab(path: Path | str) -> Vocab:
     """Read and validate a BERT ``vocab.txt`` (one token per line, UTF-8, unique, with the five special tokens)."""
     path = Path(path)
-    fix = "pass a BERT-style vocab.txt, or train one with --train-vocab SIZE --vocab-out PATH"
     if not path.is_file():
-        raise VocabError(f"vocab {path}: file not found; {fix}")
+        raise VocabError(f"vocab {path}: file not found; {_FIX}")
     raw = path.read_bytes()
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
         line = raw[: err.start].count(b"\n") + 1
-        raise VocabError(f"vocab {path}: line {line} is not UTF-8; {fix}") from None
+        raise VocabError(f"vocab {path}: line {line} is not UTF-8; {_FIX}") from None
+    return _validated(path, text, hashlib.sha256(raw).hexdigest())
+
+
+def vocab_from_text(text: str, origin: Path | str) -> Vocab:
+    """The vocabulary ``text`` (vocab.txt content, e.g. extracted from ``origin``, a tokenizer.json), validated as
+    ``load_vocab`` validates a file; its sha256 is that of the vocab.txt it would be written as."""
+    vocab = _validated(Path(origin), text, hashlib.sha256(text.encode("utf-8")).hexdigest())
+    return dataclasses.replace(vocab, extracted=True)
+
+
+_FIX = "pass a BERT-style vocab.txt, or train one with --train-vocab SIZE --vocab-out PATH"
+
+
+def _validated(path: Path, text: str, sha256: str) -> Vocab:
     tokens = text.split("\n")
     if tokens and tokens[-1] == "":
         tokens.pop()
     tokens = [t.rstrip("\r") for t in tokens]
     if not tokens:
-        raise VocabError(f"vocab {path}: empty; {fix}")
+        raise VocabError(f"vocab {path}: empty; {_FIX}")
     first_seen: dict[str, int] = {}
     for number, token in enumerate(tokens, 1):
         if not token.strip() or token != token.strip():
-            raise VocabError(f"vocab {path}: line {number} is blank or has surrounding whitespace ({token!r}); {fix}")
+            raise VocabError(f"vocab {path}: line {number} is blank or has surrounding whitespace ({token!r}); {_FIX}")
         if token in first_seen:
             raise VocabError(f"vocab {path}: line {number} repeats {token!r} (first at line {first_seen[token]}); "
-                             f"{fix}")
+                             f"{_FIX}")
         first_seen[token] = number
     missing = [t for t in SPECIAL_TOKENS.values() if t not in first_seen]
     if missing:
-        raise VocabError(f"vocab {path}: missing special token(s) {missing}; {fix}")
+        raise VocabError(f"vocab {path}: missing special token(s) {missing}; {_FIX}")
     special_ids = {name: first_seen[token] - 1 for name, token in SPECIAL_TOKENS.items()}
-    return Vocab(path, tuple(tokens), hashlib.sha256(raw).hexdigest(), special_ids)
+    return Vocab(path, tuple(tokens), sha256, special_ids)
+
+
+def vocab_is_uncased(tokens: Iterable[str]) -> bool:
+    """Whether a vocabulary looks uncased: no word piece (special tokens aside) changes under lower-casing. A
+    character without a lower-case form (ℝ, an upper-case letter that real uncased BERT vocabularies hold) does
+    not make it cased."""
+    return all(token == token.lower() for token in tokens if not (token.startswith("[") and token.endswith("]")))
 
 
 def _normalizer(uncased: bool) -> normalizers.Normalizer:
@@ -84,7 +110,22 @@ def _normalizer(uncased: bool) -> normalizers.Normalizer:
 @functools.lru_cache(maxsize=4)  # one encoder per (file, hash, casing) per process: building it costs ~20 ms
 def load_encoder(path: str, sha256: str, uncased: bool) -> Tokenizer:
     """The WordPiece encoder for a validated vocab (``sha256`` keys the cache so an edited file reloads)."""
-    vocab = {token: i for i, token in enumerate(Path(path).read_text(encoding="utf-8").split("\n")) if token}
+    return _encoder(Path(path).read_text(encoding="utf-8").split("\n"), uncased)
+
+
+_ENCODERS: dict[tuple[str, bool], Tokenizer] = {}
+
+
+def encoder_of(vocab: Vocab, uncased: bool) -> Tokenizer:
+    """The WordPiece encoder of a validated ``vocab`` (from a file or a tokenizer.json), one per (sha256, casing)."""
+    key = (vocab.sha256, uncased)
+    if key not in _ENCODERS:
+        _ENCODERS[key] = _encoder(vocab.tokens, uncased)
+    return _ENCODERS[key]
+
+
+def _encoder(tokens: Iterable[str], uncased: bool) -> Tokenizer:
+    vocab = {token.rstrip("\r"): i for i, token in enumerate(tokens) if token}
     tokenizer = Tokenizer(models.WordPiece(vocab, unk_token=SPECIAL_TOKENS["unk"], max_input_chars_per_word=100))
     tokenizer.normalizer = _normalizer(uncased)
     tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
@@ -127,16 +168,13 @@ class VocabSource:
 
 
 def resolve_vocab_source(path: Path | str) -> VocabSource:
-    """Read ``--vocab``: a vocab.txt, a Hugging Face model/tokenizer directory, or a tokenizer.json."""
+    """Read ``--vocab``: a vocab.txt, a Hugging Face model/tokenizer directory, a tokenizer.json, or a shard
+    directory. The casing is what a file beside the vocabulary states: ``tokenizer_config.json``, else
+    ``tokenizer.json``'s normaliser, else a shard ``manifest.json``'s ``vocab.uncased``; None when none does."""
     path = Path(path)
     if path.is_dir():
-        vocab_txt, config, tokenizer_json = path / "vocab.txt", path / HF_TOKENIZER_CONFIG, path / HF_TOKENIZER_JSON
-        if config.is_file():
-            uncased, casing_from = _config_casing(config), str(config)
-        elif tokenizer_json.is_file():
-            uncased, casing_from = _tokenizer_json(tokenizer_json)[1], str(tokenizer_json)
-        else:
-            uncased, casing_from = None, None
+        vocab_txt, tokenizer_json = path / "vocab.txt", path / HF_TOKENIZER_JSON
+        uncased, casing_from = _stated_casing(path)
         if vocab_txt.is_file():
             return VocabSource(str(path), vocab_txt, None, uncased, casing_from)
         if tokenizer_json.is_file():
@@ -146,13 +184,33 @@ def resolve_vocab_source(path: Path | str) -> VocabSource:
     if path.name.endswith(".json") and path.is_file():
         vocab_text, uncased = _tokenizer_json(path)
         return VocabSource(str(path), None, vocab_text, uncased, str(path))
-    return VocabSource(str(path), path, None, None)
+    return VocabSource(str(path), path, None, *_stated_casing(path.parent))
+
+
+def _stated_casing(directory: Path) -> tuple[bool | None, str | None]:
+    """(uncased, the file that says so) from the tokenizer or shard files in ``directory``; (None, None)."""
+    config, tokenizer_json, manifest = (directory / HF_TOKENIZER_CONFIG, directory / HF_TOKENIZER_JSON,
+                                        directory / "manifest.json")
+    if config.is_file():
+        return _config_casing(config), str(config)
+    if tokenizer_json.is_file():
+        return _tokenizer_json(tokenizer_json)[1], str(tokenizer_json)
+    if manifest.is_file():
+        stated = (_read_json(manifest).get("vocab") or {}).get("uncased")
+        if isinstance(stated, bool):
+            return stated, f"{manifest} (vocab.uncased)"
+    return None, None
 
 
 def resolve_casing(source: VocabSource, uncased_flag: bool | None) -> bool:
-    """The casing to encode with: the source's, the flag's, or cased; a flag that contradicts the source fails."""
+    """The casing to encode with: the source's, else the flag's, else the vocabulary's own
+    (`vocab_is_uncased`); a flag that contradicts what the source states fails."""
     if source.uncased is None:
-        return bool(uncased_flag)
+        if uncased_flag is not None:
+            return uncased_flag
+        vocab = load_vocab(source.vocab_file) if source.vocab_file is not None else \
+            vocab_from_text(source.vocab_text, source.description)
+        return vocab_is_uncased(vocab.tokens)
     if uncased_flag is not None and uncased_flag != source.uncased:
         flag, states = ("--uncased", "keeps case") if uncased_flag else ("--cased", "lowercases")
         raise VocabError(f"{flag} contradicts --vocab {source.description}: {source.casing_from} {states}; "
@@ -167,6 +225,9 @@ def _config_casing(config: Path) -> bool:
     if strip_accents is not None and bool(strip_accents) != uncased:
         raise VocabError(f"{config}: strip_accents {strip_accents} with do_lower_case {uncased} is not supported "
                          "(this encoder strips accents exactly when it lowercases, as BERT does)")
+    if not settings.get("tokenize_chinese_chars", True) or not settings.get("do_basic_tokenize", True):
+        raise VocabError(f"{config}: tokenize_chinese_chars / do_basic_tokenize false is not supported (this encoder "
+                         "splits text as BERT's basic tokenizer does, CJK characters one by one)")
     return uncased
 
 
@@ -205,19 +266,28 @@ def _read_json(path: Path) -> dict:
     return settings
 
 
-def write_hf_tokenizer(vocab_path: Path | str, uncased: bool, out: Path | str) -> None:
+def write_hf_tokenizer(vocab: Vocab | Path | str, uncased: bool, out: Path | str,
+                       model_max_length: int | None = None) -> None:
     """Write ``vocab.txt``, ``tokenizer_config.json`` and ``special_tokens_map.json`` for ``transformers``.
 
     ``BertTokenizer(Fast)`` built from them normalises as ``load_encoder(…, uncased)`` does: lowercasing and
     accent stripping together (``strip_accents`` None follows ``do_lower_case``), Chinese characters split.
+    ``model_max_length`` (the model's position table) is what ``truncation=True`` cuts inputs to.
+    ``vocab``: a vocab.txt path or a validated `Vocab`; a vocabulary from a vocab.txt is copied byte for byte.
     """
-    vocab = load_vocab(vocab_path)
+    if not isinstance(vocab, Vocab):
+        vocab = load_vocab(vocab)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    if vocab.path.resolve() != (out / "vocab.txt").resolve():
-        shutil.copyfile(vocab.path, out / "vocab.txt")
+    target = out / "vocab.txt"
+    if vocab.extracted:
+        target.write_text("".join(f"{token}\n" for token in vocab.tokens), encoding="utf-8")
+    elif vocab.path.resolve() != target.resolve():
+        shutil.copyfile(vocab.path, target)
     special = {f"{name}_token": token for name, token in SPECIAL_TOKENS.items()}
     config = {"tokenizer_class": "BertTokenizer", "do_lower_case": uncased, "strip_accents": None,
               "tokenize_chinese_chars": True, "do_basic_tokenize": True, **special}
+    if model_max_length is not None:
+        config["model_max_length"] = model_max_length
     (out / HF_TOKENIZER_CONFIG).write_text(json.dumps(config, indent=1, sort_keys=True) + "\n")
     (out / HF_SPECIAL_TOKENS_MAP).write_text(json.dumps(special, indent=1, sort_keys=True) + "\n")

@@ -124,7 +124,7 @@ def save_finetuned(out_dir: str | Path, model: UniLMModel, head: torch.nn.Module
         tensors = {SEGMENT_WEIGHT: backbone[SEGMENT_WEIGHT].detach().cpu().contiguous()}
         tensors.update({k: v.detach().cpu().contiguous() for k, v in weights.items() if k.startswith("head.")})
         save_file(tensors, staging / EXTRA_FILE)
-        write_hf_tokenizer(tokenizer.vocab_path, tokenizer.lowercase, staging)
+        write_hf_tokenizer(tokenizer.vocab, tokenizer.lowercase, staging, model.cfg.max_position_embeddings)
         files = sorted(p.name for p in staging.iterdir())
         meta = {"format_version": FORMAT_VERSION, "task": task, "model_config": dataclasses.asdict(model.cfg),
                 **extra_meta, "files": {name: sha256_file(staging / name) for name in files}}

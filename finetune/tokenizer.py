@@ -2,24 +2,22 @@
 
 The vocabulary is validated and encoded exactly as the shard builder does (HF `tokenizers` WordPiece with
 BERT's normaliser and pre-tokeniser), so fine-tuning text is split the way pre-training text was. Casing comes
-from `tokenizer_config.json` (`do_lower_case`) when the directory has one (Hugging Face BERT directories do),
-otherwise from the vocabulary itself: a vocabulary without upper-case word pieces is uncased.
+from `tokenizer_config.json` (`do_lower_case`) or `tokenizer.json` when the directory has one (Hugging Face BERT
+directories do), from a shard directory's manifest, otherwise from the vocabulary itself: a vocabulary none of
+whose word pieces changes under lower-casing is uncased.
 Exports and fine-tuning outputs carry both files (`data_prep.vocab.write_hf_tokenizer`), so `finetune.decode
 --model DIR` and `AutoTokenizer` find them.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import Tokenizer as WordPieceEncoder
 from tokenizers import decoders
 
-from data_prep.vocab import Vocab, load_encoder, load_vocab
+from data_prep.vocab import Vocab, encoder_of, load_vocab, resolve_casing, resolve_vocab_source, vocab_from_text
 
-VOCAB_FILE = "vocab.txt"
-TOKENIZER_CONFIG = "tokenizer_config.json"
 _DECODER = decoders.WordPiece(prefix="##", cleanup=True)
 
 
@@ -71,21 +69,16 @@ class Tokenizer:
         return _DECODER.decode([self.vocab.tokens[i] for i in ids if i not in special])
 
 
-def _vocab_is_uncased(vocab: Vocab) -> bool:
-    return not any(ch.isupper() for token in vocab.tokens if not token.startswith("[") for ch in token)
-
-
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
-    """The tokenizer of a model directory (or of a `vocab.txt` path)."""
+    """The tokenizer of a model directory (its `vocab.txt`, or the `tokenizer.json` transformers 5 saves alone), a
+    shard directory, a `vocab.txt` or a `tokenizer.json`; cased or not as `data_prep.vocab.resolve_casing` decides
+    for shard building (the tokenizer config beside the vocabulary, else the vocabulary's own word pieces)."""
     path = Path(model_dir)
-    vocab_path = path if path.suffix == ".txt" else path / VOCAB_FILE
-    if not vocab_path.is_file():
-        raise FileNotFoundError(f"{path}: no {VOCAB_FILE}; a model directory must carry the vocabulary it was "
-                                "trained with (or pass --vocab)")
-    vocab = load_vocab(vocab_path)
-    config_path = vocab_path.parent / TOKENIZER_CONFIG
-    if config_path.is_file():
-        lowercase = bool(json.loads(config_path.read_text()).get("do_lower_case", True))
-    else:
-        lowercase = _vocab_is_uncased(vocab)
-    return Tokenizer(vocab, load_encoder(str(vocab_path), vocab.sha256, lowercase), lowercase)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such vocab.txt or model directory; a model directory must carry the "
+                                "vocabulary it was trained with (or pass --vocab)")
+    source = resolve_vocab_source(path)
+    lowercase = resolve_casing(source, None)
+    vocab = load_vocab(source.vocab_file) if source.vocab_file is not None else \
+        vocab_from_text(source.vocab_text, path)
+    return Tokenizer(vocab, encoder_of(vocab, lowercase), lowercase)

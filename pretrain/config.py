@@ -102,6 +102,9 @@ class ModelSection:
     init_from: str | None = None
     """A Hugging Face BERT directory to initialise from (UniLM starts from BERT-large): ``config.json`` and its
     weights, in one file or in shards; a fine-tuned BERT's task head is left out. Overrides ``preset``."""
+    check_init_vocab: bool = True
+    """With ``init_from``: refuse shards not tokenized with its vocabulary (``vocab.txt`` or ``tokenizer.json``)
+    and casing, whose ids would not mean what its embeddings learned."""
     overrides: dict[str, Any] = field(default_factory=dict, metadata={"schema": ModelConfig})
     """``ModelConfig`` fields replaced on top of the preset, e.g. ``{hidden_dropout: 0.0}``; with
     ``preset: null`` and no ``init_from``, the complete model config."""

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def write(directory: Path) -> Path:
         written = save_hf_bert(model, directory, architecture=args.architecture)
-        write_hf_tokenizer(vocab, uncased, directory)
+        write_hf_tokenizer(vocab, uncased, directory, model.cfg.max_position_embeddings)
         return written
     print(replace_directory(out, write))
 

@@ -307,6 +307,8 @@ def _train_locked(cfg: RunConfig, rank: int, world_size: int, started: float) ->
     model_cfg = resolve_model_config(cfg)
     check_trainable(dataset, model_cfg, cfg.data.shards)
     check_vocabulary_fits(dataset, model_cfg)
+    if cfg.model.init_from and cfg.model.check_init_vocab:
+        check_init_vocabulary(dataset, cfg.model.init_from, report=print if rank == 0 else lambda _: None)
     identity = dict(shard_identity(dataset), model_config=dataclasses.asdict(model_cfg), seed=cfg.train.seed)
     engine_json = read_engine_json(cfg.deepspeed_config_path)
     resume = ckpt.find_resume_point(cfg.checkpoint_dir, cfg.train.resume, identity, world_size,
@@ -355,6 +357,37 @@ def check_vocabulary_fits(dataset: ShardDataset, model_cfg: ModelConfig) -> None
     if size is not None and int(size) > model_cfg.vocab_size:
         raise ValueError(f"the shards' vocabulary has {size} tokens but model.vocab_size is "
                          f"{model_cfg.vocab_size}; set model.overrides.vocab_size={size}")
+
+
+def check_init_vocabulary(dataset: ShardDataset, init_from: str, report: Any = print) -> None:
+    """The shards of a run that starts from ``model.init_from`` must be tokenized with that model's vocabulary
+    and casing: its embedding row i belongs to the word piece on line i of its vocab.txt, so shards built with
+    another vocabulary (or the same one with the other casing) would train its weights on scrambled ids. A shard
+    vocabulary that extends the model's (its ids first, new pieces after) passes."""
+    from data_prep.vocab import VocabError, load_vocab, resolve_casing, resolve_vocab_source, vocab_from_text
+
+    fix = (f"rebuild the shards with `python -m data_prep.build --vocab {init_from}` (its casing comes with it), "
+           "or set model.check_init_vocab=false to train its weights on these ids anyway")
+    try:
+        source = resolve_vocab_source(init_from)
+        theirs = load_vocab(source.vocab_file) if source.vocab_file is not None else \
+            vocab_from_text(source.vocab_text, init_from)
+        uncased = resolve_casing(source, None)
+    except VocabError as error:
+        report(f"[init] warning: cannot check that the shards use model.init_from's vocabulary ({error})")
+        return
+    ours = load_vocab(Path(dataset.directory) / dataset.manifest["vocab"].get("file", "vocab.txt"))
+    differing = [i for i, token in enumerate(theirs.tokens) if i >= ours.size or ours.tokens[i] != token]
+    if differing:
+        first = differing[0]
+        shard_token = ours.tokens[first] if first < ours.size else "(none)"
+        raise ValueError(f"{dataset.directory} was built with another vocabulary than model.init_from {init_from}: "
+                         f"{len(differing)} of its {theirs.size} ids name other word pieces (id {first}: "
+                         f"{shard_token!r} in the shards, {theirs.tokens[first]!r} in {theirs.path}); {fix}")
+    shard_uncased = dataset.manifest["vocab"].get("uncased")
+    if isinstance(shard_uncased, bool) and shard_uncased != uncased:
+        raise ValueError(f"{dataset.directory} was tokenized {'uncased' if shard_uncased else 'cased'}, but "
+                         f"model.init_from {init_from} is {'uncased' if uncased else 'cased'}; {fix}")
 
 
 def build_training_engine(cfg: RunConfig, model_cfg: ModelConfig, plan: BatchPlan, engine_json: dict[str, Any],
