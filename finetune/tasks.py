@@ -49,7 +49,15 @@ def _primary_metric(cfg: FinetuneConfig, available: tuple[str, ...]) -> str:
     return cfg.metric
 
 
+def _check_positions(backbone: UniLMModel, length: int, setting: str) -> None:
+    """An input of `length` tokens needs as many rows in the model's position table."""
+    if length > backbone.cfg.max_position_embeddings:
+        raise ValueError(f"{setting} = {length} exceeds the model's {backbone.cfg.max_position_embeddings} "
+                         f"positions; lower it to at most {backbone.cfg.max_position_embeddings}")
+
+
 def build_classify(cfg: FinetuneConfig, backbone: UniLMModel, tokenizer: Tokenizer) -> TaskSetup:
+    _check_positions(backbone, cfg.max_seq_len, "max_seq_len")
     train_records, dev_records = read_jsonl(cfg.train), _limit(read_jsonl(cfg.dev), cfg.eval_max_examples)
     labels = classify.LabelSpace.from_records(train_records, cfg.train)
     positive = classify.positive_class(labels, cfg.positive_label, cfg.train)
@@ -70,6 +78,7 @@ def build_classify(cfg: FinetuneConfig, backbone: UniLMModel, tokenizer: Tokeniz
 
 
 def build_qa(cfg: FinetuneConfig, backbone: UniLMModel, tokenizer: Tokenizer) -> TaskSetup:
+    _check_positions(backbone, cfg.max_seq_len, "max_seq_len")
     train_questions, _ = qa.read_squad(cfg.train)
     dev_questions, version_2 = qa.read_squad(cfg.dev)
     dev_questions = _limit(dev_questions, cfg.eval_max_examples)
@@ -89,10 +98,7 @@ def build_seq2seq(cfg: FinetuneConfig, backbone: UniLMModel, tokenizer: Tokenize
     train_records, dev_records = read_jsonl(cfg.train), _limit(read_jsonl(cfg.dev), cfg.eval_max_examples)
     train, cut = seq2seq.encode_examples(train_records, tokenizer, cfg.max_src_len, cfg.max_tgt_len, cfg.train)
     dev, _ = seq2seq.encode_examples(dev_records, tokenizer, cfg.max_src_len, cfg.max_tgt_len, cfg.dev)
-    budget = cfg.max_src_len + cfg.max_tgt_len + 3
-    if budget > backbone.cfg.max_position_embeddings:
-        raise ValueError(f"max_src_len + max_tgt_len + 3 = {budget} exceeds the model's "
-                         f"{backbone.cfg.max_position_embeddings} positions")
+    _check_positions(backbone, cfg.max_src_len + cfg.max_tgt_len + 3, "max_src_len + max_tgt_len + 3")
     module = seq2seq.Seq2SeqModel(backbone, cfg.label_smoothing)
     decoding = DecodeConfig(beam_size=cfg.eval_beam_size, max_tgt_len=cfg.max_tgt_len,
                             length_penalty=cfg.eval_length_penalty, no_repeat_ngram=cfg.eval_no_repeat_ngram)

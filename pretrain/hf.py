@@ -108,6 +108,10 @@ def config_from_hf(config: dict) -> ModelConfig:
     if config.get("type_vocab_size", 2) not in (2, NUM_SEGMENT_TYPES):
         raise ValueError(f"type_vocab_size={config['type_vocab_size']} cannot be mapped to "
                          f"{NUM_SEGMENT_TYPES} segment types (2 or {NUM_SEGMENT_TYPES} can)")
+    if config.get("is_decoder"):
+        logger.warning("the config has is_decoder=true (a left-to-right BertLMHeadModel): its weights load into "
+                       "this model, whose masks come from each sample's objective, not from the config; fine-tune "
+                       "or pre-train it with the left-to-right objective to keep it causal")
     return ModelConfig(
         vocab_size=config["vocab_size"],
         hidden_size=config["hidden_size"],
@@ -198,7 +202,7 @@ def load_hf_bert(path: str | Path, cfg: ModelConfig | None = None) -> UniLMModel
 
     loaded: dict[str, torch.Tensor] = {}
     unknown, task_head = [], []
-    decoder = None
+    decoder = decoder_bias = None
     for hf_name, tensor in _read_state_dict(directory).items():
         if hf_name.startswith(_HF_TASK_HEADS):
             task_head.append(hf_name)
@@ -209,6 +213,7 @@ def load_hf_bert(path: str | Path, cfg: ModelConfig | None = None) -> UniLMModel
             hf_name = "bert." + hf_name
         if hf_name in _HF_REDUNDANT:
             decoder = tensor if hf_name == "cls.predictions.decoder.weight" else decoder
+            decoder_bias = tensor if hf_name == "cls.predictions.decoder.bias" else decoder_bias
             continue
         name = from_hf_name(hf_name)
         if name is None:
@@ -225,6 +230,8 @@ def load_hf_bert(path: str | Path, cfg: ModelConfig | None = None) -> UniLMModel
     if task_head:
         logger.warning(f"{directory}: left out its fine-tuned task head {sorted(task_head)}; the encoder loads")
 
+    if "mlm_head.decoder.bias" not in loaded and decoder_bias is not None:  # the bias stored under the decoder only
+        loaded["mlm_head.decoder.bias"] = decoder_bias
     if decoder is not None and not torch.equal(decoder, loaded.get("embeddings.token.weight", decoder)):
         logger.warning(f"{directory}: its MLM decoder weights differ from its word embeddings (an untied "
                        "checkpoint); our decoder is tied to the word embeddings, so they predict the tokens")

@@ -130,6 +130,14 @@ def test_bad_inputs_get_clear_messages(tiny_init, minilm_dir, tmp_path):
         load_init(tiny_init, vocab=minilm_dir / "vocab.txt")  # 30,522 pieces for a 1,500-row model
 
 
+@pytest.mark.parametrize("task", ["classify", "qa"])
+def test_inputs_longer_than_the_position_table_are_refused_before_training(small_tasks, tiny_init, tmp_path, task):
+    files = {"classify": ("bbc_topic.train", "bbc_topic.dev"), "qa": ("squad", "squad")}[task]
+    with pytest.raises(ValueError, match="max_seq_len = 300 exceeds the model's 256 positions"):
+        run.main(["--task", task, "--train", str(small_tasks[files[0]]), "--dev", str(small_tasks[files[1]]),
+                  "--init", str(tiny_init), "--out", str(tmp_path), "--max-seq-len", "300", *COMMON])
+
+
 def test_qa_run_on_the_squad_sample(small_tasks, tiny_init, tmp_path):
     squad = str(small_tasks["squad"])  # five real questions: a smoke run (train = dev)
     run.main(["--task", "qa", "--train", squad, "--dev", squad, "--init", str(tiny_init), "--out", str(tmp_path),

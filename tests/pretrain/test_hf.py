@@ -203,6 +203,32 @@ def test_a_checkpoint_saved_in_shards_loads_like_one_file(minilm, minilm_dir, tm
         load_hf_bert(bin_dir)
 
 
+def test_an_mlm_bias_stored_under_the_decoder_only_is_loaded(tmp_path, caplog):
+    """transformers reads the MLM output bias from `cls.predictions.decoder.bias` when `cls.predictions.bias` is
+    absent; so does the import (it is not reported as freshly initialised)."""
+    model = build_model(preset("tiny"))
+    with torch.no_grad():
+        model.mlm_head.decoder.bias.normal_()
+    save_hf_bert(model, tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["cls.predictions.decoder.bias"] = tensors.pop("cls.predictions.bias")
+    save_file(tensors, tmp_path / "model.safetensors")
+    with caplog.at_level(logging.WARNING, logger="pretrain.hf"):
+        again = load_hf_bert(tmp_path)
+    torch.testing.assert_close(again.mlm_head.decoder.bias, model.mlm_head.decoder.bias, atol=0, rtol=0)
+    assert "mlm_head" not in caplog.text
+
+
+def test_a_causal_bert_config_is_named_in_a_warning(caplog):
+    config = {"vocab_size": 100, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "intermediate_size": 64}
+    with caplog.at_level(logging.WARNING, logger="pretrain.hf"):
+        config_from_hf(config)
+        assert "is_decoder" not in caplog.text
+        config_from_hf({**config, "is_decoder": True})
+    assert "is_decoder=true" in caplog.text
+
+
 def test_an_untied_decoder_is_named_in_a_warning(tmp_path, caplog):
     model = build_model(preset("tiny"))
     save_hf_bert(model, tmp_path)
