@@ -9,9 +9,9 @@ Shard building and fine-tuning both resolve a vocabulary this way, so they token
 ``tokenizer_config.json``, ``special_tokens_map.json``) so it tokenizes exactly as this encoder does.
 
 The encoder is HF ``tokenizers`` WordPiece with BERT's normaliser and pre-tokeniser. ``uncased=True`` lowercases
-and strips accents (BERT-uncased); a trained vocabulary is cased unless asked (as UniLM). Special tokens are deliberately *not*
-registered as added tokens, so a corpus that contains the literal text ``[SEP]`` or ``[MASK]`` is split into
-ordinary word pieces and can never inject structure into a sample.
+and strips accents (BERT-uncased); a trained vocabulary is cased unless asked (as UniLM). Special tokens are
+deliberately *not* registered as added tokens, so a corpus that contains the literal text ``[SEP]`` or ``[MASK]``
+is split into ordinary word pieces and can never inject structure into a sample.
 """
 from __future__ import annotations
 

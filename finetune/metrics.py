@@ -60,7 +60,8 @@ def matthews_corrcoef(predictions: Sequence, labels: Sequence) -> float:
 def binary_f1(predictions: Sequence, labels: Sequence, positive) -> float:
     """F1 of the class `positive` (0.0 when it is neither predicted nor present)."""
     if len(predictions) != len(labels) or not labels:
-        raise ValueError(f"binary_f1 needs equally long, non-empty sequences (got {len(predictions)} and {len(labels)})")
+        raise ValueError(f"binary_f1 needs equally long, non-empty sequences (got {len(predictions)} and "
+                         f"{len(labels)})")
     true_pos = sum(p == positive and g == positive for p, g in zip(predictions, labels))
     predicted, actual = sum(p == positive for p in predictions), sum(g == positive for g in labels)
     return 2 * true_pos / (predicted + actual) if predicted + actual else 0.0
