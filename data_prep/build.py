@@ -5,7 +5,9 @@ Pipeline: every ``--input`` is split into units (a file, or a shard of a Hugging
 ``--chunk-chars`` characters (a chunk boundary depends only on the input, never on workers). In a worker
 process each chunk is cleaned (Wikipedia markup too), sentence-split, batch-encoded with ``tokenizers``,
 turned into instances (``data_prep.instances``) and masked, with randomness seeded by (seed, unit, document
-index in the unit); it is written as a part file in the shard format. ``finalize`` joins the parts in
+index in the unit); it is written as a part file in the shard format. A chunk that holds a single document
+(a book longer than ``--chunk-chars``, a unit's last document) also carries text of the next chunk of its
+unit (else the previous one), where NSP draws its random next segments. ``finalize`` joins the parts in
 (unit, chunk) order into shards of balanced size (their sample counts differ by at most one) and writes
 ``manifest.json`` last. Hence the output is byte-identical for any ``--workers`` and any ``--num-builders``
 split: builder i of K reads only units i, i+K, …, and ``--finalize`` (run once after all builders)
@@ -13,32 +15,42 @@ assembles the shards. Memory is bounded by a few chunks.
 
 A build is assembled beside ``--out`` (in ``.NAME.partial`` in the same parent directory) and renamed into
 place when complete, so a failed or interrupted build never costs the previous one, even with ``--overwrite``.
+It holds an exclusive ``flock`` on ``.NAME.lock`` beside ``--out`` from its start until the build is in place
+(``OutputLock``): a second build of the same ``--out`` is refused at once, naming the first. Builders of a
+split build (``--num-builders``) share that lock and each holds ``.NAME.builder-I.lock``; ``--finalize`` takes
+it exclusively. Whoever takes the lock exclusively first clears what a killed build left behind.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import dataclasses
 import functools
 import hashlib
+import itertools
 import json
 import multiprocessing
 import os
+import re
 import shutil
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import IO, Iterator, Sequence
 
 import numpy as np
 from tqdm import tqdm
 
+from data_prep import locks
 from data_prep.instances import (RECIPES, Instance, InstanceConfig, MaskingConfig, Uniforms, default_max_predictions,
                                  document_instances, masking_budget, mask_samples, parse_objective_mix)
 from data_prep.shard_format import (INDEX_DTYPE, MANIFEST_NAME, SHARD_GLOB, VOCAB_NAME, Objective,
                                     ShardArrays, ShardError, ShardFile, manifest_dict, read_manifest,
                                     sha256_file, token_dtype, write_json, write_shard)
-from data_prep.sources import (ROWS_PER_DOCUMENT, TEXT_FIELD, UNIT_BYTES, ReadOptions, Skipped, Unit, check_input,
-                               document_text, input_units, read_documents, read_unit)
+from data_prep.sources import (ROWS_PER_DOCUMENT, TEXT_FIELD, UNIT_BYTES, ReadOptions, RepairedText, Skipped, Unit,
+                               Wikitext, check_input, directory_files, document_text, input_units, is_dataset_folder,
+                               read_documents, read_unit)
 from data_prep.text import clean_document, split_sentences
 from data_prep.vocab import (Vocab, VocabError, load_encoder, load_vocab, resolve_casing, resolve_vocab_source,
                              train_vocab)
@@ -46,8 +58,21 @@ from data_prep.vocab import (Vocab, VocabError, load_encoder, load_vocab, resolv
 PARTS_DIR = "parts"
 SKIP_EXAMPLES = 3
 SKIP_WARNING_FRACTION = 0.05
+"""skipped characters (of all read) above which the build warns"""
 EXPECTED_SKIPS = ("wiki_redirect", "wiki_not_an_article")  # a dump's redirects are not documents; no warning
 BUILD_FILES = (MANIFEST_NAME, VOCAB_NAME, PARTS_DIR)  # with shard-*.bin: what --overwrite may replace
+_LEFTOVER = re.compile(r"(shard-\d+\.bin|manifest\.json|vocab\.txt)\.tmp\d+")  # a killed write's temporary file
+ONE_SENTENCE_CHARS = 400
+"""documents skipped as single sentences that average more characters than this are text the sentence
+splitter cannot cut (no sentence ends it knows), not one sentence per row"""
+UNK_WARNING_FRACTION = 0.005
+"""[UNK] share of the word pieces above which the build warns (a vocab of the wrong casing gives ~13 %)"""
+RANDOM_NEXT_WARNING = 0.4
+"""share of NSP pairs with a random next segment (the aim is 1/2) below which the build warns"""
+ENCODE_BATCH = 4096
+"""sentences encoded at once: bounds the memory of one huge document (tokenizers' Encoding objects are large)"""
+DONOR_CHARS = 20_000
+"""at least this many characters of the neighbouring chunk go with a single-document chunk (NSP random B)"""
 
 
 @dataclass(frozen=True)
@@ -78,6 +103,8 @@ class BuildConfig:
     def __post_init__(self) -> None:
         if not self.inputs:
             raise ValueError("no --input given")
+        if self.seed < 0:
+            raise ValueError(f"--seed {self.seed} must be 0 or more (it seeds numpy's random generators)")
         strays = [s for s in self.sentence_inputs if s not in self.inputs]
         if strays:
             raise ValueError(f"--rows-as-sentences {' '.join(strays)}: not among the --input sources; name inputs "
@@ -114,27 +141,50 @@ class BuildConfig:
 
 @dataclass
 class DocumentStats:
-    """Per-build document accounting: nothing is dropped without a counted reason."""
+    """Per-build accounting of documents and their text: nothing is dropped without a counted reason, and the
+    characters of what is dropped are counted too, so one dropped book weighs as much as it is long."""
 
     read: int = 0
     skipped: int = 0
     skip_reasons: dict[str, int] = field(default_factory=dict)
     skip_examples: dict[str, list[str]] = field(default_factory=dict)
+    characters: int = 0
+    """characters of every record read (raw: Wikipedia markup counts; bytes for an undecodable line)"""
+    skip_characters: dict[str, int] = field(default_factory=dict)
+    repaired_lines: int = 0
+    """lines of .txt inputs with bytes that are not UTF-8 (replaced by U+FFFD, which the tokenizer drops)"""
+    repair_examples: list[str] = field(default_factory=list)
+    wordpieces: int = 0
+    """word pieces the kept documents encode to, and how many of them are [UNK]"""
+    unk_wordpieces: int = 0
 
-    def skip(self, reason: str, where: str) -> None:
+    def skip(self, reason: str, where: str, characters: int = 0) -> None:
         self.skipped += 1
         self.skip_reasons[reason] = self.skip_reasons.get(reason, 0) + 1
+        self.skip_characters[reason] = self.skip_characters.get(reason, 0) + characters
         examples = self.skip_examples.setdefault(reason, [])
         if len(examples) < SKIP_EXAMPLES:
             examples.append(where)
 
+    def repaired(self, lines: int, where: str) -> None:
+        self.repaired_lines += lines
+        if len(self.repair_examples) < SKIP_EXAMPLES:
+            self.repair_examples.append(where)
+
     def add(self, other: "DocumentStats") -> None:
         self.read += other.read
+        self.characters += other.characters
+        self.wordpieces += other.wordpieces
+        self.unk_wordpieces += other.unk_wordpieces
         for reason, count in sorted(other.skip_reasons.items()):
             self.skipped += count
             self.skip_reasons[reason] = self.skip_reasons.get(reason, 0) + count
+            self.skip_characters[reason] = (self.skip_characters.get(reason, 0)
+                                            + other.skip_characters.get(reason, 0))
             examples = self.skip_examples.setdefault(reason, [])
             examples.extend(other.skip_examples.get(reason, [])[: SKIP_EXAMPLES - len(examples)])
+        self.repaired_lines += other.repaired_lines
+        self.repair_examples.extend(other.repair_examples[: SKIP_EXAMPLES - len(self.repair_examples)])
 
 
 @dataclass(frozen=True)
@@ -145,11 +195,41 @@ class Chunk:
     index: int
     first_document: int
     records: list[tuple[str | Skipped, str]]  # (document or skip, where)
+    donor: tuple[str, ...] = ()
+    """for a chunk of one document: text of the neighbouring chunk, where NSP draws random next segments"""
 
 
 def iter_chunks(unit_index: int, unit: Unit, options: ReadOptions, chunk_chars: int) -> Iterator[Chunk]:
     """Stream one unit as chunks of about ``chunk_chars`` characters (raw; Wikipedia markup counts) and at least
-    one chunk; only the input decides boundaries."""
+    one chunk; only the input decides boundaries. A chunk of a single document gets text of the next chunk of
+    the unit, else of the previous one, as its ``donor`` (so one chunk is read ahead)."""
+    chunks = _read_chunks(unit_index, unit, options, chunk_chars)
+    previous, current = None, next(chunks)
+    for following in itertools.chain(chunks, [None]):
+        neighbour = following if following is not None else previous
+        texts = [r for r, _ in current.records if isinstance(r, str) and r.strip()]
+        if neighbour is not None and len(texts) == 1:
+            current = dataclasses.replace(current, donor=_donor(neighbour, max(len(texts[0]) // 4, DONOR_CHARS)))
+        yield current
+        previous, current = current, following
+
+
+def _donor(neighbour: Chunk, budget: int) -> tuple[str, ...]:
+    """Up to ``budget`` characters of the documents of ``neighbour``, whole, or the middle of a longer one."""
+    texts: list[str] = []
+    for record, _ in neighbour.records:
+        if budget <= 0:
+            break
+        if isinstance(record, str) and record.strip():
+            if len(record) > budget:
+                start = (len(record) - budget) // 2
+                record = (Wikitext if isinstance(record, Wikitext) else str)(record[start:start + budget])
+            texts.append(record)
+            budget -= len(record)
+    return tuple(texts)
+
+
+def _read_chunks(unit_index: int, unit: Unit, options: ReadOptions, chunk_chars: int) -> Iterator[Chunk]:
     records: list[tuple[str | Skipped, str]] = []
     chars, index, first = 0, 0, 0
     for number, record in enumerate(read_unit(unit, options)):
@@ -163,8 +243,35 @@ def iter_chunks(unit_index: int, unit: Unit, options: ReadOptions, chunk_chars: 
 
 
 def build_units(cfg: BuildConfig) -> list[tuple[Unit, ReadOptions]]:
-    """Every unit of every input, in input order, with the way its records become documents."""
-    return [(unit, cfg.read_options(spec)) for spec in cfg.inputs for unit in input_units(spec, cfg.unit_bytes)]
+    """Every unit of every input, in input order, with the way its records become documents. A file reached
+    twice (given twice, or also through its directory) is read once, where it comes first; that, and the files
+    of a directory input that are not read, are warned about on stderr."""
+    units: list[tuple[Unit, ReadOptions]] = []
+    first_spec: dict[tuple, str] = {}
+    for spec in cfg.inputs:
+        if Path(spec).is_dir() and not is_dataset_folder(Path(spec)):
+            _, others = directory_files(Path(spec))
+            if others:
+                names = ", ".join(str(p.relative_to(spec)) for p in others[:5]) + (", …" if len(others) > 5 else "")
+                print(f"[build] warning: --input {spec}: {len(others)} file(s) of other types are not read: {names} "
+                      "(read here: .xml[.bz2], .jsonl, .json, .parquet, .txt; convert a file to one of them to "
+                      "include it)", file=sys.stderr)
+        twice: list[Unit] = []
+        earlier: set[str] = set()
+        for unit in input_units(spec, cfg.unit_bytes):
+            path = Path(unit.spec)
+            key = (os.path.realpath(path) if path.is_file() else unit.spec, unit.shard, unit.start, unit.stop)
+            if key in first_spec:
+                twice.append(unit)
+                earlier.add(first_spec[key])
+                continue
+            first_spec[key] = spec
+            units.append((unit, cfg.read_options(spec)))
+        if twice:
+            names = ", ".join(str(u) for u in twice[:5]) + (", …" if len(twice) > 5 else "")
+            print(f"[build] warning: --input {spec}: {len(twice)} unit(s) come also from --input "
+                  f"{' '.join(sorted(earlier))} and are read once, from there: {names}", file=sys.stderr)
+    return units
 
 
 class _OtherDocuments:
@@ -189,43 +296,63 @@ def _cached_vocab(path: str, sha256: str) -> tuple[Vocab, np.ndarray]:
     return vocab, np.setdiff1d(np.arange(vocab.size), np.array(sorted(vocab.special_ids.values())))
 
 
+def _encode(tokenizer, sentences: list[str]) -> list[list[int]]:
+    """Token ids per sentence, encoded ``ENCODE_BATCH`` sentences at a time so that tokenizers' per-sentence
+    ``Encoding`` objects (tokens, offsets, masks: ~50 bytes a token) never exist for a whole huge document."""
+    # encode_batch_fast: same ids as encode_batch without tracking character offsets, ~15% less work
+    return [e.ids for start in range(0, len(sentences), ENCODE_BATCH)
+            for e in tokenizer.encode_batch_fast(sentences[start:start + ENCODE_BATCH], add_special_tokens=False)]
+
+
 def process_chunk(cfg: BuildConfig, chunk: Chunk, out_path: Path) -> tuple[DocumentStats, int]:
     """Chunk → part file in shard format. Returns its document stats and sample count."""
     stats = DocumentStats(read=len(chunk.records))
     vocab, random_ids = _cached_vocab(cfg.vocab_path, cfg.vocab_sha256)
     tokenizer = load_encoder(cfg.vocab_path, vocab.sha256, cfg.uncased)
-    kept: list[tuple[int, str, list[str]]] = []  # (document index, where, sentences)
+    kept: list[tuple[int, str, list[str], int]] = []  # (document index, where, sentences, characters)
     for offset, (record, where) in enumerate(chunk.records):
         if isinstance(record, Skipped):
-            stats.skip(record.reason, where)
+            stats.characters += record.chars
+            stats.skip(record.reason, where, record.chars)
             continue
+        stats.characters += len(record)
+        if isinstance(record, RepairedText):
+            stats.repaired(record.lines, record.where)
         text = clean_document(document_text(record))  # Wikipedia clean-up happens here, in the worker
         if not text:
-            stats.skip("empty", where)
+            stats.skip("empty", where, len(record))
             continue
         sentences = split_sentences(text)
         if len(sentences) < cfg.instances.min_sentences:
-            stats.skip("too_few_sentences", where)
+            stats.skip("too_few_sentences", where, len(record))
             continue
-        kept.append((chunk.first_document + offset, where, sentences))
+        kept.append((chunk.first_document + offset, where, sentences, len(record)))
 
-    # encode_batch_fast: same ids as encode_batch without tracking character offsets, ~15% less work
-    encodings = tokenizer.encode_batch_fast([s for _, _, sentences in kept for s in sentences],
-                                            add_special_tokens=False)
+    encoded = _encode(tokenizer, [s for _, _, sentences, _ in kept for s in sentences])
+    unk = vocab.special_ids["unk"]
+    stats.wordpieces += sum(map(len, encoded))
+    stats.unk_wordpieces += sum(ids.count(unk) for ids in encoded)
     kept_documents: list[list[list[int]]] = []
     kept_indices: list[int] = []
     cursor = 0
-    for doc_index, where, sentences in kept:
-        ids = [e.ids for e in encodings[cursor:cursor + len(sentences)]]
+    for doc_index, where, sentences, characters in kept:
+        ids = [s for s in encoded[cursor:cursor + len(sentences)] if s]  # a sentence of only dropped characters
         cursor += len(sentences)
-        ids = [s for s in ids if s]  # a sentence of only characters the normaliser drops
         if len(ids) < cfg.instances.min_sentences:
-            stats.skip("too_few_sentences", where)
+            stats.skip("too_few_sentences", where, characters)
         else:
             kept_documents.append(ids)
             kept_indices.append(doc_index)
+    del encoded
 
-    per_document = [document_instances(ids, _OtherDocuments(kept_documents, own), cfg.instances,
+    donors: list[list[list[int]]] = []  # a lone document's random next segments come from the neighbour chunk
+    if len(kept_documents) == 1 and cfg.instances.mix.get(Objective.BIDIRECTIONAL, 0) > 0:
+        for text in chunk.donor:
+            sentences = split_sentences(clean_document(document_text(text)))
+            if ids := [s for s in _encode(tokenizer, sentences) if s]:
+                donors.append(ids)
+    per_document = [document_instances(ids, _OtherDocuments(kept_documents, own) if len(kept_documents) > 1
+                                       else donors, cfg.instances,
                                        Uniforms(np.random.default_rng([cfg.seed, chunk.unit, doc_index, 0])))
                     for own, (doc_index, ids) in enumerate(zip(kept_indices, kept_documents))]
     arrays = _pack(cfg, vocab, random_ids, chunk.unit, kept_indices, per_document)
@@ -297,6 +424,124 @@ def staging_dir(out: Path) -> Path:
     return out.parent / f".{out.name}.partial"
 
 
+def lock_path(out: Path, builder_index: int | None = None) -> Path:
+    """``.NAME.lock`` beside ``out`` (``.NAME.builder-I.lock``: builder I of a split build)."""
+    out = out.absolute()
+    return out.parent / (f".{out.name}.lock" if builder_index is None else f".{out.name}.builder-{builder_index}.lock")
+
+
+class OutputLock:
+    """The ``flock`` (``data_prep.locks``) a build holds on ``.NAME.lock`` beside ``--out`` while it works on
+    ``.NAME.partial`` and ``NAME``: exclusive for a single build and for ``--finalize``; shared by the builders of a
+    split build, each of which also holds ``.NAME.builder-I.lock`` exclusively (so builder I cannot run twice at
+    once). (``pretrain.checkpoint.RunLock`` locks a training run's directory the same way.)"""
+
+    def __init__(self, out: Path, exclusive: bool, handles: list[IO[str]], stale: dict | None):
+        self.out, self.exclusive, self.handles = out.absolute(), exclusive, handles
+        self.stale = stale
+        """the record a killed holder left, or None"""
+
+    @classmethod
+    def acquire(cls, out: Path, builder_index: int = 0, num_builders: int = 1,
+                exclusive: bool | None = None) -> "OutputLock":
+        """Take the lock of ``out`` (exclusive unless a split build's builder) or raise ``ShardError`` naming
+        the build that holds it."""
+        exclusive = num_builders == 1 if exclusive is None else exclusive
+        handles = [locks.open_lock(lock_path(out))]
+        try:
+            if not _try_lock(handles[0], lock_path(out), shared=not exclusive):
+                raise ShardError(f"--out {out}: another build of it is running ({_holders(out, handles[0])}); "
+                                 "wait for it to end or stop it, or choose another --out")
+            if not exclusive:
+                handles.append(locks.open_lock(lock_path(out, builder_index)))
+                if not _try_lock(handles[1], lock_path(out, builder_index)):
+                    raise ShardError(f"--out {out}: builder {builder_index} of it is already running "
+                                     f"({locks.holder_text(locks.read_holder(handles[1]), held=True)}); wait for it "
+                                     "to end or stop it")
+        except BaseException:
+            for handle in handles:
+                handle.close()
+            raise
+        stale = locks.record_holder(handles[-1])
+        return cls(out, exclusive, handles, stale or None)
+
+    def release(self) -> None:
+        """Empty the record (a clean end) and drop the lock."""
+        for handle in reversed(self.handles):
+            locks.release(handle)
+
+
+def _try_lock(handle: IO[str], path: Path, shared: bool = False) -> bool:
+    """Whether the lock was taken (False: another process holds it); a filesystem without locks is an error."""
+    try:
+        return locks.try_lock(handle, shared)
+    except OSError as err:
+        if locks.cannot_lock(err):
+            raise ShardError(f"{path}: cannot lock it ({err}), and without the lock two builds of one --out could "
+                             f"mix their files; put --out on {locks.NO_LOCKS_HINT}") from None
+        raise
+
+
+def _holders(out: Path, main: IO[str]) -> str:
+    """Who holds the lock of ``out``: the running builders of a split build, else the exclusive holder."""
+    builders = []
+    for path in sorted(lock_path(out).parent.glob(f".{out.absolute().name}.builder-*.lock")):
+        with locks.open_lock(path) as handle:
+            try:
+                if not locks.try_lock(handle, shared=True):  # taken only where no builder holds it
+                    builders.append(locks.holder_text(locks.read_holder(handle), held=True))
+            except OSError:
+                continue
+    if builders:
+        return f"builders of a split build: {'; '.join(builders)}"
+    return locks.holder_text(locks.read_holder(main), held=True)
+
+
+@contextlib.contextmanager
+def claim_output(out: Path, builder_index: int = 0, num_builders: int = 1,
+                 exclusive: bool | None = None) -> Iterator[OutputLock]:
+    """Hold the lock of ``out`` (``OutputLock``) for the ``with`` block. An exclusive holder first removes what a
+    killed build left: ``.NAME.previous-PID`` (moved back to ``NAME`` if the kill fell between the two renames of
+    ``install_build``, when ``NAME`` is missing) and temporary files in ``.NAME.partial``."""
+    lock = OutputLock.acquire(out, builder_index, num_builders, exclusive)
+    try:
+        if lock.stale:
+            print(f"[build] --out {out}: the previous build ({locks.holder_text(lock.stale)}) ended without finishing "
+                  f"(killed or crashed){'; clearing what it left' if lock.exclusive else ''}", file=sys.stderr)
+        if lock.exclusive:
+            _clear_leftovers(out)
+        yield lock
+    finally:
+        lock.release()
+
+
+def _clear_leftovers(out: Path) -> None:
+    out = out.absolute()
+    for previous in sorted(out.parent.glob(f".{out.name}.previous-*")):
+        if not out.exists():
+            os.rename(previous, out)
+            print(f"[build] {out}: restored the previous build from {previous.name} (a build was killed while "
+                  "putting its output in place)", file=sys.stderr)
+        else:
+            shutil.rmtree(previous)
+    staging = staging_dir(out)
+    if staging.is_dir():
+        for leftover in staging.iterdir():
+            if _LEFTOVER.fullmatch(leftover.name):
+                leftover.unlink()
+
+
+def _holding(out: Path, lock: OutputLock | None, builder_index: int, num_builders: int,
+             exclusive: bool | None = None) -> contextlib.AbstractContextManager:
+    """The caller's lock (checked to be of ``out``), or a new one held for the ``with`` block."""
+    if lock is None:
+        return claim_output(out, builder_index, num_builders, exclusive)
+    if lock.out != out.absolute() or (exclusive and not lock.exclusive):
+        raise ValueError(f"{out}: the lock passed is {'exclusive' if lock.exclusive else 'shared'} on {lock.out}; "
+                         f"this needs {'an exclusive' if exclusive else 'a'} lock on {out.absolute()}")
+    return contextlib.nullcontext(lock)
+
+
 def _part_path(staging: Path, unit: int, chunk_index: int) -> Path:
     return staging / PARTS_DIR / f"unit-{unit:06d}-chunk-{chunk_index:07d}.bin"
 
@@ -315,7 +560,8 @@ def check_output(out: Path, vocab: Vocab, overwrite: bool) -> None:
         return
     if not out.is_dir():
         raise ShardError(f"--out {out} is a file, not a directory")
-    foreign = sorted(p.name for p in out.iterdir() if p.name not in BUILD_FILES and not p.match(SHARD_GLOB))
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in BUILD_FILES and not p.match(SHARD_GLOB)
+                     and not _LEFTOVER.fullmatch(p.name))
     if foreign:
         raise ShardError(f"--out {out} holds files that are not part of a shard build ({', '.join(foreign[:5])}); "
                          "choose a new or empty --out directory (a build replaces the whole directory)")
@@ -336,16 +582,19 @@ def check_output(out: Path, vocab: Vocab, overwrite: bool) -> None:
 
 
 def prepare_staging(staging: Path, cfg: BuildConfig, num_builders: int) -> None:
-    """Empty the staging directory of parts from other settings; with several builders, parts of this very
-    build stay (another builder wrote them)."""
+    """Empty the staging directory of everything but the vocab; with several builders, parts of this very
+    build stay (another builder wrote them) and only what ``finalize`` writes goes."""
     parts = staging / PARTS_DIR
     if parts.is_dir():
         ours = all(json.loads(b.read_text())["fingerprint"] == cfg.fingerprint
                    for b in parts.glob("builder-*.json"))
         if num_builders == 1 or not ours:
             shutil.rmtree(parts)
-    for stale in [staging / MANIFEST_NAME, *staging.glob(SHARD_GLOB)]:
-        stale.unlink(missing_ok=True)
+    if staging.is_dir():
+        for stale in staging.iterdir():
+            if num_builders == 1 and stale.name not in (VOCAB_NAME, PARTS_DIR) or stale.name == MANIFEST_NAME \
+                    or stale.match(SHARD_GLOB):
+                shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
     parts.mkdir(parents=True, exist_ok=True)
 
 
@@ -361,10 +610,17 @@ def install_build(staging: Path, out: Path) -> None:
 
 
 def run_builder(cfg: BuildConfig, out: Path, workers: int = 1, builder_index: int = 0, num_builders: int = 1,
-                overwrite: bool = False, progress: bool = True) -> DocumentStats:
-    """Process this builder's units (unit % num_builders == builder_index) into part files beside ``out``."""
+                overwrite: bool = False, progress: bool = True, lock: OutputLock | None = None) -> DocumentStats:
+    """Process this builder's units (unit % num_builders == builder_index) into part files beside ``out``,
+    holding ``lock`` (taken here when None: exclusive for one builder, shared for a split build's)."""
     if not 0 <= builder_index < num_builders:
         raise ValueError(f"--builder-index {builder_index} must be in [0, --num-builders {num_builders})")
+    with _holding(out, lock, builder_index, num_builders):
+        return _run_builder(cfg, out, workers, builder_index, num_builders, overwrite, progress)
+
+
+def _run_builder(cfg: BuildConfig, out: Path, workers: int, builder_index: int, num_builders: int,
+                 overwrite: bool, progress: bool) -> DocumentStats:
     vocab = load_vocab(cfg.vocab_path)
     check_output(out, vocab, overwrite)
     units = build_units(cfg)  # opens every input: a mistyped one fails here, before any work
@@ -418,12 +674,18 @@ def run_builder(cfg: BuildConfig, out: Path, workers: int = 1, builder_index: in
     return stats
 
 
-def finalize(out: Path) -> dict:
-    """Join all builders' parts into balanced shards, write the manifest, then put the build in place of ``out``.
-
-    Returns the manifest.
+def finalize(out: Path, lock: OutputLock | None = None) -> dict:
+    """Join all builders' parts into balanced shards, write the manifest, then put the build in place of ``out``,
+    holding ``lock`` (an exclusive one; taken here when None). Returns the manifest.
     """
+    with _holding(out, lock, 0, 1, exclusive=True):
+        return _finalize(out)
+
+
+def _finalize(out: Path) -> dict:
     staging = staging_dir(out)
+    for stale in [*staging.glob(SHARD_GLOB), staging / MANIFEST_NAME]:  # of a finalize that was killed
+        stale.unlink(missing_ok=True)
     builders = sorted((staging / PARTS_DIR).glob("builder-*-of-*.json"))
     if not builders:
         raise ShardError(f"--finalize {out}: no builder results in {staging / PARTS_DIR}; run the builders first")
@@ -459,7 +721,7 @@ def finalize(out: Path) -> dict:
         examples = "; ".join(f"{reason}: {where[0]}" for reason, where in sorted(stats.skip_examples.items()) if where)
         raise ShardError(f"no samples from {list(cfg.inputs)}: {stats.read} documents read, "
                          f"{stats.skipped} skipped {stats.skip_reasons} (e.g. {examples}); check the inputs"
-                         + _rows_hint(stats.skip_reasons, stats.read, set(cfg.sentence_inputs) == set(cfg.inputs)))
+                         + _one_sentence_hint(asdict(stats), set(cfg.sentence_inputs) == set(cfg.inputs)))
     num_shards = -(-total // cfg.samples_per_shard)
     shard_entries, objective_counts, random_next = [], collections.Counter(), collections.Counter()
     num_tokens = 0
@@ -499,7 +761,10 @@ def finalize(out: Path) -> dict:
         objective_counts={o.key: objective_counts.get(int(o), 0) for o in Objective},
         nsp_counts={"random_next": random_next.get(1, 0), "true_next": random_next.get(0, 0)},
         documents={"read": stats.read, "skipped": stats.skipped, "skip_reasons": dict(sorted(stats.skip_reasons.items())),
-                   "skip_examples": dict(sorted(stats.skip_examples.items()))},
+                   "skip_examples": dict(sorted(stats.skip_examples.items())), "characters": stats.characters,
+                   "skip_characters": dict(sorted(stats.skip_characters.items())),
+                   "repaired_lines": stats.repaired_lines, "repair_examples": stats.repair_examples},
+        wordpieces={"total": stats.wordpieces, "unk": stats.unk_wordpieces},
         shards=shard_entries,
     )
     write_json(staging / MANIFEST_NAME, manifest)
@@ -509,35 +774,80 @@ def finalize(out: Path) -> dict:
     return manifest
 
 
-def _rows_hint(skip_reasons: dict[str, int], read: int, every_input_is_rows: bool) -> str:
-    """Advice when most documents are single sentences: the input is probably one sentence per row."""
-    single = skip_reasons.get("too_few_sentences", 0)
-    if not read or single <= read / 2 or every_input_is_rows:
+def _one_sentence_hint(documents: dict, every_input_is_rows: bool) -> str:
+    """Advice when most documents are single sentences, by their size: short ones are probably one sentence
+    per row; long ones are text in which the sentence splitter finds no sentence end."""
+    single = documents["skip_reasons"].get("too_few_sentences", 0)
+    read = documents["read"]
+    if not read or single <= read / 2:
+        return ""
+    characters = documents.get("skip_characters", {}).get("too_few_sentences", 0)
+    if characters > ONE_SENTENCE_CHARS * single:
+        return (f"; {single} of {read} documents are single sentences of {characters // single} characters on "
+                "average: the sentence splitter found no sentence end in them (it ends sentences at . ! ? "
+                "followed by a space and a capital letter or digit, and at 。！？); for lowercased text or a "
+                "script without these, give one sentence per line with --rows-as-sentences, or use --recipe gpt, "
+                "which needs no sentences")
+    if every_input_is_rows:
         return ""
     return (f"; {single} of {read} documents are single sentences: if the input has one sentence per row "
             "(as BookCorpus on the Hugging Face hub), pass --rows-as-sentences")
 
 
 def skip_warning(manifest: dict) -> str | None:
-    """A warning when more than 5% of the documents were skipped, naming the reasons (None otherwise).
-
-    Wikipedia redirects and non-article pages do not count: a dump is full of them by design."""
+    """A warning when more than 5% of the text read was skipped (by characters, so one dropped book counts as
+    much as it is long; by documents for manifests without character counts), naming the reasons (None
+    otherwise). Wikipedia redirects and non-article pages do not count: a dump is full of them by design."""
     docs = manifest["documents"]
     expected = sum(docs["skip_reasons"].get(r, 0) for r in EXPECTED_SKIPS)
     skipped, read = docs["skipped"] - expected, docs["read"] - expected
-    if skipped <= SKIP_WARNING_FRACTION * read:
+    if "characters" in docs:
+        skipped_chars = sum(c for r, c in docs["skip_characters"].items() if r not in EXPECTED_SKIPS)
+        read_chars = docs["characters"] - sum(docs["skip_characters"].get(r, 0) for r in EXPECTED_SKIPS)
+        if skipped_chars <= SKIP_WARNING_FRACTION * read_chars:
+            return None
+        share = f"{skipped_chars / read_chars:.0%} of the characters read"
+    elif skipped <= SKIP_WARNING_FRACTION * read:
         return None
+    else:
+        share = f"{skipped / read:.0%}"
     rows = set(manifest.get("reading", {}).get("rows_as_sentences", []))
     examples = "; ".join(f"{reason}: {where[0]}" for reason, where in sorted(docs.get("skip_examples", {}).items())
                          if where)
-    return (f"[build] warning: {skipped} of {read} documents ({skipped / read:.0%}) were skipped: {docs['skip_reasons']} (e.g. {examples}; more in manifest.json documents.skip_examples)"
-            + _rows_hint(docs["skip_reasons"], docs["read"], rows == set(manifest["inputs"])))
+    return (f"[build] warning: {skipped} of {read} documents ({share}) were skipped: {docs['skip_reasons']} (e.g. {examples}; more in manifest.json documents.skip_examples)"
+            + _one_sentence_hint(docs, rows == set(manifest["inputs"])))
+
+
+def random_next_warning(manifest: dict) -> str | None:
+    """A warning when NSP pairs have a random next segment far less often than half the time (None otherwise)."""
+    counts = manifest.get("nsp_counts", {})
+    pairs = counts.get("random_next", 0) + counts.get("true_next", 0)
+    if pairs < 100 or counts["random_next"] >= RANDOM_NEXT_WARNING * pairs:
+        return None
+    return (f"[build] warning: only {counts['random_next'] / pairs:.1%} of the {pairs} NSP pairs have a random next "
+            "segment (the aim is 50 %): a pair draws one from another document of its chunk or the neighbouring "
+            "chunk, else from its own document away from A, and these inputs offer neither (documents of a few "
+            "sentences, each alone in its file?)")
+
+
+def unk_warning(manifest: dict, vocab_name: str) -> str | None:
+    """A warning when more than 0.5 % of the word pieces are [UNK], naming the vocab and its casing."""
+    pieces = manifest.get("wordpieces", {})
+    if not pieces.get("total") or pieces["unk"] <= UNK_WARNING_FRACTION * pieces["total"]:
+        return None
+    uncased = manifest["vocab"]["uncased"]
+    return (f"[build] warning: {pieces['unk'] / pieces['total']:.1%} of the word pieces are [UNK]: vocab "
+            f"{vocab_name} ({'uncased' if uncased else 'cased'}) does not cover this text. A vocab read with the "
+            f"wrong casing does this: pass {'--cased' if uncased else '--uncased'} if the vocab is "
+            f"{'cased' if uncased else 'uncased'}; else use a vocab made for this text (--train-vocab SIZE "
+            "--vocab-out PATH)")
 
 
 def build(cfg: BuildConfig, out: Path, workers: int = 1, overwrite: bool = False, progress: bool = True) -> dict:
-    """Single-machine build: one builder, then finalize. Returns the manifest."""
-    run_builder(cfg, out, workers=workers, overwrite=overwrite, progress=progress)
-    return finalize(out)
+    """Single-machine build: one builder, then finalize, under one exclusive lock. Returns the manifest."""
+    with claim_output(out) as lock:
+        run_builder(cfg, out, workers=workers, overwrite=overwrite, progress=progress, lock=lock)
+        return finalize(out, lock)
 
 
 def training_documents(inputs: Sequence[str], cfg: BuildConfig | None = None) -> Iterator[str]:
@@ -567,8 +877,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                               "tokenizer.json (WordPiece); casing is read from its tokenizer config")
     casing = p.add_mutually_exclusive_group()
     casing.add_argument("--uncased", action="store_const", const=True, dest="uncased",
-                        help="lowercase and strip accents (default: what --vocab's tokenizer config says; a bare "
-                             "vocab.txt is cased)")
+                        help="lowercase and strip accents (default: what --vocab's tokenizer config says, else the "
+                             "vocab's own word pieces: uncased when none changes under lower-casing)")
     casing.add_argument("--cased", action="store_const", const=False, dest="uncased",
                         help="keep case; refused if --vocab's tokenizer config lowercases")
     p.add_argument("--train-vocab", type=int, metavar="SIZE", help="train a WordPiece vocab of SIZE on the inputs")
@@ -629,20 +939,32 @@ def main(argv: list[str] | None = None) -> None:
         if args.finalize:
             if args.out is None:
                 raise ValueError("--finalize needs --out DIR")
-            _report(finalize(args.out), args.out)
+            _report(finalize(args.out), args.out, str(args.out / VOCAB_NAME))
             return
         if not args.input:
             raise ValueError("give at least one --input")
         for spec in args.input:
             check_input(spec)
+        if not 0 <= args.builder_index < args.num_builders:
+            raise ValueError(f"--builder-index {args.builder_index} must be in [0, --num-builders {args.num_builders})")
         sentence_inputs = tuple(args.input if args.rows_as_sentences == [] else args.rows_as_sentences or ())
-        # the reading settings, checked before any work (--train-vocab reads the inputs with them too)
-        reading = BuildConfig(inputs=tuple(args.input), vocab_path="", vocab_sha256="", text_field=args.text_field,
-                              sentence_inputs=sentence_inputs, rows_per_document=args.rows_per_document)
+        max_predictions = default_max_predictions(args.max_seq_len) if args.max_predictions is None \
+            else args.max_predictions
+        # every setting is checked before any work (--train-vocab reads the inputs with the reading settings)
+        settings = BuildConfig(
+            inputs=tuple(args.input), vocab_path="", vocab_sha256="",
+            instances=InstanceConfig(recipe=args.recipe, max_seq_len=args.max_seq_len,
+                                     short_seq_prob=args.short_seq_prob,
+                                     objective_mix=parse_objective_mix(args.objective_mix)),
+            masking=MaskingConfig(mask_prob=args.mask_prob, max_predictions=max_predictions), seed=args.seed,
+            dupe_factor=args.dupe_factor, samples_per_shard=args.samples_per_shard, chunk_chars=args.chunk_chars,
+            text_field=args.text_field, sentence_inputs=sentence_inputs, rows_per_document=args.rows_per_document)
+        if args.max_predictions is not None:
+            _warn_low_cap(settings.masking, args.max_seq_len)
         if args.train_vocab is not None:
             if args.vocab_out is None:
                 raise ValueError("--train-vocab needs --vocab-out PATH")
-            vocab = train_vocab(training_documents(args.input, reading), args.train_vocab, args.vocab_out,
+            vocab = train_vocab(training_documents(args.input, settings), args.train_vocab, args.vocab_out,
                                 bool(args.uncased))
             print(f"[build] trained a {vocab.size}-entry WordPiece vocab -> {args.vocab_out}")
             if args.out is None:
@@ -650,25 +972,17 @@ def main(argv: list[str] | None = None) -> None:
             args.vocab = args.vocab_out
         if args.vocab is None or args.out is None:
             raise ValueError("give --vocab VOCAB (or --train-vocab SIZE --vocab-out PATH) and --out DIR")
-        vocab_path, uncased = _resolve_vocab(args)
-        vocab = load_vocab(vocab_path)
-        max_predictions = default_max_predictions(args.max_seq_len) if args.max_predictions is None \
-            else args.max_predictions
-        masking = MaskingConfig(mask_prob=args.mask_prob, max_predictions=max_predictions)
-        if args.max_predictions is not None:
-            _warn_low_cap(masking, args.max_seq_len)
-        cfg = BuildConfig(
-            inputs=tuple(args.input), vocab_path=str(vocab_path), vocab_sha256=vocab.sha256, uncased=uncased,
-            instances=InstanceConfig(recipe=args.recipe, max_seq_len=args.max_seq_len,
-                                     short_seq_prob=args.short_seq_prob,
-                                     objective_mix=parse_objective_mix(args.objective_mix)),
-            masking=masking, seed=args.seed, dupe_factor=args.dupe_factor, samples_per_shard=args.samples_per_shard,
-            chunk_chars=args.chunk_chars, text_field=args.text_field, sentence_inputs=sentence_inputs,
-            rows_per_document=args.rows_per_document)
-        stats = run_builder(cfg, args.out, workers=args.workers, builder_index=args.builder_index,
-                            num_builders=args.num_builders, overwrite=args.overwrite, progress=not args.quiet)
+        with claim_output(args.out, args.builder_index, args.num_builders) as lock:
+            vocab_path, uncased = _resolve_vocab(args)
+            cfg = dataclasses.replace(settings, vocab_path=str(vocab_path), vocab_sha256=load_vocab(vocab_path).sha256,
+                                      uncased=uncased)
+            stats = run_builder(cfg, args.out, workers=args.workers, builder_index=args.builder_index,
+                                num_builders=args.num_builders, overwrite=args.overwrite, progress=not args.quiet,
+                                lock=lock)
+            if args.num_builders == 1:
+                manifest = finalize(args.out, lock)
         if args.num_builders == 1:
-            _report(finalize(args.out), args.out)
+            _report(manifest, args.out, str(args.vocab))
         else:
             print(f"[build] builder {args.builder_index}/{args.num_builders}: {stats.read} documents read; "
                   f"when all builders are done run: python -m data_prep.build --finalize --out {args.out}")
@@ -676,13 +990,17 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"data_prep.build: error: {err}")
 
 
-def _report(manifest: dict, out: Path) -> None:
+def _report(manifest: dict, out: Path, vocab_name: str) -> None:
     docs = manifest["documents"]
     print(f"[build] {manifest['num_samples']} samples, {manifest['num_tokens']} tokens in {len(manifest['shards'])} "
           f"shard(s) -> {out}; documents read {docs['read']}, skipped {docs['skipped']} {docs['skip_reasons']}")
-    warning = skip_warning(manifest)
-    if warning:
-        print(warning, file=sys.stderr)
+    if docs.get("repaired_lines"):
+        print(f"[build] {docs['repaired_lines']} line(s) of text inputs held bytes that are not UTF-8, replaced by "
+              f"U+FFFD (e.g. {docs['repair_examples'][0]}; more in manifest.json documents.repair_examples)",
+              file=sys.stderr)
+    for warning in (skip_warning(manifest), random_next_warning(manifest), unk_warning(manifest, vocab_name)):
+        if warning:
+            print(warning, file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -8,9 +8,11 @@ Recipes (``--recipe``):
 
 Pairs follow BERT's ``create_instances_from_document``: sentences accumulate up to a target length (a random
 shorter one with probability ``short_seq_prob``), A is a random prefix of them, B the rest (true
-continuation) or — for NSP, with probability 1/2 — sentences from another document of the same chunk
-(``is_random_next = 1``); the unused sentences go back to the stream. Segments never cross documents
-except that random B. Layout: ``[CLS] A [SEP]`` or ``[CLS] A [SEP] B [SEP]``.
+continuation) or — for NSP, with probability 1/2 — sentences from another document (``is_random_next = 1``):
+one of the same chunk, or, for a document alone in its chunk, one of the neighbouring chunk's (the caller's
+``other_documents``); with no other document at all, as in BERT, sentences of the same document away from A
+and its continuation. The unused sentences go back to the stream. Segments never cross documents except that
+random B. Layout: ``[CLS] A [SEP]`` or ``[CLS] A [SEP] B [SEP]``.
 
 Masking (``mask_tokens``): 15% of the non-special tokens (at least 1, at most ``max_predictions``, by default
 round(0.15 × max_seq_len), so a full-length sample is masked at 15% too), in
@@ -72,6 +74,9 @@ class InstanceConfig:
     """objective key → probability; empty means the recipe's default"""
 
     def __post_init__(self) -> None:
+        if not 0 <= self.short_seq_prob <= 1:  # NaN fails too
+            raise ValueError(f"--short-seq-prob {self.short_seq_prob} must be a probability in [0, 1] "
+                             "(BERT uses 0.1)")
         if self.recipe not in RECIPES:
             raise ValueError(f"unknown recipe {self.recipe!r}; choose one of {', '.join(RECIPES)}")
         if not 8 <= self.max_seq_len <= 65535:
@@ -177,7 +182,8 @@ def document_instances(sentences: list[list[int]], other_documents: list[list[li
                        cfg: InstanceConfig, rng: Uniforms) -> list[Instance]:
     """Instances of one tokenized document (a list of sentences of token ids).
 
-    ``other_documents`` are the candidates for NSP random B (other documents of the same chunk).
+    ``other_documents`` are the candidates for NSP random B (other documents of the same chunk, or of its
+    neighbour); when there are none, random B comes from this document, away from A and its continuation.
     """
     if cfg.recipe == "gpt":
         flat = list(itertools.chain.from_iterable(sentences))
@@ -203,17 +209,18 @@ def document_instances(sentences: list[list[int]], other_documents: list[list[li
         current.append(sentences[i])
         current_length += len(sentences[i])
         if i == len(sentences) - 1 or current_length >= target:
-            i = _emit(current, objective, target, i, other_documents, cfg, rng, instances)
+            i = _emit(current, objective, target, i, sentences, other_documents, cfg, rng, instances)
             current, current_length = [], 0
             objective, target = draw()
         i += 1
     return instances
 
 
-def _emit(current: list[list[int]], objective: Objective, target: int, i: int,
+def _emit(current: list[list[int]], objective: Objective, target: int, i: int, sentences: list[list[int]],
           other_documents: list[list[list[int]]], cfg: InstanceConfig, rng: Uniforms,
           instances: list[Instance]) -> int:
-    """Turn the accumulated sentences into one instance; returns the (possibly rewound) sentence cursor."""
+    """Turn the accumulated sentences (``sentences[i + 1 - len(current):i + 1]``) into one instance; returns the
+    (possibly rewound) sentence cursor."""
     if objective in (Objective.LEFT_TO_RIGHT, Objective.RIGHT_TO_LEFT):
         flat = list(itertools.chain.from_iterable(current))[: cfg.max_seq_len - 2]
         if flat:
@@ -222,16 +229,25 @@ def _emit(current: list[list[int]], objective: Objective, target: int, i: int,
     a_end = rng.integer(1, len(current)) if len(current) >= 2 else 1
     tokens_a = list(itertools.chain.from_iterable(current[:a_end]))
     is_random_next = -1
+    first = i + 1 - len(current)
+    # with no other document, B may start before A (ending where A starts) or after A's true next sentence
+    away = first + max(0, len(sentences) - (i + 2))
     if objective == Objective.BIDIRECTIONAL:
         # a fair coin even when A is one long sentence (BERT forces random B then, skewing NSP towards 1)
         is_random_next = int(rng.next() < 0.5)
-        if is_random_next and not other_documents:
-            is_random_next = 0  # no other document in this chunk: fall back to the true continuation
+        if is_random_next and not other_documents and away <= 0:
+            is_random_next = 0  # a document too short to draw B away from A: the true continuation
     if is_random_next == 1:
-        other = other_documents[rng.integer(0, len(other_documents))]
+        if other_documents:
+            other = other_documents[rng.integer(0, len(other_documents))]
+            start, stop = rng.integer(0, len(other)), len(other)
+        else:
+            other = sentences
+            start = rng.integer(0, away)
+            start, stop = (start, first) if start < first else (start - first + i + 2, len(sentences))
         target_b = max(1, target - len(tokens_a))
         tokens_b: list[int] = []
-        for sentence in other[rng.integer(0, len(other)):]:
+        for sentence in other[start:stop]:
             tokens_b.extend(sentence)
             if len(tokens_b) >= target_b:
                 break

@@ -1,21 +1,34 @@
 """Document sources for ``--input``: local files by suffix, or a Hugging Face ``datasets`` name.
 
 =====================================  ===========================================================
-``*.xml`` / ``*.xml.bz2``               Wikipedia dump; one document per article (namespace 0, no redirects)
+``*.xml`` / ``*.xml.bz2``               Wikipedia dump; one document per article (namespace 0, no redirects);
+``*.xml-p<first>p<last>.bz2``           also the pieces a dump comes in (``…pages-articles1.xml-p1p41242.bz2``)
 ``*.jsonl``                             one JSON object per line with a ``text`` field
 ``*.json``                              a JSON array of objects with ``text`` (else read as JSON lines)
 ``*.parquet``                           a ``text`` column, read in record batches
-``*.txt``                               documents separated by blank lines
-a directory of such files               every file, in sorted path order (hidden files and ``*.md`` ignored)
-another directory, or                   ``datasets.load_dataset(name, config, split=split, streaming=True)``,
-``name[:config][:split]``               field ``text`` (e.g. ``wikimedia/wikipedia:20231101.en:train``)
+``*.txt``                               documents separated by blank lines (lines may end in LF, CRLF or a lone CR)
+a directory of such files               every such file, in sorted path order (``directory_files``)
+a Hugging Face dataset folder, or       ``datasets.load_dataset(name, config, split=split, streaming=True)``,
+``name[:config][:split]``               field ``text`` (e.g. ``wikimedia/wikipedia:20231101.en:train``); split
+                                        ``train`` unless named (a folder's: ``FOLDER::validation``)
 =====================================  ===========================================================
 
+A directory is a Hugging Face dataset folder only when it has the marks of one (``is_dataset_folder``):
+``dataset_dict.json``, ``dataset_info.json``, ``state.json`` or ``*.arrow`` files (``save_to_disk``), a
+``README.md`` whose YAML header declares ``configs:`` (a hub snapshot), or data files that are all tables
+(``*.parquet``, ``*.csv``, ``*.tsv``; other files such as a LICENSE aside). Any other directory is read file
+by file; its files of other types are not read, and ``directory_files`` names them so the build can warn.
+Hidden files and folders, ``*.md`` files and shard builds (a folder holding ``manifest.json`` or
+``shard-*.bin``, e.g. an ``--out`` inside the input directory) are never read.
+
 ``read_documents`` streams ``str`` documents (raw; clean-up happens later) and ``Skipped`` records for input
-it cannot use — a line that is not UTF-8 or not JSON, a record without a string ``text`` — so every skip is
-counted with its reason. Problems with the input as a whole (missing file, unknown suffix, a parquet file or
-dataset without the text column) raise ``SourceError`` naming the input and the fix. ``--text-field NAME`` picks
-another column than ``text``.
+it cannot use — a JSON line that is not UTF-8 or not JSON, a record without a string ``text`` — so every skip
+is counted with its reason and size. In ``.txt`` files bytes that are not UTF-8 become U+FFFD (which the
+tokenizer drops), so one bad byte costs a character, not the document; such a document comes as
+``RepairedText`` saying how many of its lines were repaired. A UTF-8 byte-order mark at the start of a file is
+ignored. Problems with the input as a whole (missing file, unknown suffix, a parquet file or dataset without
+the text column) raise ``SourceError`` naming the input and the fix. ``--text-field NAME`` picks another column
+than ``text``.
 
 Work is split into units (``input_units``): one per local file, one per ``unit_bytes`` byte range of a large
 ``.jsonl`` file (a range holds the lines that start in it), one per shard of a Hugging Face dataset
@@ -31,13 +44,22 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from data_prep.shard_format import MANIFEST_NAME, SHARD_GLOB
 from data_prep.wikitext import iter_pages, wikitext_to_text
 
 FILE_SUFFIXES = (".xml", ".xml.bz2", ".jsonl", ".json", ".parquet", ".txt")
+_DUMP_PIECE = re.compile(r"\.xml-p\d+p\d+\.bz2$")  # enwiki-20231101-pages-articles1.xml-p1p41242.bz2
+_BOM = b"\xef\xbb\xbf"
+DATASET_FOLDER_FILES = ("dataset_dict.json", "dataset_info.json", "state.json")
+"""files that ``Dataset.save_to_disk`` writes: a folder holding one is read with ``datasets``"""
+TABLE_SUFFIXES = (".parquet", ".csv", ".tsv")
+"""a folder whose data files are all tables is read with ``datasets``, which knows their splits"""
 TEXT_FIELD = "text"
 ROWS_PER_DOCUMENT = 1000
 """default --rows-per-document: ~70k characters of book sentences, ~30 samples of 512 tokens, so the one short
@@ -57,10 +79,26 @@ class Skipped:
 
     reason: str
     where: str
+    chars: int = 0
+    """size of what was dropped (characters, or bytes of an undecodable line): skips are weighed by it"""
 
 
 class Wikitext(str):
     """A Wikipedia page's raw wikitext; ``document_text`` cleans it (in a worker process, not the reader)."""
+
+
+class RepairedText(str):
+    """A document in which bytes that are not UTF-8 were replaced by U+FFFD: ``lines`` of its lines, the first at
+    ``where`` (counted in the manifest's ``documents.repaired_lines``)."""
+
+    lines: int
+    where: str
+
+    @staticmethod
+    def of(text: str, lines: int, where: str) -> "RepairedText":
+        repaired = RepairedText(text)
+        repaired.lines, repaired.where = lines, where
+        return repaired
 
 
 def document_text(record: str) -> str:
@@ -102,7 +140,10 @@ class ReadOptions:
 
 
 def _suffix(path: Path) -> str:
+    """The file type (one of ``FILE_SUFFIXES``) a name says, or "" when it names none."""
     name = path.name.lower()
+    if _DUMP_PIECE.search(name):
+        return ".xml.bz2"
     return next((s for s in sorted(FILE_SUFFIXES, key=len, reverse=True) if name.endswith(s)), "")
 
 
@@ -114,7 +155,13 @@ def check_input(spec: str) -> None:
     if path.exists():
         if not _suffix(path):
             raise SourceError(f"--input {spec}: unsupported file type; use one of {', '.join(FILE_SUFFIXES)} "
-                              "or a Hugging Face dataset name")
+                              "(or a Wikipedia dump piece *.xml-p<first>p<last>.bz2), or a Hugging Face dataset name")
+        return
+    folder = Path(spec.split(":", 1)[0])
+    if ":" in spec and folder.is_dir():  # FOLDER[:config][:split]
+        if not is_dataset_folder(folder):
+            raise SourceError(f"--input {spec}: {folder} is not a Hugging Face dataset folder, so it has no "
+                              "configs or splits; pass the folder alone")
         return
     if _suffix(path) or spec.endswith((".bz2", ".gz", ".csv", ".tsv")) or spec.startswith((".", "/", "~")):
         raise SourceError(f"--input {spec}: file not found")
@@ -122,25 +169,65 @@ def check_input(spec: str) -> None:
 
 def _is_hf(spec: str) -> bool:
     path = Path(spec)
-    return not path.exists() or (path.is_dir() and _local_files(path) is None)
+    return not path.exists() or (path.is_dir() and is_dataset_folder(path))
 
 
-def _local_files(directory: Path) -> list[Path] | None:
-    """The files of a directory that holds only files this module reads (so each is read here, naming its
-    lines in every skip or error), else None: a Hugging Face dataset folder."""
-    files = sorted(p for p in directory.rglob("*") if p.is_file() and not p.name.startswith(".")
-                   and not any(part.startswith(".") for part in p.relative_to(directory).parts)
-                   and not p.name.lower().endswith(".md"))
-    if not files or not all(_suffix(p) for p in files):
-        return None
-    return files
+def _visible_files(directory: Path) -> list[Path]:
+    """Files under a directory, sorted by path, without hidden files and folders (a build's ``.NAME.partial``
+    staging among them) and without shard builds (folders holding a manifest or shards: a build's own output)."""
+    found = []
+    for root, folders, files in os.walk(directory):
+        if MANIFEST_NAME in files or any(Path(f).match(SHARD_GLOB) for f in files):
+            folders[:] = []
+            continue
+        folders[:] = [f for f in folders if not f.startswith(".")]
+        found.extend(Path(root) / f for f in files if not f.startswith(".") and (Path(root) / f).is_file())
+    return sorted(found)
+
+
+def _declares_configs(readme: Path) -> bool:
+    """A hub dataset card: a README.md whose YAML header (between the first two ``---`` lines) has ``configs:``."""
+    if not readme.is_file():
+        return False
+    with open(readme, encoding="utf-8", errors="replace") as f:
+        if f.readline().strip() != "---":
+            return False
+        for line in itertools.islice(f, 10_000):
+            if line.strip() == "---":
+                return False
+            if line.startswith("configs:"):
+                return True
+    return False
+
+
+def is_dataset_folder(directory: Path) -> bool:
+    """Whether a directory is read with ``datasets`` (the marks are listed in the module docstring)."""
+    files = _visible_files(directory)
+    if any(p.name in DATASET_FOLDER_FILES or p.suffix == ".arrow" for p in files):
+        return True
+    if _declares_configs(directory / "README.md"):
+        return True
+    data = [p for p in files if _suffix(p) or p.suffix.lower() in TABLE_SUFFIXES]
+    return bool(data) and all(p.suffix.lower() in TABLE_SUFFIXES for p in data)
+
+
+def directory_files(directory: Path) -> tuple[list[Path], list[Path]]:
+    """(files read, files not read) of an ordinary directory input, each in sorted path order. Files not read
+    are those of other types; ``*.md`` files (READMEs) are left out of both."""
+    files = [p for p in _visible_files(directory) if not p.name.lower().endswith(".md")]
+    return [p for p in files if _suffix(p)], [p for p in files if not _suffix(p)]
 
 
 def input_units(spec: str, unit_bytes: int = UNIT_BYTES) -> list[Unit]:
     """The units of one ``--input``: the file itself (or byte ranges of a large .jsonl), each file of a
     directory, or every dataset shard."""
     check_input(spec)
-    if Path(spec).is_dir() and (files := _local_files(Path(spec))) is not None:
+    if Path(spec).is_dir() and not is_dataset_folder(Path(spec)):
+        files, others = directory_files(Path(spec))
+        if not files:
+            held = f" (it holds {', '.join(p.name for p in others[:5])})" if others else ""
+            raise SourceError(f"--input {spec}: no file in this directory is of a type read here{held}; supported: "
+                              f"{', '.join(FILE_SUFFIXES)} (hidden files, *.md and shard builds are never read)")
         return [unit for p in files for unit in _file_units(p, unit_bytes)]
     if not _is_hf(spec):
         return _file_units(Path(spec), unit_bytes)
@@ -165,7 +252,7 @@ def read_documents(spec: str, options: ReadOptions = ReadOptions()) -> Iterator[
 
 def read_unit(unit: Unit, options: ReadOptions = ReadOptions()) -> Iterator[str | Skipped]:
     """Records of one unit (Wikipedia pages as raw ``Wikitext``), rows grouped when ``rows_as_sentences``."""
-    if _is_hf(unit.spec):
+    if not Path(unit.spec).is_file():  # input_units makes a unit of a directory only for a dataset folder
         records = _read_hf(unit, options.text_field)
     else:
         path = Path(unit.spec)
@@ -197,10 +284,16 @@ def group_rows(rows: Iterator[str | Skipped], rows_per_document: int) -> Iterato
         if row.strip():
             rows_of_document.append(row)
         if rows_of_document and (not row.strip() or len(rows_of_document) == rows_per_document):
-            yield "\n\n".join(rows_of_document)
+            yield _join_rows(rows_of_document)
             rows_of_document = []
     if rows_of_document:
-        yield "\n\n".join(rows_of_document)
+        yield _join_rows(rows_of_document)
+
+
+def _join_rows(rows: list[str]) -> str:
+    text = "\n\n".join(rows)
+    repaired = [row for row in rows if isinstance(row, RepairedText)]
+    return RepairedText.of(text, sum(r.lines for r in repaired), repaired[0].where) if repaired else text
 
 
 class _TextField:
@@ -210,16 +303,27 @@ class _TextField:
     def __init__(self, name: str):
         self.name = name
 
-    def __call__(self, record: object, where: str) -> str | Skipped:
+    def __call__(self, record: object, where: str, chars: int = 0) -> str | Skipped:
         if not isinstance(record, dict):
-            return Skipped("not_an_object", where)
-        text = record.get(self.name)
-        if text is None:
+            return Skipped("not_an_object", f"{where} ({_json_type(record)}, not an object)", chars)
+        if self.name not in record:
             return Skipped("missing_text_field", f"{where} (no '{self.name}'; fields: {sorted(record)[:10]}; "
-                                                 "pick one with --text-field NAME)")
+                                                 "pick one with --text-field NAME)", chars)
+        text = record[self.name]
         if not isinstance(text, str):
-            return Skipped("text_not_a_string", where)
+            return Skipped("text_not_a_string", f"{where} ('{self.name}' is {_json_type(text)}, not a string)",
+                           chars)
         return text
+
+
+def _json_type(value: object) -> str:
+    """What a parsed JSON value is, for messages: ``null``, ``a number``, ``an array`` …"""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    return {int: "a number", float: "a number", str: "a string", list: "an array", dict: "an object"}.get(
+        type(value), type(value).__name__)
 
 
 def _read_wiki(path: Path) -> Iterator[str | Skipped]:
@@ -251,21 +355,24 @@ def _read_jsonl(path: Path, text_field: str, start: int = 0, stop: int = -1) -> 
             raw = f.readline()
             if not raw:
                 return
+            if position == 0 and raw.startswith(_BOM):
+                raw = raw[len(_BOM):]
+                position += len(_BOM)
             position += len(raw)
             if not raw.strip():
                 continue
             try:
                 record = json.loads(raw.decode("utf-8"))
             except UnicodeDecodeError:
-                yield Skipped("invalid_utf8", f"{path}:{first_line() + number}")
+                yield Skipped("invalid_utf8", f"{path}:{first_line() + number}", len(raw))
                 continue
             except json.JSONDecodeError:
-                yield Skipped("malformed_json", f"{path}:{first_line() + number}")
+                yield Skipped("malformed_json", f"{path}:{first_line() + number}", len(raw))
                 continue
             if isinstance(record, dict) and isinstance(text := record.get(text_field), str):
                 yield text
             else:
-                yield text_of(record, f"{path}:{first_line() + number}")
+                yield text_of(record, f"{path}:{first_line() + number}", len(raw))
 
 
 class _LineNumber:
@@ -287,11 +394,11 @@ class _LineNumber:
 
 def _read_json(path: Path, text_field: str) -> Iterator[str | Skipped]:
     with open(path, "rb") as f:
-        head = f.read(4096).lstrip()
-    if not head.startswith(b"["):
+        head = f.read(4096)
+    if not head.removeprefix(_BOM).lstrip().startswith(b"["):
         yield from _read_jsonl(path, text_field)
         return
-    raw = path.read_bytes()
+    raw = path.read_bytes().removeprefix(_BOM)
     try:
         records = json.loads(raw.decode("utf-8"))  # a JSON array has to be parsed whole
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -300,7 +407,10 @@ def _read_json(path: Path, text_field: str) -> Iterator[str | Skipped]:
                           "it to .jsonl, where bad lines are skipped and counted") from None
     text_of = _TextField(text_field)
     for number, record in enumerate(records):
-        yield text_of(record, f"{path}[{number}]")
+        if isinstance(record, dict) and isinstance(text := record.get(text_field), str):
+            yield text
+        else:
+            yield text_of(record, f"{path}[{number}]", len(json.dumps(record, ensure_ascii=False)))
 
 
 def _read_parquet(path: Path, text_field: str) -> Iterator[str | Skipped]:
@@ -317,52 +427,93 @@ def _read_parquet(path: Path, text_field: str) -> Iterator[str | Skipped]:
     row = 0
     for batch in parquet.iter_batches(columns=[text_field], batch_size=1024):
         for text in batch.column(0).to_pylist():
-            yield text if isinstance(text, str) else Skipped("text_not_a_string", f"{path} row {row}")
+            yield text if isinstance(text, str) else Skipped(
+                "text_not_a_string", f"{path} row {row} ('{text_field}' is {_json_type(text)}, not a string)")
             row += 1
 
 
-def _read_txt(path: Path) -> Iterator[str | Skipped]:
+def _txt_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """(line number, line with its end) of a text file. A line ends at LF, CRLF or a lone CR
+    (old Mac files); a UTF-8 byte-order mark at the start is dropped."""
+    number = 0
+    with open(path, "rb") as f:
+        for raw in f:  # splits after b"\n" only
+            if number == 0:
+                raw = raw.removeprefix(_BOM)
+            for line in raw.splitlines(keepends=True) if b"\r" in raw.rstrip(b"\r\n") else (raw,):
+                number += 1
+                yield number, line
+
+
+def _read_txt(path: Path) -> Iterator[str]:
     lines: list[bytes] = []
     start = 1
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, 1):
-            if raw.strip():
-                if not lines:
-                    start = number
-                lines.append(raw)
-            elif lines:
-                yield _decode(b"".join(lines), f"{path}:{start}")
-                lines = []
-        if lines:
-            yield _decode(b"".join(lines), f"{path}:{start}")
+    for number, raw in _txt_lines(path):
+        if raw.strip():
+            if not lines:
+                start = number
+            lines.append(raw)
+        elif lines:
+            yield _decode(lines, path, start)
+            lines = []
+    if lines:
+        yield _decode(lines, path, start)
 
 
-def _read_txt_lines(path: Path) -> Iterator[str | Skipped]:
+def _read_txt_lines(path: Path) -> Iterator[str]:
     """Every line of a sentence-per-line text file as a row (blank lines as empty rows)."""
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, 1):
-            yield _decode(raw.rstrip(b"\r\n"), f"{path}:{number}")
+    for number, raw in _txt_lines(path):
+        yield _decode([raw.rstrip(b"\r\n")], path, number)
 
 
-def _decode(raw: bytes, where: str) -> str | Skipped:
+def _decode(lines: list[bytes], path: Path, first_line: int) -> str:
+    """Consecutive lines as text; bytes that are not UTF-8 become U+FFFD (a ``RepairedText`` counts the lines)."""
+    data = b"".join(lines)
     try:
-        return raw.decode("utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError:
-        return Skipped("invalid_utf8", where)
+        bad = [offset for offset, line in enumerate(lines) if not _is_utf8(line)]
+        return RepairedText.of(data.decode("utf-8", errors="replace"), len(bad), f"{path}:{first_line + bad[0]}")
+
+
+def _is_utf8(line: bytes) -> bool:
+    try:
+        line.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 @functools.lru_cache(maxsize=8)  # one hub look-up per input, not one per shard
 def _load_hf(spec: str):
-    """``name[:config][:split]`` (split defaults to ``train``) or a local dataset folder, as a streaming dataset."""
+    """``name[:config][:split]`` or ``FOLDER[:config][:split]`` (split defaults to ``train``) as a streaming
+    dataset; a folder written by ``save_to_disk`` is memory-mapped with ``load_from_disk``."""
     import datasets  # optional and slow to import: only hub inputs need it
 
-    name, config, split = (spec.split(":") + ["", ""])[:3] if not Path(spec).is_dir() else (spec, "", "")
+    name, config, split = (spec, "", "") if Path(spec).is_dir() else (spec.split(":") + ["", ""])[:3]
+    split = split or "train"
     try:
-        return datasets.load_dataset(name, config or None, split=split or "train", streaming=True)
+        if Path(name).is_dir() and any((Path(name) / f).is_file() for f in ("state.json", "dataset_dict.json")):
+            return _saved_dataset(datasets.load_from_disk(name), spec, split)
+        return datasets.load_dataset(name, config or None, split=split, streaming=True)
+    except SourceError:
+        raise
     except Exception as err:  # hub, network and builder errors have no common base class
         raise SourceError(f"--input {spec}: could not load Hugging Face dataset {name!r} "
-                          f"(config {config or None!r}, split {split or 'train'!r}): {type(err).__name__}: {err}. "
+                          f"(config {config or None!r}, split {split!r}): {type(err).__name__}: {err}. "
                           "Check the name and network access, or pass local files") from None
+
+
+def _saved_dataset(loaded, spec: str, split: str):
+    """The split of a ``save_to_disk`` folder as an iterable dataset of one shard per arrow file."""
+    import datasets
+
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise SourceError(f"--input {spec}: no split {split!r} in this saved dataset (splits: {sorted(loaded)}); "
+                              "name one as FOLDER::SPLIT")
+        loaded = loaded[split]
+    return loaded.to_iterable_dataset(num_shards=max(1, len(loaded.cache_files)))
 
 
 def _read_hf(unit: Unit, text_field: str) -> Iterator[str | Skipped]:

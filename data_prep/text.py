@@ -3,13 +3,17 @@
 ``clean_document`` normalises line ends, drops control characters and lone surrogates, turns every whitespace
 run inside a paragraph into one space (joining its lines); paragraphs (blank-line separated) stay separate.
 ``split_sentences`` cuts each paragraph after ``.``/``!``/``?`` (plus closing quotes or brackets) followed by
-whitespace and a capital letter, digit or opening quote, except after common abbreviations and initials.
+whitespace and a capital letter (any script: ``str.isupper``), digit or opening quote, except after common
+abbreviations and initials; and after the full-width terminators ``。！？．`` (plus closing quotes or brackets)
+of Chinese and Japanese text, with or without whitespace after them. Text with neither (lowercased prose,
+scripts without capitals or these terminators) stays one sentence per paragraph.
 Sentences longer than ``MAX_SENTENCE_CHARS`` are cut at whitespace so one huge line cannot become one
 unbounded sequence.
 """
 from __future__ import annotations
 
 import re
+import sys
 
 MAX_SENTENCE_CHARS = 2000
 
@@ -18,12 +22,33 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff\ufeff\
 _PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
 _ABBREVIATIONS = ("Mr Mrs Ms Dr Prof Sr Jr St Mt Gen Col Capt Lt Sgt Rev Gov Sen Rep Hon vs etc No Vol pp "
                   "Fig Inc Ltd Co Corp Jan Feb Mar Apr Jun Jul Aug Sep Sept Oct Nov Dec approx ca cf e.g i.e").split()
-# . ! ? (group 1, with an optional closing quote or bracket: kept with the sentence) that does not end an
-# abbreviation or an initial, then whitespace before a capital, digit or opening quote. The pattern starts
-# with the punctuation class, so the fixed-width lookbehinds only run at candidate boundaries.
+
+
+def _character_class(predicate) -> str:
+    """A regex character class (without brackets) of every code point for which ``predicate`` holds, as ranges."""
+    points = [c for c in range(sys.maxunicode + 1) if predicate(chr(c))]
+    ranges: list[list[int]] = []
+    for c in points:
+        if ranges and ranges[-1][1] == c - 1:
+            ranges[-1][1] = c
+        else:
+            ranges.append([c, c])
+    return "".join(re.escape(chr(a)) if a == b else f"{re.escape(chr(a))}-{re.escape(chr(b))}" for a, b in ranges)
+
+
+_UPPER = _character_class(str.isupper)  # A-Z, À-Þ, Α-Ω, А-Я, …: ~1,900 code points in ~650 ranges
+_CLOSERS = "\"')\\]\u201d\u2019\u00bb"                # " ' ) ] ” ’ »
+_OPENERS = "\"'(\\[\u201c\u2018\u00ab\u201e\u00bf\u00a1"  # " ' ( [ “ ‘ « „ ¿ ¡
+_CJK_TERMINATORS = "\u3002\uff01\uff1f\uff0e"             # 。！？．
+_CJK_CLOSERS = _CLOSERS + "\u300d\u300f\uff09\u3009\u300b\u3011\u3015"  # and 」』）〉》】〕
+# Group 1 ends a sentence: . ! ? (with an optional closing quote or bracket) that does not end an abbreviation
+# or an initial, when whitespace and a capital, digit or opening quote follow; or a run of full-width
+# terminators with their closing brackets, whatever follows. The whitespace after it is dropped. Each
+# alternative starts with its punctuation class, so the fixed-width lookbehinds only run at candidate boundaries.
 _BOUNDARY = re.compile(
     r"([.!?]" + "".join(rf"(?<!\b{re.escape(a)}\.)" for a in _ABBREVIATIONS)
-    + r"(?<!\b[A-Z]\.)[\"')\]\u201d\u2019]?)\s+(?=[\"'(\[\u201c\u2018]*[A-Z0-9])")
+    + rf"(?<!\b[{_UPPER}]\.)[{_CLOSERS}]?(?=\s+[{_OPENERS}]*[{_UPPER}0-9])"
+    + rf"|[{_CJK_TERMINATORS}]+[{_CJK_CLOSERS}]*)\s*")
 _LONG_PIECE = re.compile(r"\S.{0,%d}(?=\s|$)|\S{%d}" % (MAX_SENTENCE_CHARS - 2, MAX_SENTENCE_CHARS))
 
 

@@ -43,14 +43,11 @@ a universal checkpoint when the world size or ZeRO stage changed) and `load`. RN
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import errno
-import fcntl
 import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import uuid
@@ -64,6 +61,7 @@ import torch.distributed as torch_dist
 from deepspeed.utils import safe_get_full_fp32_param
 from safetensors.torch import load_file, save_file
 
+from data_prep import locks
 from data_prep.shard_format import sha256_file
 from pretrain.engine import (RunStopped, first_error, gather_objects, portable_rng_state, resume_rng,
                              seed_everything)
@@ -413,29 +411,10 @@ class RunLockedError(RunStopped):
     exit_code = 5
 
 
-def _holder_text(info: dict[str, Any]) -> str:
-    return (f"pid {info.get('pid')} on {info.get('host')}, started {info.get('started')}"
-            + (f" ({' '.join(map(str, info['command']))})" if info.get("command") else ""))
-
-
-def _pid_running(pid: Any) -> bool:
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, ValueError, TypeError, OverflowError):
-        return True
-    return True
-
-
 class RunLock:
-    """An exclusive ``flock`` on ``out_dir/run.lock`` for as long as the run lives.
-
-    The kernel drops it when the process exits in any way (kill -9 included), so it never outlives its holder.
-    The file records the holder (pid, host, start time, command): a second run stops at once naming it, and a
-    record left behind by a holder that died without releasing is reported as stale when the next run takes
-    over. On a shared filesystem the lock spans nodes where the filesystem supports ``flock`` (NFSv4 maps it to
-    its byte-range locks; Lustre needs the ``flock`` mount option); ``make preflight`` runs on every host."""
+    """An exclusive ``flock`` on ``out_dir/run.lock`` for as long as the run lives (``data_prep.locks``: it never
+    outlives its holder, names its holder to a second run, and reports a holder that died without releasing it);
+    ``make preflight`` runs on every host."""
 
     def __init__(self, path: Path, handle: Any) -> None:
         self.path, self.handle = path, handle
@@ -443,49 +422,26 @@ class RunLock:
     @classmethod
     def acquire(cls, out_dir: str | Path, report: Any = print) -> "RunLock":
         path = Path(out_dir) / LOCK_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(path, "a+")
+        handle = locks.open_lock(path)
         try:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            info = _parse_lock(handle.read())
+            taken = locks.try_lock(handle)
+        except OSError:
             handle.close()
-            stale = info.get("host") == socket.gethostname() and not _pid_running(info.get("pid"))
-            alive = " — that pid is no longer running, so a process it started still holds the lock" if stale else ""
-            raise RunLockedError(f"{Path(out_dir)} is in use by another run: {_holder_text(info)}{alive}. Wait for "
-                                 f"it to end (or stop it), or use another out_dir") from None
-        handle.seek(0)
-        previous = _parse_lock(handle.read())
+            raise
+        if not taken:
+            holder = locks.holder_text(locks.read_holder(handle), held=True)
+            handle.close()
+            raise RunLockedError(f"{Path(out_dir)} is in use by another run: {holder}. Wait for it to end (or stop "
+                                 "it), or use another out_dir")
+        previous = locks.record_holder(handle, sync=True)
         if previous:
-            report(f"[lock] {path}: the previous holder ({_holder_text(previous)}) ended without releasing it "
+            report(f"[lock] {path}: the previous holder ({locks.holder_text(previous)}) ended without releasing it "
                    "(killed or crashed); taking it over")
-        info = {"pid": os.getpid(), "host": socket.gethostname(),
-                "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-                "command": [Path(sys.argv[0]).name, *sys.argv[1:]]}
-        handle.seek(0)
-        handle.truncate()
-        handle.write(json.dumps(info) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
         return cls(path, handle)
 
     def release(self) -> None:
         """Empty the record (a clean end) and drop the lock."""
-        if self.handle.closed:
-            return
-        self.handle.seek(0)
-        self.handle.truncate()
-        self.handle.flush()
-        self.handle.close()
-
-
-def _parse_lock(text: str) -> dict[str, Any]:
-    try:
-        info = json.loads(text) if text.strip() else {}
-    except ValueError:
-        return {"pid": "?", "host": "?", "started": f"? (unreadable record {text[:80]!r})"}
-    return info if isinstance(info, dict) else {}
+        locks.release(self.handle)
 
 
 def lock_run_directory(out_dir: str | Path, rank: int) -> RunLock | None:
@@ -499,9 +455,8 @@ def lock_run_directory(out_dir: str | Path, rank: int) -> RunLock | None:
             error = str(exc)
         except OSError as exc:  # stops every rank, not rank 0 alone
             error = f"{Path(out_dir) / LOCK_FILE}: cannot take the run lock ({exc})"
-            if exc.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP):
-                error += ("; put out_dir on a filesystem with flock support (a local disk, NFS with lockd, Lustre "
-                          "mounted with -o flock)")
+            if locks.cannot_lock(exc):
+                error += f"; put out_dir on {locks.NO_LOCKS_HINT}"
     error = first_error(error)
     if error is not None:
         raise RunLockedError(error)

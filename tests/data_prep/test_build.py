@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -230,6 +231,9 @@ def test_stray_shards_and_corpus_without_samples(samples_dir, vocab_file, unilm_
     (["--recipe", "bert", "--objective-mix", "seq2seq=1"], "applies to --recipe unilm"),
     (["--recipe", "gpt", "--dupe-factor", "2"], "gpt has no masking"),
     (["--max-seq-len", "4"], "--max-seq-len 4 must be between 8 and 65535"),
+    (["--short-seq-prob", "2"], "--short-seq-prob 2.0 must be a probability in [0, 1]"),
+    (["--short-seq-prob", "nan"], "--short-seq-prob nan must be a probability in [0, 1]"),
+    (["--seed", "-1"], "--seed -1 must be 0 or more"),
 ])
 def test_bad_settings_are_clear_errors(samples_dir, vocab_file, tmp_path, extra, message):
     error = build_error("--input", samples_dir / "news/lee.txt", "--vocab", vocab_file, "--out", tmp_path, *extra)
@@ -251,3 +255,129 @@ def test_train_vocab_then_build_in_one_command(samples_dir, tmp_path):
                          tmp_path / "vocab.txt", "--recipe", "gpt", "--out", tmp_path / "out")
     assert manifest["vocab"]["size"] == 800 and manifest["token_dtype"] == "uint16"
     assert (tmp_path / "out/vocab.txt").read_bytes() == (tmp_path / "vocab.txt").read_bytes()
+
+
+def test_random_next_from_the_same_document_stays_away_from_a():
+    from data_prep.instances import InstanceConfig, Uniforms, document_instances
+
+    sentences = [[1000 + i] * 3 for i in range(300)]  # sentence i is three tokens 1000 + i
+    instances = document_instances(sentences, [], InstanceConfig(recipe="bert", max_seq_len=32),
+                                   Uniforms(np.random.default_rng(0)))
+    labels = np.array([inst.is_random_next for inst in instances])
+    assert labels.mean() == pytest.approx(0.5, abs=0.08)
+    for inst in instances:
+        a_last, b_first = inst.tokens_a[-1] - 1000, inst.tokens_b[0] - 1000
+        b_sentences = sorted({t - 1000 for t in inst.tokens_b})
+        a_sentences = {t - 1000 for t in inst.tokens_a}
+        if inst.is_random_next:  # B lies wholly before A or after A's true next sentence
+            assert b_sentences[-1] < min(a_sentences) or b_sentences[0] > a_last + 1
+        else:
+            assert 0 <= b_first - a_last <= 2  # the continuation (its first tokens may be truncated away)
+
+
+def test_documents_alone_in_their_chunk_get_random_next_segments(samples_dir, vocab_file, tmp_path):
+    texts = [json.loads(line)["text"] for line in open(samples_dir / "books.jsonl")][:10]
+    novels = tmp_path / "novels.jsonl"  # two documents longer than --chunk-chars: each is alone in its chunk
+    with open(novels, "w") as f:
+        for i in range(2):
+            f.write(json.dumps({"text": "\n\n".join(texts[5 * i:5 * i + 5])[:600_000]}) + "\n")
+    common = ["--input", novels, "--vocab", vocab_file, "--recipe", "bert", "--chunk-chars", 500_000]
+    one = run_build(*common, "--out", tmp_path / "one")
+    nsp = one["nsp_counts"]
+    assert nsp["random_next"] / (nsp["random_next"] + nsp["true_next"]) == pytest.approx(0.5, abs=0.03)  # was 0
+    run_build(*common, "--workers", 2, "--out", tmp_path / "two")
+    assert directory_bytes(tmp_path / "two") == directory_bytes(tmp_path / "one")
+    (tmp_path / "single.jsonl").write_text(novels.read_text().split("\n")[0] + "\n")  # no other document at all
+    single = run_build(*common[:1], tmp_path / "single.jsonl", *common[2:], "--out", tmp_path / "single")
+    nsp = single["nsp_counts"]
+    assert nsp["random_next"] / (nsp["random_next"] + nsp["true_next"]) == pytest.approx(0.5, abs=0.04)
+    assert build.random_next_warning({"nsp_counts": {"random_next": 10, "true_next": 990}}).startswith(
+        "[build] warning: only 1.0% of the 1000 NSP pairs have a random next segment")
+
+
+def test_unk_share_is_recorded_and_a_wrong_casing_is_warned_about(samples_dir, minilm_dir, tmp_path, capsys):
+    shutil.copy(minilm_dir / "vocab.txt", tmp_path / "vocab.txt")  # an uncased vocab, alone
+    args = ["--input", samples_dir / "news/lee.txt", "--vocab", tmp_path / "vocab.txt"]
+    manifest = run_build(*args, "--cased", "--out", tmp_path / "cased")
+    pieces = manifest["wordpieces"]
+    assert pieces["unk"] / pieces["total"] > 0.1  # every capitalised word
+    err = capsys.readouterr().err
+    assert f"of the word pieces are [UNK]: vocab {tmp_path / 'vocab.txt'} (cased) does not cover this text" in err
+    assert "pass --uncased if the vocab is uncased" in err
+    manifest = run_build(*args, "--out", tmp_path / "uncased")
+    assert manifest["wordpieces"]["unk"] / manifest["wordpieces"]["total"] < 0.005
+    assert "[UNK]" not in capsys.readouterr().err
+
+
+def test_one_bad_byte_costs_a_character_not_the_book(samples_dir, vocab_file, tmp_path, capsys):
+    from data_prep.text import clean_document, split_sentences
+
+    text = json.loads(open(samples_dir / "books.jsonl").readline())["text"]
+    book = "\n".join(split_sentences(clean_document(text))).encode()  # a sentence per line: one document
+    (tmp_path / "clean").mkdir()
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "clean" / "book.txt").write_bytes(book + b"\n")
+    at = book.find(b"'")
+    (tmp_path / "bad" / "book.txt").write_bytes(book[:at] + b"\x92" + book[at + 1:] + b"\n")  # cp1252 apostrophe
+    line = book[:at].count(b"\n") + 1
+    clean = run_build("--input", tmp_path / "clean", "--vocab", vocab_file, "--out", tmp_path / "clean_out")
+    bad = run_build("--input", tmp_path / "bad", "--vocab", vocab_file, "--out", tmp_path / "bad_out")
+    assert bad["documents"]["skipped"] == 0 and bad["num_samples"] == clean["num_samples"]
+    assert bad["num_tokens"] == pytest.approx(clean["num_tokens"], abs=3)
+    assert bad["documents"]["repaired_lines"] == 1
+    assert bad["documents"]["repair_examples"] == [f"{tmp_path / 'bad' / 'book.txt'}:{line}"]
+    assert f"1 line(s) of text inputs held bytes that are not UTF-8" in capsys.readouterr().err
+
+
+def test_the_skip_warning_weighs_characters(samples_dir, vocab_file, tmp_path, capsys):
+    news = (samples_dir / "news/lee.txt").read_text().split("\n\n")[:60]
+    book = json.loads(open(samples_dir / "books.jsonl").readline())["text"]
+    with open(tmp_path / "mixed.jsonl", "wb") as f:
+        for text in news:
+            f.write(json.dumps({"text": text}).encode() + b"\n")
+        f.write(json.dumps({"text": book}).encode().replace(b"'", b"\x92", 1) + b"\n")  # a book, not UTF-8
+    manifest = run_build("--input", tmp_path / "mixed.jsonl", "--vocab", vocab_file, "--out", tmp_path / "out")
+    documents = manifest["documents"]
+    assert documents["skipped"] == 1 and documents["skip_characters"]["invalid_utf8"] > len(book)
+    assert documents["characters"] > sum(map(len, news)) + len(book)
+    err = capsys.readouterr().err
+    assert "warning: 1 of 61 documents (" in err and "of the characters read) were skipped" in err
+    old = {k: v for k, v in documents.items() if k in ("read", "skipped", "skip_reasons", "skip_examples")}
+    assert build.skip_warning({**manifest, "documents": old}) is None  # a manifest without character counts
+
+
+def test_inputs_reached_twice_are_read_once(samples_dir, vocab_file, tmp_path, capsys, monkeypatch):
+    (tmp_path / "news").mkdir()
+    for part in range(2):
+        (tmp_path / "news" / f"part{part}.txt").write_text(
+            "\n\n".join((samples_dir / "news/lee.txt").read_text().split("\n\n")[part * 30:(part + 1) * 30]))
+    monkeypatch.chdir(tmp_path)
+    once = run_build("--input", "news", "--vocab", vocab_file, "--out", tmp_path / "once")
+    twice = run_build("--input", "news", "news/part0.txt", "./news/part0.txt", "--vocab", vocab_file,
+                      "--out", tmp_path / "twice")
+    assert twice["documents"]["read"] == once["documents"]["read"] == 60
+    shards = [directory_bytes(tmp_path / name)["shard-00000.bin"] for name in ("once", "twice")]
+    assert shards[0] == shards[1]
+    err = capsys.readouterr().err
+    assert "--input news/part0.txt: 1 unit(s) come also from --input news and are read once, from there" in err
+    assert "--input ./news/part0.txt: 1 unit(s) come also from --input news" in err
+
+
+def test_chinese_text_is_kept_and_the_hint_follows_the_cause(minilm_dir, tmp_path):
+    para = ("北京是中华人民共和国的首都，也是全国的政治、文化和国际交往中心。"
+            "北京有三千多年的建城史和八百多年的建都史，是世界上拥有世界文化遗产数最多的城市。"
+            "二零零八年，北京成功举办了第二十九届夏季奥林匹克运动会。")
+    with open(tmp_path / "zh.jsonl", "w") as f:
+        for _ in range(100):
+            f.write(json.dumps({"text": para * 3}, ensure_ascii=False) + "\n")  # one paragraph of 9 sentences
+    manifest = run_build("--input", tmp_path / "zh.jsonl", "--vocab", minilm_dir, "--out", tmp_path / "zh")
+    assert manifest["documents"]["skipped"] == 0 and manifest["num_samples"] >= 100  # all were dropped before
+    prose = ("the river rose in the spring, and the farmers moved their herds to the hills. the water fell in may "
+             "and they came back. ") * 5
+    with open(tmp_path / "lower.jsonl", "w") as f:  # lowercased: no sentence end the splitter knows
+        for _ in range(20):
+            f.write(json.dumps({"text": prose}) + "\n")
+    error = build_error("--input", tmp_path / "lower.jsonl", "--vocab", minilm_dir, "--out", tmp_path / "lower")
+    assert "20 of 20 documents are single sentences of 600 characters on average: the sentence splitter found " \
+           "no sentence end in them" in error
+    assert "as BookCorpus" not in error

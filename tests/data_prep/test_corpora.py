@@ -79,7 +79,8 @@ def test_rows_per_document_and_empty_rows_end_documents(tmp_path, vocab_file):
     assert records[0].split("\n\n") == lines[:8]
     manifest = run_build("--input", tmp_path / "lines.txt", "--rows-as-sentences", "--rows-per-document", 8,
                          "--vocab", vocab_file, "--out", tmp_path / "out")
-    assert manifest["documents"] == {"read": 5, "skipped": 0, "skip_reasons": {}, "skip_examples": {}}
+    assert {k: manifest["documents"][k] for k in ("read", "skipped", "skip_reasons")} == \
+        {"read": 5, "skipped": 0, "skip_reasons": {}}
     assert "--rows-per-document 1 must be at least 2" in build_error(
         "--input", tmp_path / "lines.txt", "--rows-per-document", 1, "--vocab", vocab_file, "--out", tmp_path / "o")
 
@@ -203,7 +204,9 @@ def test_a_failed_rebuild_leaves_the_previous_build_intact(samples_dir, vocab_fi
     assert "typo.jsonl: file not found" in error and directory_bytes(out) == before
     manifest = run_build("--input", samples_dir / "news/lee.txt", *args[:3], 32, *args[4:], "--overwrite")
     assert manifest["max_seq_len"] == 32 and ShardDataset(out).manifest == manifest
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.xml", "shards"]  # nothing left beside it
+    # nothing left beside it but the (empty) lock file
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".shards.lock", "broken.xml", "shards"]
+    assert (tmp_path / ".shards.lock").read_text() == ""
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "mine.txt").write_text("not a build")
     error = build_error("--input", samples_dir / "news/lee.txt", *args[:-1], tmp_path / "notes", "--overwrite")
@@ -223,9 +226,11 @@ def test_non_utf8_bytes_are_counted_with_file_and_line_in_every_text_input(vocab
         f.write(b"First sentence here.\nSecond \xff sentence.\nThird one.\n")
     manifest = run_build("--input", tmp_path / "dir", tmp_path / "rows.txt", "--rows-as-sentences",
                          tmp_path / "rows.txt", "--vocab", vocab_file, "--out", tmp_path / "out")
-    assert manifest["documents"]["skip_reasons"] == {"invalid_utf8": 2}
-    assert manifest["documents"]["skip_examples"]["invalid_utf8"] == [f"{tmp_path / 'dir' / 'a.jsonl'}:6",
-                                                                      f"{tmp_path / 'rows.txt'}:2"]
+    assert manifest["documents"]["skip_reasons"] == {"invalid_utf8": 1}  # a JSON line is dropped whole
+    assert manifest["documents"]["skip_examples"]["invalid_utf8"] == [f"{tmp_path / 'dir' / 'a.jsonl'}:6"]
+    # a text line keeps its good bytes: the bad one becomes U+FFFD, counted with its file and line
+    assert manifest["documents"]["repaired_lines"] == 1
+    assert manifest["documents"]["repair_examples"] == [f"{tmp_path / 'rows.txt'}:2"]
     (tmp_path / "array.json").write_bytes(b'[\n{"text": "A. B."},\n{"text": "caf\xe9"}\n]\n')
     error = build_error("--input", tmp_path / "array.json", "--vocab", vocab_file, "--out", tmp_path / "o")
     assert f"{tmp_path / 'array.json'}: not valid UTF-8 JSON at line 3" in error

@@ -181,8 +181,8 @@ HOSTILE_FILES: dict[str, tuple[str, bytes, dict[str, int]]] = {
     "nuls_and_controls": ("ctrl.txt", b"\x00\x01Ctrl\x07 chars\x1b[31m. Second\x00 sentence.\x7f\x85 Third.\n\n"
                           + b"\x00" * 5000 + b"\n\n\x0c\x0b\r\r\r\n\n" + (PROSE.encode() + b"\x00") * 3, {}),
     "latin1_cp1252_in_utf8": ("mixed.txt", PROSE.encode() + b"\n\ncaf\xe9 na\xefve \x93quoted\x94. Second one.\n\n"
-                              + PROSE.encode(), {"invalid_utf8": 1}),
-    "utf16_with_bom": ("utf16.txt", PROSE.encode("utf-16"), {"invalid_utf8": 1}),
+                              + PROSE.encode(), {}),  # bad bytes become U+FFFD: documents.repaired_lines
+    "utf16_with_bom": ("utf16.txt", PROSE.encode("utf-16"), {}),
     "utf16le_ascii_is_nul_soup": ("utf16le.txt", PROSE.encode("utf-16-le"), {}),
     "empty_txt": ("empty.txt", b"", {}),
     "blank_lines_only": ("blank.txt", b"\n\n  \n\t\n\r\n" * 1000, {}),
@@ -195,7 +195,7 @@ HOSTILE_FILES: dict[str, tuple[str, bytes, dict[str, int]]] = {
         b'"just a string"', b"42", b'{"text": "lone \\ud800 surrogate. Second \\udfff sentence here. Third."}',
         b'{"text": "NUL \\u0000 inside. Second sentence."}', b'{"text": ""}', b"\x00\x00\x00",
         json.dumps({"text": LOREM * 18_000}).encode()), {  # a 1 MB line (the .txt case has 5 MB)
-        "invalid_utf8": 1, "malformed_json": 3, "missing_text_field": 2, "text_not_a_string": 3,
+        "invalid_utf8": 1, "malformed_json": 3, "missing_text_field": 1, "text_not_a_string": 4,
         "not_an_object": 3, "empty": 1}),
     "json_array_with_bad_records": ("array.json", json.dumps(
         [{"text": PROSE}, {"text": 3}, {"no": "text"}, "string", None, {"text": "\x00\x00"}]).encode(),

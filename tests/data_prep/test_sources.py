@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from data_prep.sources import SourceError, Skipped, read_documents
+from data_prep.sources import (ReadOptions, RepairedText, SourceError, Skipped, check_input, directory_files,
+                               input_units, is_dataset_folder, read_documents)
 
 
 def _reasons(records) -> list[str]:
@@ -47,12 +49,13 @@ def test_json_array_and_parquet(tmp_path):
         list(read_documents(str(tmp_path / "b.parquet")))
 
 
-def test_txt_with_non_utf8_document_is_skipped(tmp_path):
+def test_txt_with_non_utf8_bytes_keeps_the_document(tmp_path):
     path = tmp_path / "a.txt"
-    path.write_bytes(b"Good one. Two.\n\nBad \xff\xfe bytes.\n\n\n\nLast doc.\r\n")
+    path.write_bytes(b"Good one. Two.\n\nBad \xff\xfe bytes.\nFine line.\n\n\n\nLast doc.\r\n")
     records = list(read_documents(str(path)))
-    assert records[0] == "Good one. Two.\n" and _reasons(records) == ["invalid_utf8"] and records[2] == "Last doc.\r\n"
-    assert records[1].where == f"{path}:3"
+    assert records == ["Good one. Two.\n", "Bad \ufffd\ufffd bytes.\nFine line.\n", "Last doc.\r\n"]
+    assert isinstance(records[1], RepairedText) and (records[1].lines, records[1].where) == (1, f"{path}:3")
+    assert not isinstance(records[0], RepairedText)
 
 
 def test_hf_dataset_code_path_on_a_local_dataset_folder(tmp_path):
@@ -82,3 +85,111 @@ def test_missing_file_unknown_suffix_and_broken_dump(tmp_path):
     (tmp_path / "dump.xml").write_text("<mediawiki><page><title>A</title><ns>0</ns><revision><text>Hi")
     with pytest.raises(SourceError, match="dump.xml: not a readable Wikipedia XML dump"):
         list(read_documents(str(tmp_path / "dump.xml")))
+
+
+def test_wikipedia_dump_pieces_are_read_by_name_and_in_a_directory(samples_dir, tmp_path):
+    dump = samples_dir / "wiki/enwiki-excerpt.xml.bz2"
+    expected = list(read_documents(str(dump)))
+    (tmp_path / "pieces").mkdir()
+    piece = tmp_path / "pieces" / "enwiki-20231101-pages-articles1.xml-p1p41242.bz2"
+    shutil.copy(dump, piece)
+    (tmp_path / "pieces" / "enwiki-20231101-pages-articles-multistream-index1.txt-p1p41242.bz2").write_bytes(b"x")
+    assert [str(r) if isinstance(r, str) else r.reason for r in read_documents(str(piece))] == \
+        [str(r) if isinstance(r, str) else r.reason for r in expected]
+    assert [u.spec for u in input_units(str(tmp_path / "pieces"))] == [str(piece)]  # the index is no dump
+    assert directory_files(tmp_path / "pieces")[1][0].name.startswith("enwiki-20231101-pages-articles-multistream")
+
+
+def test_a_directory_is_a_dataset_folder_only_by_the_marks_of_one(tmp_path):
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "a.txt").write_text("One. Two.\n")
+    for name in ("LICENSE", "README", "notes.csv", "README.md"):  # files of other types do not make it one
+        (plain / name).write_text("Licensed under CC-BY 4.0.\n")
+    assert not is_dataset_folder(plain)
+    assert list(read_documents(str(plain))) == ["One. Two.\n"]
+    assert [p.name for p in directory_files(plain)[1]] == ["LICENSE", "README", "notes.csv"]
+    (plain / "shards").mkdir()  # a shard build inside the input directory is never read
+    for name in ("manifest.json", "vocab.txt", "shard-00000.bin"):
+        (plain / "shards" / name).write_text("build output\n")
+    (plain / ".shards.partial").mkdir()
+    (plain / ".shards.partial" / "vocab.txt").write_text("staging\n")
+    assert list(read_documents(str(plain))) == ["One. Two.\n"]
+    (plain / "README.md").write_text("---\nconfigs:\n- config_name: default\n---\n")  # a hub dataset card
+    assert is_dataset_folder(plain)
+    tables = tmp_path / "tables"
+    tables.mkdir()
+    (tables / "0.csv").write_text("text\nx\n")
+    (tables / "LICENSE").write_text("MIT\n")
+    assert is_dataset_folder(tables)  # data files that are all tables: datasets reads them, with their splits
+    (tables / "more.jsonl").write_text('{"text": "y"}\n')
+    assert not is_dataset_folder(tables)
+    (tables / "data-00000-of-00001.arrow").write_bytes(b"")
+    assert is_dataset_folder(tables)
+    with pytest.raises(SourceError, match=r"empty: no file in this directory is of a type read here \(it holds "
+                                          r"x.csv.gz, y.csv.gz\)"):
+        (tmp_path / "empty").mkdir()
+        (tmp_path / "empty" / "x.csv.gz").write_bytes(b"")
+        (tmp_path / "empty" / "y.csv.gz").write_bytes(b"")
+        list(read_documents(str(tmp_path / "empty")))
+
+
+def test_a_hub_snapshot_folder_reads_its_train_split_unless_told(tmp_path):
+    root = tmp_path / "hf_local"
+    (root / "data").mkdir(parents=True)
+    for split, n in (("train", 5), ("validation", 3), ("test", 3)):
+        pq.write_table(pa.table({"text": [f"A {split} document {i}. Two sentences." for i in range(n)]}),
+                       root / "data" / f"{split}-00000-of-00001.parquet")
+    (root / "README.md").write_text(
+        "---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n    path: data/train-*\n"
+        "  - split: validation\n    path: data/validation-*\n  - split: test\n    path: data/test-*\n---\n")
+    assert {d.split()[1] for d in read_documents(str(root))} == {"train"}
+    assert len(list(read_documents(str(root)))) == 5
+    assert {d.split()[1] for d in read_documents(f"{root}::validation")} == {"validation"}
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "a.txt").write_text("One. Two.\n")
+    with pytest.raises(SourceError, match="plain is not a Hugging Face dataset folder, so it has no configs or splits"):
+        check_input(f"{tmp_path / 'plain'}::test")
+
+
+def test_a_saved_dataset_folder_reads_its_train_split_unless_told(tmp_path):
+    import datasets
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["Train one. Two.", "Train two. Three."]}),
+                          "test": datasets.Dataset.from_dict({"text": ["Test one. Two."]})}
+                         ).save_to_disk(str(tmp_path / "saved"))
+    assert list(read_documents(str(tmp_path / "saved"))) == ["Train one. Two.", "Train two. Three."]
+    assert list(read_documents(f"{tmp_path / 'saved'}::test")) == ["Test one. Two."]
+    with pytest.raises(SourceError, match=r"no split 'dev' in this saved dataset \(splits: \['test', 'train'\]\)"):
+        list(read_documents(f"{tmp_path / 'saved'}::dev"))
+
+
+def test_a_byte_order_mark_is_ignored_in_every_text_input(tmp_path):
+    bom = b"\xef\xbb\xbf"
+    docs = [{"text": f"Document {i} is here. It has a second sentence."} for i in range(3)]
+    (tmp_path / "a.jsonl").write_bytes(bom + b"\n".join(json.dumps(r).encode() for r in docs) + b"\n")
+    (tmp_path / "b.json").write_bytes(bom + json.dumps(docs, indent=2).encode())
+    (tmp_path / "c.txt").write_bytes(bom + b"First doc. Second sentence.\n\nNext doc. More text.\n")
+    texts = [d["text"] for d in docs]
+    assert list(read_documents(str(tmp_path / "a.jsonl"))) == texts
+    assert list(read_documents(str(tmp_path / "b.json"))) == texts
+    assert list(read_documents(str(tmp_path / "c.txt"))) == ["First doc. Second sentence.\n", "Next doc. More text.\n"]
+
+
+def test_a_record_whose_text_is_not_a_string_says_what_it_is(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"text": null}\n{"body": "x"}\n{"text": 3}\n{"text": ["a"]}\n[1]\n')
+    records = list(read_documents(str(tmp_path / "a.jsonl")))
+    assert [(r.reason, r.where.split(" ", 1)[1]) for r in records] == [
+        ("text_not_a_string", "('text' is null, not a string)"),
+        ("missing_text_field", "(no 'text'; fields: ['body']; pick one with --text-field NAME)"),
+        ("text_not_a_string", "('text' is a number, not a string)"),
+        ("text_not_a_string", "('text' is an array, not a string)"),
+        ("not_an_object", "(an array, not an object)")]
+
+
+def test_old_mac_line_ends_separate_lines_and_documents(tmp_path):
+    (tmp_path / "mac.txt").write_bytes(b"First doc. Line two.\rStill first.\r\rSecond doc. More.\r\r\rThird. End.\r")
+    records = list(read_documents(str(tmp_path / "mac.txt")))
+    assert records == ["First doc. Line two.\rStill first.\r", "Second doc. More.\r", "Third. End.\r"]
+    rows = list(read_documents(str(tmp_path / "mac.txt"), ReadOptions(rows_as_sentences=True, rows_per_document=10)))
+    assert rows[0].split("\n\n") == ["First doc. Line two.", "Still first."]

@@ -58,3 +58,19 @@ def test_real_wikipedia_excerpt(samples_dir):
     assert not any(line.startswith(("=", "*", "#", "|", "!")) for line in lines)
     sentences = list(itertools.chain.from_iterable(split_sentences(clean_document(a)) for a in articles[:5]))
     assert len(sentences) > 300 and all(s.strip() == s and s for s in sentences)
+
+
+def test_chinese_and_japanese_sentences_end_at_full_width_terminators():
+    document = clean_document("北京是中国的首都。它有三千多年的历史！你去过吗？「好。」他说。\n\n"
+                              "東京は日本の首都です。人口は多いです．")
+    assert split_sentences(document) == ["北京是中国的首都。", "它有三千多年的历史！", "你去过吗？", "「好。」", "他说。",
+                                         "東京は日本の首都です。", "人口は多いです．"]
+
+
+def test_a_capital_of_any_script_starts_a_sentence():
+    document = clean_document("Die Straße ist lang. Über die Brücke geht man. Émile Zola schrieb « Oui ». "
+                              "Это дом. Здесь живёт Ж. Петров. Ελλάδα. ¿Qué? Fin.")
+    assert split_sentences(document) == ["Die Straße ist lang.", "Über die Brücke geht man.",
+                                         "Émile Zola schrieb « Oui ».", "Это дом.", "Здесь живёт Ж. Петров.",
+                                         "Ελλάδα.", "¿Qué?", "Fin."]
+    assert split_sentences("it ends. here it goes on. ünd so.") == ["it ends. here it goes on. ünd so."]
