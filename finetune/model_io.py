@@ -15,8 +15,9 @@ so an interrupted save is detected on load instead of mixing an old head with ne
 
 `load_init` accepts that, a plain HF BERT directory, or a pre-training checkpoint (a DeepSpeed tag directory
 with our `complete.json` marker, or its parent `checkpoints/` directory; its `model_weights.safetensors` is read
-after the marker's hashes check out, by `pretrain.export.load_consolidated`, which needs `--vocab`: a checkpoint
-carries only the vocab's hash). Nothing is unpickled.
+after the marker's hashes check out, by `pretrain.export.load_consolidated`; its tokenizer is its shards' vocabulary
+and casing, found through the run config it records, or `--vocab` when the shards moved, checked against the
+vocabulary hash it records). Nothing is unpickled.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from safetensors.torch import load_file, save_file
 
 from data_prep.vocab import write_hf_tokenizer
 from pretrain import checkpoint as ckpt
-from pretrain.export import load_consolidated
+from pretrain.export import load_consolidated, resolve_checkpoint, shard_vocabulary
 from pretrain.hf import load_hf_bert, save_hf_bert
 from pretrain.model import UniLMModel
 
@@ -84,16 +85,40 @@ def load_init(path: str | Path, vocab: str | Path | None = None) -> tuple[UniLMM
     if (directory / "config.json").is_file():
         model = _load_model_dir(directory)
     elif (directory / ckpt.MARKER).is_file() or (directory / ckpt.LATEST).is_file():
-        if vocab is None:
-            raise ValueError(f"--init {directory} is a pre-training checkpoint: give --vocab (the vocab.txt its "
-                             "shards were built with)")
+        tokenizer = checkpoint_tokenizer(directory, vocab)
         model = load_consolidated(directory)
+        check_vocab(model, tokenizer)
+        return model, tokenizer
     else:
         raise ValueError(f"--init {directory}: neither a model directory (config.json) nor a pre-training "
                          f"checkpoint ({ckpt.MARKER} or {ckpt.LATEST})")
     tokenizer = load_tokenizer(vocab or directory)
     check_vocab(model, tokenizer)
     return model, tokenizer
+
+
+def checkpoint_tokenizer(checkpoint: Path, vocab: str | Path | None) -> Tokenizer:
+    """The tokenizer a pre-training checkpoint was trained with: its shards' vocabulary and casing, found from the
+    run config its marker records; `vocab` (a vocab.txt, or a shard directory) when the shards moved, which must
+    be the vocabulary whose sha256 the checkpoint records."""
+    directory, tag = resolve_checkpoint(checkpoint)
+    meta, problem = ckpt.verify_tag(directory / tag, hashes=False)
+    if meta is None:
+        raise ValueError(f"--init {checkpoint}: {directory / tag} is not a complete checkpoint: {problem}")
+    try:
+        shard_vocab, uncased = shard_vocabulary(checkpoint)
+    except (ValueError, OSError) as error:
+        if vocab is None:
+            raise ValueError(f"--init {checkpoint}: cannot find the vocabulary of the shards it was trained on "
+                             f"({error}); give --vocab SHARDS/vocab.txt") from None
+        shard_vocab, uncased = None, None
+    tokenizer = load_tokenizer(vocab or shard_vocab, lowercase=uncased)
+    recorded = meta.get("vocab_hash")
+    if recorded is not None and tokenizer.vocab.sha256 != recorded:
+        raise ValueError(f"--vocab {vocab}: not the vocabulary {directory / tag} was trained with (sha256 "
+                         f"{tokenizer.vocab.sha256[:12]}…, the checkpoint's {recorded[:12]}…); give the vocab.txt of "
+                         "its shards, or leave --vocab out to use the one its run config names")
+    return tokenizer
 
 
 def check_vocab(model: UniLMModel, tokenizer: Tokenizer) -> None:

@@ -17,7 +17,7 @@ from pretrain.outputs import check_output
 from pretrain.model import build_model
 
 from .config import TASKS, FinetuneConfig, load_config
-from .engine import fit
+from .engine import LOG_FILE, fit
 from .model_io import load_init
 from .tasks import build_task
 
@@ -69,12 +69,17 @@ def main(argv: list[str] | None = None) -> dict:
         sys.exit(error.exit_code)
 
 
+RUN_START_FILES = {ckpt.LOCK_FILE, "run_config.json", LOG_FILE, "checkpoints"}
+"""What a run writes before its first checkpoint: a directory holding only these is a run that failed early."""
+
+
 def check_run_output(out: str, inputs: list[str | None], force: bool) -> None:
     """Refuse an output directory that is one of the inputs, or that holds something other than a run to
-    resume (its checkpoints) unless `force`."""
+    resume (its checkpoints) or a run that stopped before its first checkpoint, unless `force`."""
     has_checkpoint = any(p.is_dir() and ckpt.step_of_tag(p.name) is not None
                          for p in (Path(out) / "checkpoints").glob("global_step*"))
-    check_output(out, inputs, force=force or has_checkpoint)
+    failed_early = Path(out).is_dir() and {p.name for p in Path(out).iterdir()} <= RUN_START_FILES
+    check_output(out, inputs, force=force or has_checkpoint or failed_early)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,9 @@ Converters (`python -m finetune.task_files --samples data/samples --out data/fin
 Splits are deterministic and independent of file order: an example goes to dev when a hash of its text (the
 article body, the review) falls below `dev_fraction`, to test (only with `--test-fraction` > 0: a held-out split
 for final numbers, never used for choices) when it falls in the next `test_fraction`; repeated texts are dropped
-(counted) so none leaks between splits. Dev is the same set with or without a test split.
+(counted) so none leaks between splits. Dev is the same set with or without a test split. Each split is written
+in an order given by another hash of its texts, so its first N examples are a fair sample of its classes (the BBC
+articles come sorted by topic).
 """
 from __future__ import annotations
 
@@ -104,19 +106,19 @@ def split(keyed: Iterable[tuple[str, dict]], dev_fraction: float,
     if dev_fraction < 0 or test_fraction < 0 or dev_fraction + test_fraction >= 1:
         raise ValueError(f"need dev_fraction >= 0, test_fraction >= 0 and their sum < 1, got {dev_fraction} "
                          f"and {test_fraction}")
-    train, dev, test, seen, duplicates = [], [], [], set(), 0
+    splits: tuple[list, list, list] = ([], [], [])
+    seen, duplicates = set(), 0
     for text, record in keyed:
         if text in seen:
             duplicates += 1
             continue
         seen.add(text)
         position = split_position(text)
-        if position < dev_fraction:
-            dev.append(record)
-        elif position < dev_fraction + test_fraction:
-            test.append(record)
-        else:
-            train.append(record)
+        which = 1 if position < dev_fraction else 2 if position < dev_fraction + test_fraction else 0
+        splits[which].append((split_position("order/" + text), record))
+    # each split in an order of its own hash, not the input's (the BBC articles come sorted by topic): the first N
+    # dev examples (`eval_max_examples`) are then a fair sample of every class
+    train, dev, test = ([record for _, record in sorted(items, key=lambda item: item[0])] for items in splits)
     return train, dev, test, duplicates
 
 

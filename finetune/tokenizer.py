@@ -69,16 +69,17 @@ class Tokenizer:
         return _DECODER.decode([self.vocab.tokens[i] for i in ids if i not in special])
 
 
-def load_tokenizer(model_dir: str | Path) -> Tokenizer:
+def load_tokenizer(model_dir: str | Path, lowercase: bool | None = None) -> Tokenizer:
     """The tokenizer of a model directory (its `vocab.txt`, or the `tokenizer.json` transformers 5 saves alone), a
     shard directory, a `vocab.txt` or a `tokenizer.json`; cased or not as `data_prep.vocab.resolve_casing` decides
-    for shard building (the tokenizer config beside the vocabulary, else the vocabulary's own word pieces)."""
+    for shard building (the tokenizer config beside the vocabulary, else the vocabulary's own word pieces), or as
+    `lowercase` says (a shard manifest's recorded casing)."""
     path = Path(model_dir)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such vocab.txt or model directory; a model directory must carry the "
                                 "vocabulary it was trained with (or pass --vocab)")
     source = resolve_vocab_source(path)
-    lowercase = resolve_casing(source, None)
+    lowercase = resolve_casing(source, None) if lowercase is None else lowercase
     vocab = load_vocab(source.vocab_file) if source.vocab_file is not None else \
         vocab_from_text(source.vocab_text, path)
     return Tokenizer(vocab, encoder_of(vocab, lowercase), lowercase)

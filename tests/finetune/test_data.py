@@ -19,6 +19,8 @@ def test_converters_write_the_task_formats_with_disjoint_deterministic_splits(ta
     assert {r["label"] for r in topic_train} == {"business", "entertainment", "politics", "sports", "tech"}
     assert 0.05 < len(topic_dev) / (len(topic_train) + len(topic_dev)) < 0.15
     assert not {r["text"] for r in topic_train} & {r["text"] for r in topic_dev}
+    # not in the articles' topic order: the first examples of a split (eval_max_examples) hold every class
+    assert {r["label"] for r in topic_dev[:40]} == {r["label"] for r in topic_train[:40]} == {r["label"] for r in topic_train}
     headline = read_jsonl(task_files / "bbc_headline.dev.jsonl")[0]
     assert set(headline) == {"src", "tgt"} and len(headline["tgt"]) < len(headline["src"])
     rotten = read_jsonl(task_files / "rotten.train.jsonl")

@@ -8,6 +8,7 @@ import dataclasses
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from finetune import seq2seq
@@ -76,3 +77,30 @@ def test_fine_tuning_loss_is_the_pretraining_seq2seq_loss_on_the_same_input(tiny
     for row, p in enumerate(packed):
         assert (p["masked_positions"] >= p["len_a"]).all()
         assert (batch["input_ids"][row, p["masked_positions"]] == tokenizer.mask_id).all()
+
+
+def test_a_checkpoint_brings_its_shards_tokenizer_and_refuses_another_vocab(unilm_shards, tiny_init, tmp_path):
+    """No --vocab needed: the run config in the checkpoint's marker names its shards, whose vocab.txt (checked
+    against the recorded sha256) and recorded casing fine-tuning uses; another --vocab is refused, and shards that
+    moved are named with the fix."""
+    from data_prep.shard_format import read_manifest, sha256_file
+    manifest = read_manifest(unilm_shards)
+    vocab = unilm_shards / manifest["vocab"]["file"]
+    model = _trained_looking_model(manifest["vocab"]["size"])
+    checkpoints = _pretraining_checkpoint(model, tmp_path)
+    tag_dir = checkpoints / ckpt.tag_for_step(7)
+
+    def mark(shards: Path) -> None:
+        ckpt.write_marker(tag_dir, {"step": 7, "zero_stage": 0, "model_config": dataclasses.asdict(model.cfg),
+                                    "vocab_hash": sha256_file(vocab), "run_config": {"data": {"shards": str(shards)}}})
+
+    mark(unilm_shards)
+    loaded, tokenizer = load_init(checkpoints)
+    assert tokenizer.vocab.sha256 == sha256_file(vocab) and tokenizer.lowercase is manifest["vocab"]["uncased"]
+    assert load_init(checkpoints, vocab=vocab)[1].vocab.sha256 == tokenizer.vocab.sha256
+    with pytest.raises(ValueError, match=r"--vocab .*: not the vocabulary .* was trained with"):
+        load_init(checkpoints, vocab=tiny_init / "vocab.txt")
+    mark(tmp_path / "moved")
+    with pytest.raises(ValueError, match=r"cannot find the vocabulary of the shards .*give --vocab SHARDS/vocab.txt"):
+        load_init(checkpoints)
+    assert load_init(checkpoints, vocab=vocab)[1].vocab.sha256 == tokenizer.vocab.sha256
