@@ -37,7 +37,7 @@ from pretrain.engine import (NonFiniteLossError, any_rank, build_engine, engine_
                              init_distributed, mean_over_ranks, nonfinite_gradient_norm, optimizer_step,
                              read_engine_json, zero_stage)
 from pretrain.outputs import write_file_atomically
-from pretrain.trainer import StopRequest, prepare_metrics_file
+from pretrain.trainer import StepBar, StopRequest, prepare_metrics_file
 
 from .config import FinetuneConfig
 from .model_io import save_finetuned
@@ -137,6 +137,8 @@ def _fit_locked(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer, rank
     if rank == 0:  # resumed: the steps past the checkpoint are redone, their old records dropped
         prepare_metrics_file(out / LOG_FILE, progress.step if resume is not None else None)
     log = open(out / LOG_FILE, "a") if rank == 0 else None
+    bar = StepBar(total_steps, progress.step, f"finetune {cfg.task}", every=max(1, min(50, steps_per_epoch // 4))) \
+        if rank == 0 else None
     stop_requested = StopRequest(time.monotonic(), cfg.exit_after_minutes)
     engine.train()
     try:
@@ -149,6 +151,7 @@ def _fit_locked(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer, rank
                 log.write(json.dumps({"step": progress.step, "epoch": epoch + 1, "loss": step_loss,
                                       "lr": engine.get_lr()[0]}) + "\n")
                 log.flush()
+                bar.update(progress.step, step_loss, engine.get_lr()[0])
             stop = any_rank(bool(stop_requested))  # one rank signalled: all save and exit together
             epoch_done = progress.step % steps_per_epoch == 0 or progress.step == total_steps
             if epoch_done:
@@ -160,7 +163,7 @@ def _fit_locked(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer, rank
                                                      progress.last_checkpoint)
             if exiting:
                 if rank == 0:
-                    reason = "exit_at_step" if progress.step == cfg.exit_at_step else "time limit / SIGTERM"
+                    reason = "exit_at_step" if progress.step == cfg.exit_at_step else "time limit / SIGTERM / Ctrl-C"
                     print(f"[finetune] {reason}: saved {progress.last_checkpoint.tag} at step {progress.step}; "
                           "rerun the command to continue", flush=True)
                 break
@@ -168,6 +171,7 @@ def _fit_locked(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer, rank
         stop_requested.close()
         if log:
             log.close()
+            bar.close()
     summary = {"task": cfg.task, "primary_metric": task.primary_metric, "best": progress.best,
                "epochs": progress.history, "steps": progress.step, "total_steps": total_steps,
                "world_size": world_size, "finished": progress.step >= total_steps,

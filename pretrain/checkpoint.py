@@ -50,6 +50,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Callable
 from importlib import metadata
@@ -532,6 +533,7 @@ def save(engine: Any, checkpoint_dir: Path, step: int, meta: dict[str, Any], cli
     rank = torch_dist.get_rank()
     tag = tag_for_step(step)
     tag_dir = checkpoint_dir / tag
+    began = time.monotonic()
     state = dict(meta, step=step, rng_states=gather_objects(portable_rng_state()), **client_state)
     if rank == 0:
         (tag_dir / MARKER).unlink(missing_ok=True)
@@ -564,7 +566,10 @@ def save(engine: Any, checkpoint_dir: Path, step: int, meta: dict[str, Any], cli
         save_id = write_marker(tag_dir, dict(meta, step=step, parent_save_id=previous.save_id if previous else None))
         update_latest(checkpoint_dir, tag)
         prune(checkpoint_dir, keep_last, just_written=tag)
-    return Saved(tag, gather_objects(save_id)[0])  # also the barrier: the save is complete on every rank
+    saved = Saved(tag, gather_objects(save_id)[0])  # also the barrier: the save is complete on every rank
+    if rank == 0:
+        print(f"[save] {tag_dir} in {time.monotonic() - began:.1f} s", flush=True)
+    return saved
 
 
 @dataclasses.dataclass(frozen=True)

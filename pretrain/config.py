@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import difflib
 import inspect
 import math
 import re
@@ -25,7 +26,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import yaml
 
@@ -64,7 +65,7 @@ def check_field_types(instance: Any, prefix: str = "") -> None:
             continue
         options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
         if not any(_has_type(option, value) for option in options):
-            raise ValueError(f"{prefix}{f.name}={value!r} is not a valid {hint}")
+            raise ValueError(f"{prefix}{f.name}={value!r} is not a valid {_type_name(hint)}")
         numbers = value if isinstance(value, (tuple, list)) else [value]
         if any(isinstance(v, float) and not math.isfinite(v) for v in numbers):
             raise ValueError(f"{prefix}{f.name}={value!r}: must be a finite number")
@@ -268,7 +269,12 @@ def _coerce(hint: Any, value: Any, name: str) -> Any:
                 return value
         except ValueError:
             continue
-    raise ValueError(f"{name}={value!r} is not a valid {hint}")
+    raise ValueError(f"{name}={value!r} is not a valid {_type_name(hint)}")
+
+
+def _type_name(hint: Any) -> str:
+    """``int``, ``float | None``, ``tuple[float, float]``: a field type as it is written."""
+    return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
 
 
 def _build(cls: type, values: dict[str, Any], prefix: str) -> Any:
@@ -280,7 +286,7 @@ def _build(cls: type, values: dict[str, Any], prefix: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - set(fields))
     if unknown:
-        raise ValueError(f"unknown config key(s): {', '.join(prefix + k for k in unknown)}")
+        raise ValueError(f"unknown config key(s): {', '.join(_suggest(prefix, k, fields) for k in unknown)}")
     missing = [name for name, f in fields.items() if name not in values and
                f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
                and not dataclasses.is_dataclass(hints[name])]
@@ -300,12 +306,18 @@ def _build(cls: type, values: dict[str, Any], prefix: str) -> Any:
     return cls(**kwargs)
 
 
+def _suggest(prefix: str, key: str, known: Iterable[str]) -> str:
+    """``prefix + key``, with the closest known key when one is close (a typo)."""
+    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.75)
+    return prefix + key + (f" (did you mean {prefix + close[0]}?)" if close else "")
+
+
 def _coerce_to_schema(schema: type, values: dict[str, Any], prefix: str) -> dict[str, Any]:
     """A partial set of ``schema``'s fields (e.g. ``model.overrides``), each coerced to its field type."""
     hints = typing.get_type_hints(schema)
     unknown = sorted(set(values) - set(hints))
     if unknown:
-        raise ValueError(f"unknown config key(s): {', '.join(prefix + k for k in unknown)} "
+        raise ValueError(f"unknown config key(s): {', '.join(_suggest(prefix, k, hints) for k in unknown)} "
                          f"({schema.__name__} has {', '.join(f.name for f in dataclasses.fields(schema))})")
     return {name: _coerce(hints[name], value, prefix + name) for name, value in values.items()}
 

@@ -33,7 +33,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     args = parser.parse_args(argv)
     try:
-        train(load_config(args.config, args.overrides))
+        cfg = load_config(args.config, args.overrides)
+    except (ValueError, OSError) as error:  # a bad setting: one line from the first rank, not a traceback per rank
+        if os.environ.get("RANK", "0") == "0":
+            print(f"[config] {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    try:
+        train(cfg)
     except RunStopped as error:  # a diagnosis (non-finite loss, checkpoint not written), not a crash: no traceback
         print(f"[stop] {error}", file=sys.stderr, flush=True)
         sys.exit(error.exit_code)

@@ -126,6 +126,27 @@ def prepare_metrics_file(path: Path, resumed_step: int | None, report: Any = pri
     write_file_atomically(path, lambda tmp: tmp.write_text(text))
 
 
+class StepBar:
+    """Rank 0's progress over optimizer steps: a tqdm bar on a terminal; elsewhere (cluster logs, a redirected
+    output) a plain line every ``every`` steps."""
+
+    def __init__(self, total: int, initial: int, desc: str, every: int = 10) -> None:
+        self.every = every
+        self.bar = tqdm(total=total, initial=initial, desc=desc, unit="step", file=sys.stderr, mininterval=1.0,
+                        dynamic_ncols=True, disable=None)
+
+    def update(self, step: int, loss: float, lr: float, samples_per_s: float | None = None) -> None:
+        self.bar.n = step
+        postfix = {"loss": f"{loss:.4f}", **({"samples_s": f"{samples_per_s:.1f}"} if samples_per_s else {})}
+        self.bar.set_postfix(postfix)  # refreshes the bar
+        if self.bar.disable and step % self.every == 0:
+            print(f"[step {step}/{self.bar.total}] loss {loss:.4f} lr {lr:.3g}"
+                  + (f" {samples_per_s:.1f} samples/s" if samples_per_s else ""), flush=True)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
 class Metrics:
     """Rank 0's ``metrics.jsonl`` (one JSON object per optimizer step) and progress bar."""
 
@@ -136,8 +157,7 @@ class Metrics:
         if not enabled:
             return
         prepare_metrics_file(path, resumed_step)
-        self.bar = tqdm(total=max_steps, initial=resumed_step or 0, desc="pretrain", unit="step", file=sys.stderr,
-                        mininterval=1.0, dynamic_ncols=True, disable=None)
+        self.bar = StepBar(max_steps, resumed_step or 0, "pretrain")
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -145,11 +165,7 @@ class Metrics:
         with open(self.path, "a") as handle:
             handle.write(json.dumps(record) + "\n")
         if self.bar is not None and "loss" in record:
-            self.bar.update(record["step"] - self.bar.n)
-            self.bar.set_postfix(loss=f"{record['loss']:.4f}", samples_s=f"{record['samples_per_s']:.1f}")
-            if self.bar.disable and record["step"] % 10 == 0:  # not a terminal (cluster logs): a plain line
-                print(f"[step {record['step']}/{self.bar.total}] loss {record['loss']:.4f} "
-                      f"lr {record['lr']:.3g} {record['samples_per_s']:.1f} samples/s", flush=True)
+            self.bar.update(record["step"], record["loss"], record["lr"], record["samples_per_s"])
 
     def close(self) -> None:
         if self.bar is not None:
@@ -451,15 +467,25 @@ def write_run_config(cfg: RunConfig, rank: int) -> None:
 
 
 class StopRequest:
-    """Whether this process should save and exit: SIGTERM received, or ``train.exit_after_minutes`` passed."""
+    """Whether this process should save and exit: SIGTERM received (a scheduler's preemption), a first Ctrl-C
+    (SIGINT; a second one stops at once, without saving), or ``train.exit_after_minutes`` passed."""
 
     def __init__(self, started: float, exit_after_minutes: float | None) -> None:
         self.started, self.exit_after_minutes = started, exit_after_minutes
         self.signalled = False
         self.previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self.previous_sigint = signal.signal(signal.SIGINT, self._on_sigint)
 
     def _on_sigterm(self, *_: Any) -> None:
         self.signalled = True
+
+    def _on_sigint(self, *_: Any) -> None:
+        if self.signalled:
+            raise KeyboardInterrupt
+        self.signalled = True
+        if os.environ.get("RANK", "0") == "0":
+            print("\n[stop] Ctrl-C: saving the step in progress, then exiting (Ctrl-C again stops at once, without "
+                  "saving)", file=sys.stderr, flush=True)
 
     def __bool__(self) -> bool:
         out_of_time = (self.exit_after_minutes is not None
@@ -468,6 +494,7 @@ class StopRequest:
 
     def close(self) -> None:
         signal.signal(signal.SIGTERM, self.previous_handler)
+        signal.signal(signal.SIGINT, self.previous_sigint)
 
 
 def run_steps(cfg: RunConfig, engine: Any, loader: PretrainLoader, eval_set: EvalSet | None, plan: BatchPlan,
@@ -496,7 +523,7 @@ def run_steps(cfg: RunConfig, engine: Any, loader: PretrainLoader, eval_set: Eva
                 at_exit_step = progress.step == cfg.train.exit_at_step
                 how = ("rerun without train.exit_at_step (or with a later one) to continue" if at_exit_step
                        else "rerun the same command to continue")
-                reason = "exit_at_step" if at_exit_step else "time limit / SIGTERM"
+                reason = "exit_at_step" if at_exit_step else "time limit / SIGTERM / Ctrl-C"
                 print(f"[exit] {reason}: saved {progress.last_checkpoint.tag} at step {progress.step}; {how}", flush=True)
             break
 

@@ -191,10 +191,22 @@ def test_sigterm_saves_the_step_and_the_rerun_continues(small_tasks, tiny_init, 
     assert process.returncode == 0, process.stderr[-3000:]
     stopped_at = len(losses(tmp_path))
     assert 4 <= stopped_at < 200
-    assert f"[finetune] time limit / SIGTERM: saved global_step{stopped_at} at step {stopped_at}" in process.stdout
+    assert f"[finetune] time limit / SIGTERM / Ctrl-C: saved global_step{stopped_at} at step {stopped_at}" in process.stdout
     tags = {p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("global_step")}
     assert {"global_step3", f"global_step{stopped_at}"} <= tags  # save_interval's and the stop's
     assert not json.loads((tmp_path / "summary.json").read_text())["finished"]
     run.main(args + ["--set", f"exit_at_step={stopped_at + 2}"])
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == \
         list(range(1, stopped_at + 3))
+
+
+def test_a_run_that_stopped_before_its_first_checkpoint_can_be_rerun_without_force(tmp_path):
+    from finetune.run import check_run_output
+    from pretrain.outputs import OutputExistsError
+    for name in ("run.lock", "run_config.json", "metrics.jsonl"):
+        (tmp_path / name).write_text("{}\n")
+    (tmp_path / "checkpoints").mkdir()
+    check_run_output(str(tmp_path), [], force=False)  # what a failed first attempt leaves: rerun it
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(OutputExistsError, match="pass --force"):
+        check_run_output(str(tmp_path), [], force=False)

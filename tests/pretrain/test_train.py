@@ -268,6 +268,28 @@ def test_a_corrupt_shard_stops_training_before_it_starts(unilm_shards: Path, tmp
     assert not (tmp_path / "run" / "checkpoints" / "latest").exists()
 
 
+def test_a_first_ctrl_c_asks_for_a_save_and_a_second_stops_at_once(capsys) -> None:
+    """Ctrl-C in a terminal run: the first SIGINT is handled as SIGTERM (save the step in progress, exit 0), so
+    an interactive stop loses no steps; a second one interrupts at once."""
+    import os
+    import signal
+    import time
+
+    from pretrain.trainer import StopRequest
+    before = signal.getsignal(signal.SIGINT)
+    stop = StopRequest(time.monotonic(), None)
+    try:
+        assert not stop
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop and "Ctrl-C again stops at once" in capsys.readouterr().err
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # the handler runs here at the latest
+    finally:
+        stop.close()
+    assert signal.getsignal(signal.SIGINT) is before
+
+
 def test_sigterm_saves_a_checkpoint_and_the_rerun_continues(unilm_shards: Path, tmp_path: Path) -> None:
     """What a cluster scheduler's preemption does: SIGTERM mid-run, then the same command again."""
     overrides = [f"data.shards={unilm_shards}", "model.overrides.vocab_size=4000", f"out_dir={tmp_path}",

@@ -41,8 +41,9 @@ def test_overrides_parse_types_and_the_config_is_frozen(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("override, message", [
-    ("train.max_stpes=3", "unknown config key.*train.max_stpes"),
-    ("train.max_steps=abc", "train.max_steps='abc' is not a valid"),
+    ("train.max_stpes=3", r"unknown config key.*train.max_stpes \(did you mean train.max_steps\?\)"),
+    ("model.overrides.hiden_size=8", r"model.overrides.hiden_size \(did you mean model.overrides.hidden_size\?\)"),
+    ("train.max_steps=abc", "train.max_steps='abc' is not a valid int$"),
     ("train.exit_at_step=500", "exit_at_step must be in"),
     ("optim.warmup_steps=100", "must be < train.max_steps"),
     ("train.eval_interval=5", "needs data.eval_shards"),
@@ -53,6 +54,15 @@ def test_overrides_parse_types_and_the_config_is_frozen(tmp_path: Path) -> None:
 def test_invalid_values_fail_early(override: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         load_config(REPO_ROOT / "pretrain/configs/tiny.yaml", [override])
+
+
+def test_a_bad_setting_is_one_line_not_a_traceback(capsys) -> None:
+    from pretrain.train import main
+    with pytest.raises(SystemExit) as stopped:
+        main(["--config", str(REPO_ROOT / "pretrain/configs/tiny.yaml"), "train.max_step=5"])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == ("[config] unknown config key(s): train.max_step (did you mean "
+                                       "train.max_steps?)\n")
 
 
 def test_deepspeed_json_gets_batch_optimizer_and_schedule_injected(tmp_path: Path) -> None:
