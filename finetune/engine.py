@@ -122,6 +122,7 @@ def _fit_locked(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer, rank
                                     report=print if rank == 0 else None)
     if rank == 0:
         print(f"[finetune] DeepSpeed config {cfg.deepspeed_config_path}", flush=True)
+        ckpt.report_changed_settings(resume, cfg.to_dict(), print)
     engine = build_engine(
         task.module, deepspeed_config(cfg, plan, engine_json, total_steps, warmup_steps,
                                       load_universal=resume is not None and resume.universal),

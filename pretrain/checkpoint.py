@@ -479,11 +479,47 @@ def check_compatible(saved: dict[str, Any], current: dict[str, Any], where: str)
                 f"{where} was trained with model.{name}={saved_model.get(name)!r}, this run has "
                 f"model.{name}={current_model.get(name)!r}; refusing to resume (use another out_dir or "
                 "train.resume=never)")
-    for name in ("vocab_hash", "manifest_hash", "seed"):
+    if saved.get("manifest_hash") not in (None, current.get("manifest_hash")):
+        raise CheckpointMismatchError(
+            f"{where} was trained on another build of its shards (manifest sha256 "
+            f"{str(saved.get('manifest_hash'))[:12]}…, these shards' {str(current.get('manifest_hash'))[:12]}…): they "
+            "were rebuilt (another seed, input or setting) or replaced since, which is another data stream; point "
+            "data.shards at the shards it was trained on, or start a new run (another out_dir or "
+            "train.resume=never)")
+    for name in ("vocab_hash", "seed"):
         if saved.get(name) != current.get(name):
             raise CheckpointMismatchError(
                 f"{where} was trained with {name}={saved.get(name)!r}, this run has {name}={current.get(name)!r}; "
                 "refusing to resume (use another out_dir or train.resume=never)")
+
+
+WHEN_TO_STOP = ("exit_at_step", "exit_after_minutes", "resume", "save_interval", "keep_last", "verify")
+"""Settings that only say when to stop or save, or what to check: a resumed run may change them unremarked."""
+
+
+def changed_settings(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> list[str]:
+    """``key: old -> new`` for every setting of the run config ``current`` that differs from ``saved`` (the run
+    config a checkpoint's marker records), nested keys dotted; those in ``WHEN_TO_STOP`` left out."""
+    changes = []
+    for key in sorted(set(saved) | set(current)):
+        old, new = saved.get(key), current.get(key)
+        if key in WHEN_TO_STOP or old == new:
+            continue
+        if isinstance(old, dict) and isinstance(new, dict):
+            changes += changed_settings(old, new, f"{prefix}{key}.")
+        else:
+            changes.append(f"{prefix}{key}: {old!r} -> {new!r}")
+    return changes
+
+
+def report_changed_settings(resume: "ResumePoint | None", current: dict[str, Any], report: Any) -> None:
+    """Say which settings differ from those the resumed checkpoint was saved under: the run continues with the
+    new ones (the learning-rate schedule, say, from this step on)."""
+    saved = (resume.meta.get("run_config") if resume is not None else None) or {}
+    changes = changed_settings(saved, current) if saved else []
+    if changes:
+        report(f"[resume] settings changed since {resume.tag}, the run continues with the new ones from step "
+               f"{resume.meta.get('step')}: {'; '.join(changes)}")
 
 
 # --- world-size change --------------------------------------------------------------------------------------

@@ -333,6 +333,8 @@ def _train_locked(cfg: RunConfig, rank: int, world_size: int, started: float) ->
     if rank == 0:
         print("[fast paths] " + ", ".join(f"train.{name}={'on' if on else 'off'}" for name, on in fast_paths.items())
               + " (null settings resolved for this run's device, precision and model)", flush=True)
+    if rank == 0:
+        ckpt.report_changed_settings(resume, cfg.to_dict(), print)
     engine = build_training_engine(cfg, model_cfg, plan, engine_json, resume, fast_paths)
     throughput = Throughput(model_cfg, world_size, cfg.train.peak_tflops or measured_peak_tflops(engine, rank))
     progress = restore_progress(engine, resume, cfg.train.seed, rank, world_size)
@@ -506,6 +508,9 @@ def run_steps(cfg: RunConfig, engine: Any, loader: PretrainLoader, eval_set: Eva
     last_step = min(cfg.train.max_steps, cfg.train.exit_at_step or cfg.train.max_steps)
     if cfg.train.exit_at_step is not None and progress.step >= cfg.train.exit_at_step and rank == 0:
         print(f"[exit] exit_at_step: already at step {progress.step}", flush=True)
+    elif progress.step >= cfg.train.max_steps and rank == 0:
+        print(f"[done] this run already reached train.max_steps={cfg.train.max_steps}: nothing to train (raise "
+              "train.max_steps to train further)", flush=True)
     while progress.step < last_step:
         record, stop = train_step(engine, loader, plan, metrics, progress, stop_requested, throughput)
         if eval_set is not None and progress.step % cfg.train.eval_interval == 0:

@@ -80,7 +80,6 @@ def test_unknown_marker_version_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("field, value, message", [
     ("vocab_hash", "other", "vocab_hash='abc'"),
-    ("manifest_hash", "other", "manifest_hash='def'"),
     ("seed", 2, "seed=1"),
 ])
 def test_mismatch_names_the_field(field: str, value: object, message: str) -> None:
@@ -92,6 +91,28 @@ def test_mismatch_names_the_field(field: str, value: object, message: str) -> No
     with pytest.raises(ckpt.CheckpointMismatchError, match=r"model.num_layers=2.*model.num_layers=4"):
         ckpt.check_compatible(dict(saved, model_config={"num_layers": 2}), dict(saved, model_config={"num_layers": 4}),
                               "ckpt")
+
+
+def test_rebuilt_shards_are_named_as_such() -> None:
+    saved = {"model_config": {}, "vocab_hash": "abc", "manifest_hash": "d" * 64, "seed": 1}
+    with pytest.raises(ckpt.CheckpointMismatchError, match=r"another build of its shards \(manifest sha256 "
+                                                          r"dddddddddddd…, these shards' eeeeeeeeeeee…\): they were "
+                                                          r"rebuilt .*point data.shards at the shards"):
+        ckpt.check_compatible(saved, dict(saved, manifest_hash="e" * 64), "ckpt")
+
+
+def test_a_resumed_run_names_the_settings_it_changed() -> None:
+    saved = {"optim": {"lr": 1e-4, "betas": [0.9, 0.999]}, "train": {"max_steps": 40, "exit_at_step": 10}}
+    now = {"optim": {"lr": 1e-2, "betas": [0.9, 0.999]}, "train": {"max_steps": 50, "exit_at_step": None}}
+    assert ckpt.changed_settings(saved, now) == ["optim.lr: 0.0001 -> 0.01", "train.max_steps: 40 -> 50"]
+    reports = []
+    resume = ckpt.ResumePoint(Path("c"), "global_step40", "global_step40", {"step": 40, "run_config": saved})
+    ckpt.report_changed_settings(resume, now, reports.append)
+    assert reports == ["[resume] settings changed since global_step40, the run continues with the new ones from "
+                       "step 40: optim.lr: 0.0001 -> 0.01; train.max_steps: 40 -> 50"]
+    ckpt.report_changed_settings(resume, saved, reports.append)
+    ckpt.report_changed_settings(None, now, reports.append)
+    assert len(reports) == 1
 
 
 def test_code_version_is_known() -> None:

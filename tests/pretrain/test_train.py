@@ -304,6 +304,11 @@ def test_sigterm_saves_a_checkpoint_and_the_rerun_continues(unilm_shards: Path, 
     assert f"saved global_step{stopped_at + 2}" in rerun.stdout
     steps = [record["step"] for record in metrics(tmp_path)]
     assert steps == list(range(1, stopped_at + 3))  # nothing repeated, nothing skipped
+    # the same run with a changed setting that leaves nothing to train: both are said
+    done = check(launch([*overrides[:-2], f"train.max_steps={stopped_at + 2}", "train.global_batch_size=8",
+                         "optim.warmup_steps=1"], nproc=1))
+    assert f"train.max_steps: 400 -> {stopped_at + 2}" in done.stdout and "train.save_interval" not in done.stdout
+    assert "[done] this run already reached train.max_steps" in done.stdout
 
 
 def test_saved_weights_equal_deepspeeds_fp32_consolidation(runs: dict) -> None:
