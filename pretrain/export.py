@@ -2,6 +2,12 @@
 
     python -m pretrain.export runs/tiny/checkpoints OUT            # the checkpoint `latest` names
     python -m pretrain.export runs/tiny/checkpoints/global_step40 OUT
+    python -m pretrain.export runs/gpt/checkpoints OUT --architecture BertModel
+
+The HF class follows the model (``pretrain.hf.hf_architectures``): a masked-LM model (unilm, bert) exports as
+``BertForPreTraining`` (or ``--architecture BertForMaskedLM | BertModel``), a causal LM (``causal_lm``, the gpt
+preset) as ``BertLMHeadModel`` with ``is_decoder: true``, so transformers applies the causal mask (or
+``BertModel``); a class that cannot express the model is refused before anything is written.
 
 Reads only the checkpoint's ``model_weights.safetensors`` (the full fp32 weights written at save time), after
 its completion marker's sizes and sha256 check out; DeepSpeed's pickled files are never loaded. Rebuilds the
@@ -21,7 +27,7 @@ from pathlib import Path
 from data_prep.shard_format import read_manifest, sha256_file
 from data_prep.vocab import write_hf_tokenizer
 from pretrain import checkpoint as ckpt
-from pretrain.hf import save_hf_bert
+from pretrain.hf import HF_ARCHITECTURES, check_architecture, save_hf_bert
 from pretrain.model import ModelConfig, UniLMModel, build_model
 from pretrain.outputs import check_output, replace_directory
 
@@ -67,8 +73,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="checkpoints directory (uses latest) or one global_stepN directory")
     parser.add_argument("out", help="output Hugging Face directory")
-    parser.add_argument("--architecture", default="BertForPreTraining",
-                        choices=["BertForPreTraining", "BertForMaskedLM", "BertModel"])
+    parser.add_argument("--architecture", choices=list(HF_ARCHITECTURES),
+                        help="the transformers class to load it with (default: BertForPreTraining for a masked-LM "
+                             "model, BertLMHeadModel for a causal LM)")
     parser.add_argument("--shards", help="the run's shard directory, if it is no longer at the run config's "
                                          "data.shards (the tokenizer comes from its manifest)")
     parser.add_argument("--force", action="store_true", help="replace an existing non-empty OUT entirely")
@@ -79,6 +86,11 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, FileExistsError) as error:
         parser.error(str(error))
     model = load_consolidated(args.checkpoint)
+    if args.architecture is not None:  # before anything is written
+        try:
+            check_architecture(model.cfg, args.architecture)
+        except ValueError as error:
+            parser.error(f"--architecture: {error}")
 
     def write(directory: Path) -> Path:
         written = save_hf_bert(model, directory, architecture=args.architecture)

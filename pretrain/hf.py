@@ -1,14 +1,26 @@
 """Hugging Face BERT checkpoints in and out: `load_hf_bert(path)` and `save_hf_bert(model, path)`.
 
-Our parameter names map one-to-one onto HF `BertForPreTraining` names (`_HF_NAMES`); the only tensor that
-changes shape is the segment (token-type) embedding, because UniLM uses 6 segment types and BERT 2:
+Our parameter names map one-to-one onto HF BERT names (`_HF_NAMES`); the only tensor that changes shape is the
+segment (token-type) embedding, because UniLM uses 6 segment types and BERT 2. Which rows travel depends on the
+attention the model trains with:
 
-    import (2 → 6)   HF type 0 ("first/only segment") → our rows 0 (bidirectional A), 2 (left-to-right),
-                     3 (right-to-left), 4 (seq2seq source); HF type 1 ("second segment") → rows 1
-                     (bidirectional B) and 5 (seq2seq target). A checkpoint that already has 6 types loads as is.
-    export (6 → 2)   rows 0 and 1 are written; rows 2..5 (left-to-right, right-to-left, seq2seq source/target)
-                     are dropped with a warning — a HF BERT cannot represent them, so the exported model
-                     behaves as ours on bidirectional inputs only.
+    masked-LM model (bidirectional; exported as `BertForPreTraining`, `BertForMaskedLM` or `BertModel`)
+      export (6 → 2)   rows 0 and 1 (bidirectional A/B) are written; rows 2..5 (left-to-right, right-to-left,
+                       seq2seq source/target) are dropped with a warning — a HF BERT cannot represent them, so the
+                       exported model behaves as ours on bidirectional inputs only.
+      import (2 → 6)   HF type 0 ("first/only segment") → our rows 0, 2, 3, 4; HF type 1 ("second segment") →
+                       rows 1 and 5 (`SEGMENT_ROWS_FROM_HF`).
+    causal LM (`causal_lm`, the gpt preset; exported as `BertLMHeadModel` or `BertModel`, with `is_decoder: true`
+    so that transformers applies the causal mask)
+      export (6 → 2)   row 2 (left-to-right), the only row its tokens are embedded with, becomes HF types 0 and 1
+                       (our causal LM ignores segments, so a tokenizer's pair behaves as ours too); rows 0, 1, 3..5,
+                       which its training never updates (weight decay only shrinks them), are dropped with a warning,
+                       and so are the pooler and NSP head (their loss weight is 0 for a causal LM) — `BertModel`
+                       keeps its pooler, untrained.
+      import (2 → 6)   an `is_decoder` config builds a `causal_lm` model; HF type 0 → every row
+                       (`SEGMENT_ROWS_FROM_HF_DECODER`; the model reads row 2). A type 1 that differs from type 0
+                       has no place in it and is dropped with a warning.
+    A checkpoint that already has 6 types loads as is, either kind.
 
 Tensors are read safely: `model.safetensors` with safetensors, `pytorch_model.bin` with
 `torch.load(weights_only=True)`, a checkpoint saved in shards through its `*.index.json`. Checkpoints with or
@@ -33,7 +45,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from pretrain.masks import NUM_SEGMENT_TYPES
+from pretrain.masks import (
+    NUM_SEGMENT_TYPES, SEGMENT_BIDIRECTIONAL_A, SEGMENT_BIDIRECTIONAL_B, SEGMENT_LEFT_TO_RIGHT,
+)
 from pretrain.model import IGNORE_INDEX, ModelConfig, UniLMModel, build_model
 
 logger = logging.getLogger(__name__)
@@ -66,8 +80,17 @@ _OPTIONAL_PREFIXES = ("pooler.", "mlm_head.", "nsp_head.")
 # The task heads of HF's fine-tuned BERT classes (sequence / token classification, multiple choice; question
 # answering): a fine-tuned BERT's encoder loads, its head is left out with a warning, as from_pretrained does.
 _HF_TASK_HEADS = ("classifier.", "qa_outputs.")
-# HF type 0 → our rows 0, 2, 3, 4; HF type 1 → rows 1, 5 (see the module docstring).
+# HF token type of each of our segment rows, on import (see the module docstring): a bidirectional BERT's type 0 →
+# our rows 0, 2, 3, 4 and type 1 → rows 1, 5; a decoder's (is_decoder) type 0 → every row.
 SEGMENT_ROWS_FROM_HF = (0, 1, 0, 0, 0, 1)
+SEGMENT_ROWS_FROM_HF_DECODER = (0,) * NUM_SEGMENT_TYPES
+# Our rows written as HF types 0 and 1, on export: a masked-LM model's bidirectional A/B, a causal LM's left-to-right
+# row twice.
+SEGMENT_ROWS_TO_HF = (SEGMENT_BIDIRECTIONAL_A, SEGMENT_BIDIRECTIONAL_B)
+SEGMENT_ROWS_TO_HF_DECODER = (SEGMENT_LEFT_TO_RIGHT, SEGMENT_LEFT_TO_RIGHT)
+# Our modules a causal LM never trains (the NSP loss weight is 0 for every non-bidirectional sample): its HF classes
+# have no place for them, and an import does not report them missing.
+_UNTRAINED_BY_CAUSAL_LM = ("pooler.", "nsp_head.")
 
 
 def _rename(name: str, table: tuple[tuple[str, str], ...]) -> str | None:
@@ -95,7 +118,8 @@ _EXACT_GELU = ("gelu", "gelu_python")
 
 
 def config_from_hf(config: dict) -> ModelConfig:
-    """Our ModelConfig from a HF BERT `config.json` dict; refuses what our model cannot express."""
+    """Our ModelConfig from a HF BERT `config.json` dict (`is_decoder: true` → `causal_lm`); refuses what our model
+    cannot express."""
     if config.get("model_type", "bert") != "bert":
         raise ValueError(f"not a BERT config: model_type={config.get('model_type')!r}")
     if config.get("hidden_act", "gelu") not in _EXACT_GELU:
@@ -108,10 +132,9 @@ def config_from_hf(config: dict) -> ModelConfig:
     if config.get("type_vocab_size", 2) not in (2, NUM_SEGMENT_TYPES):
         raise ValueError(f"type_vocab_size={config['type_vocab_size']} cannot be mapped to "
                          f"{NUM_SEGMENT_TYPES} segment types (2 or {NUM_SEGMENT_TYPES} can)")
-    if config.get("is_decoder"):
-        logger.warning("the config has is_decoder=true (a left-to-right BertLMHeadModel): its weights load into "
-                       "this model, whose masks come from each sample's objective, not from the config; fine-tune "
-                       "or pre-train it with the left-to-right objective to keep it causal")
+    if config.get("add_cross_attention"):
+        raise ValueError("add_cross_attention=true (the decoder of an encoder-decoder): its cross-attention layers "
+                         "have no place in our model")
     return ModelConfig(
         vocab_size=config["vocab_size"],
         hidden_size=config["hidden_size"],
@@ -123,6 +146,7 @@ def config_from_hf(config: dict) -> ModelConfig:
         attention_dropout=config.get("attention_probs_dropout_prob", 0.1),
         layer_norm_eps=config.get("layer_norm_eps", 1e-12),
         initializer_range=config.get("initializer_range", 0.02),
+        causal_lm=bool(config.get("is_decoder", False)),  # transformers' switch for the causal mask
     )
 
 
@@ -186,17 +210,25 @@ def load_hf_bert(path: str | Path, cfg: ModelConfig | None = None) -> UniLMModel
     or either split into shards by an index file).
 
     ``cfg`` (default: the directory's own, `hf_model_config`) builds the model instead, for settings that leave
-    the tensors' shapes alone, such as other dropout rates; a shape it changes is an error naming the tensor.
+    the tensors' shapes alone, such as other dropout rates; a shape it changes is an error naming the tensor, and
+    a `causal_lm` other than the directory's (`is_decoder`) is named in a warning.
 
-    Accepts BertModel, BertForMaskedLM and BertForPreTraining checkpoints, with or without the `bert.` prefix
-    and with TF-era `gamma`/`beta` LayerNorm names; of a fine-tuned BERT (BertForSequenceClassification …) the
-    encoder, its task head left out with a warning. Segment types 2 → 6 as in the module docstring. Tensors
-    our model has but the checkpoint lacks (pooler, MLM head, NSP head) keep their fresh init, with a warning,
+    Accepts BertModel, BertForMaskedLM, BertForPreTraining and BertLMHeadModel checkpoints, with or without the
+    `bert.` prefix and with TF-era `gamma`/`beta` LayerNorm names; of a fine-tuned BERT
+    (BertForSequenceClassification …) the encoder, its task head left out with a warning. Segment types 2 → 6 as
+    in the module docstring. Tensors our model has but the checkpoint lacks (pooler, MLM head, NSP head) keep
+    their fresh init, with a warning (not for the pooler and NSP head of a causal LM, which never trains them),
     except a missing MLM transform, which starts at the identity (module docstring); anything else missing,
     unknown or of the wrong shape is an error.
     """
     directory = Path(path)
-    cfg = cfg or hf_model_config(directory)
+    source = hf_model_config(directory)
+    cfg = cfg or source
+    if cfg.causal_lm != source.causal_lm:
+        logger.warning(f"{directory} holds a {'causal LM (is_decoder)' if source.causal_lm else 'masked-LM BERT'}, "
+                       f"loaded here as a {'causal LM' if cfg.causal_lm else 'masked-LM model'} (causal_lm="
+                       f"{str(cfg.causal_lm).lower()}): its weights were trained under the other attention mask; "
+                       "train them before use")
     model = build_model(cfg)
     ours = model.state_dict()
 
@@ -220,7 +252,10 @@ def load_hf_bert(path: str | Path, cfg: ModelConfig | None = None) -> UniLMModel
             unknown.append(hf_name)
             continue
         if name == "embeddings.segment.weight" and tensor.shape[0] == 2:
-            tensor = tensor[list(SEGMENT_ROWS_FROM_HF)]
+            if source.causal_lm and not torch.equal(tensor[0], tensor[1]):
+                logger.warning(f"{directory}: a causal LM reads one segment row; its HF token type 0 fills them "
+                               "all and its different token type 1 is dropped")
+            tensor = tensor[list(SEGMENT_ROWS_FROM_HF_DECODER if source.causal_lm else SEGMENT_ROWS_FROM_HF)]
         if tensor.shape != ours[name].shape:
             raise ValueError(f"{directory}: {hf_name} has shape {tuple(tensor.shape)}, "
                              f"our {name} needs {tuple(ours[name].shape)}")
@@ -241,9 +276,10 @@ def load_hf_bert(path: str | Path, cfg: ModelConfig | None = None) -> UniLMModel
     if not_optional:
         raise ValueError(f"{directory}: checkpoint lacks {not_optional}")
     identity_transform = {"mlm_head.dense.weight", "mlm_head.dense.bias"} <= set(missing)
-    if missing:
-        message = (f"{directory}: no weights for {sorted({n.split('.')[0] for n in missing})} "
-                   f"({len(missing)} tensors) — freshly initialised"
+    reported = [n for n in missing if not (cfg.causal_lm and n.startswith(_UNTRAINED_BY_CAUSAL_LM))]
+    if reported:
+        message = (f"{directory}: no weights for {sorted({n.split('.')[0] for n in reported})} "
+                   f"({len(reported)} tensors) — freshly initialised"
                    + (" (the MLM transform at the identity)" if identity_transform else "")
                    + ", train them before use")
         logger.warning(message)
@@ -259,14 +295,41 @@ def load_hf_bert(path: str | Path, cfg: ModelConfig | None = None) -> UniLMModel
 HF_ARCHITECTURES = {
     "BertForPreTraining": ("bert.", "cls."),
     "BertForMaskedLM": ("bert.embeddings.", "bert.encoder.", "cls.predictions."),
+    "BertLMHeadModel": ("bert.embeddings.", "bert.encoder.", "cls.predictions."),
     "BertModel": ("bert.embeddings.", "bert.encoder.", "bert.pooler."),
 }
 
 
-def hf_config(cfg: ModelConfig, architecture: str = "BertForPreTraining") -> dict:
-    """The HF `config.json` of a BERT equivalent to our config (2 segment types)."""
+def hf_architectures(cfg: ModelConfig) -> tuple[str, ...]:
+    """The HF classes that express a model of this config, its default first: a masked-LM model's
+    (`BertForPreTraining`, `BertForMaskedLM`, `BertModel`) or a causal LM's (`BertLMHeadModel`, `BertModel`)."""
+    if cfg.causal_lm:
+        return ("BertLMHeadModel", "BertModel")
+    return ("BertForPreTraining", "BertForMaskedLM", "BertModel")
+
+
+def check_architecture(cfg: ModelConfig, architecture: str) -> None:
+    """Refuse, saying why and what to use instead, a HF class that cannot express a model of this config."""
+    if architecture not in HF_ARCHITECTURES:
+        raise ValueError(f"architecture must be one of {list(HF_ARCHITECTURES)}, got {architecture!r}")
+    choices = hf_architectures(cfg)
+    if architecture in choices:
+        return
+    if cfg.causal_lm:
+        raise ValueError(f"{architecture} is a masked-LM class and cannot express this model, a causal LM "
+                         "(causal_lm=true, the gpt preset) that predicts each next token from the tokens before it; "
+                         f"export it as {' or '.join(choices)} (is_decoder: true: transformers applies the causal "
+                         "mask)")
+    raise ValueError(f"{architecture} is a left-to-right decoder (is_decoder: true, a next-token head), and this "
+                     "model is a masked LM (causal_lm=false) that predicts [MASK]ed tokens; export it as "
+                     f"{', '.join(choices)}")
+
+
+def hf_config(cfg: ModelConfig, architecture: str | None = None) -> dict:
+    """The HF `config.json` of a BERT equivalent to our config (2 segment types; `is_decoder` for a causal LM);
+    `architecture` defaults to the config's first `hf_architectures`."""
     return {
-        "architectures": [architecture],
+        "architectures": [architecture or hf_architectures(cfg)[0]],
         "model_type": "bert",
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
@@ -281,25 +344,29 @@ def hf_config(cfg: ModelConfig, architecture: str = "BertForPreTraining") -> dic
         "initializer_range": cfg.initializer_range,
         "layer_norm_eps": cfg.layer_norm_eps,
         "position_embedding_type": "absolute",
+        "is_decoder": cfg.causal_lm,
         "tie_word_embeddings": True,
     }
 
 
-def save_hf_bert(model: UniLMModel, path: str | Path, architecture: str = "BertForPreTraining",
+def save_hf_bert(model: UniLMModel, path: str | Path, architecture: str | None = None,
                  state: dict[str, torch.Tensor] | None = None) -> Path:
     """Write `config.json` + `model.safetensors` for one HF class to `path`; returns it.
 
-    `architecture` is the class that will load it with no missing and no unexpected weights:
-    `BertForPreTraining` (everything: encoder, pooler, MLM and NSP heads), `BertForMaskedLM` (no pooler,
-    no NSP head) or `BertModel` (no heads; `bert.` prefix dropped). A BertForPreTraining export also loads
-    into the other two, which then list the heads they lack as unexpected (HF's usual report).
-    Segment rows 2..5 are dropped (warning): see the module docstring. Copy a vocab.txt beside it yourself.
+    `architecture` is the class that will load it with no missing and no unexpected weights, by default the
+    model's own (`hf_architectures`). A masked-LM model: `BertForPreTraining` (everything: encoder, pooler, MLM
+    and NSP heads), `BertForMaskedLM` (no pooler, no NSP head) or `BertModel` (no heads; `bert.` prefix dropped);
+    a BertForPreTraining export also loads into the other two, which then list the heads they lack as unexpected
+    (HF's usual report). A causal LM (`is_decoder: true`): `BertLMHeadModel` (encoder and next-token head) or
+    `BertModel`. Another class is refused (`check_architecture`). Segment rows as in the module docstring, the
+    dropped ones named in a warning. Copy a vocab.txt beside it yourself.
     `state` (our names) replaces `model.state_dict()` as the weights written: under DeepSpeed, the fp32 master
     copy that `pretrain.checkpoint.gather_full_weights` collects (the module itself holds bf16/fp16 copies, or
     ZeRO-3 partitions).
     """
-    if architecture not in HF_ARCHITECTURES:
-        raise ValueError(f"architecture must be one of {list(HF_ARCHITECTURES)}, got {architecture!r}")
+    architecture = architecture or hf_architectures(model.cfg)[0]
+    check_architecture(model.cfg, architecture)
+    segment_rows = SEGMENT_ROWS_TO_HF_DECODER if model.cfg.causal_lm else SEGMENT_ROWS_TO_HF
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {}
@@ -309,12 +376,16 @@ def save_hf_bert(model: UniLMModel, path: str | Path, architecture: str = "BertF
         if hf_name is None or not hf_name.startswith(HF_ARCHITECTURES[architecture]):
             continue
         if name == "embeddings.segment.weight":
-            tensor = tensor[:2]
+            tensor = tensor[list(segment_rows)]
         if architecture == "BertModel":
             hf_name = hf_name.removeprefix("bert.")
         tensors[hf_name] = tensor.detach().cpu().contiguous()
-    logger.warning("HF BERT has 2 token types: exported segment rows 0/1 (bidirectional A/B); dropped rows 2-5 "
-                   "(left-to-right, right-to-left, seq2seq source/target)")
+    if model.cfg.causal_lm:
+        logger.warning("causal LM: exported segment row 2 (left-to-right, the one it embeds every token with) as "
+                       "HF token types 0 and 1; dropped rows 0, 1, 3-5, which its training never updates")
+    else:
+        logger.warning("HF BERT has 2 token types: exported segment rows 0/1 (bidirectional A/B); dropped rows "
+                       "2-5 (left-to-right, right-to-left, seq2seq source/target)")
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(hf_config(model.cfg, architecture), indent=2) + "\n")
     return directory

@@ -14,7 +14,7 @@ from pretrain.data import synthetic_batch
 from pretrain.hf import (
     SEGMENT_ROWS_FROM_HF, config_from_hf, hf_model_config, hf_pretraining_inputs, load_hf_bert, save_hf_bert,
 )
-from pretrain.masks import BIDIRECTIONAL, build_attention_mask, build_segment_ids
+from pretrain.masks import BIDIRECTIONAL, LEFT_TO_RIGHT, build_attention_mask, build_segment_ids
 from pretrain.model import build_model, preset
 
 transformers = pytest.importorskip("transformers")
@@ -219,14 +219,46 @@ def test_an_mlm_bias_stored_under_the_decoder_only_is_loaded(tmp_path, caplog):
     assert "mlm_head" not in caplog.text
 
 
-def test_a_causal_bert_config_is_named_in_a_warning(caplog):
+def test_an_is_decoder_config_imports_as_a_causal_lm(caplog):
     config = {"vocab_size": 100, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
               "intermediate_size": 64}
     with caplog.at_level(logging.WARNING, logger="pretrain.hf"):
-        config_from_hf(config)
-        assert "is_decoder" not in caplog.text
-        config_from_hf({**config, "is_decoder": True})
-    assert "is_decoder=true" in caplog.text
+        assert not config_from_hf(config).causal_lm
+        assert config_from_hf({**config, "is_decoder": True}).causal_lm
+    assert caplog.text == ""
+    with pytest.raises(ValueError, match="add_cross_attention=true .* no place"):
+        config_from_hf({**config, "is_decoder": True, "add_cross_attention": True})
+
+
+def test_a_transformers_decoder_imports_as_our_causal_lm_with_its_logits(tmp_path, caplog):
+    """transformers' own BertLMHeadModel (two different token types) → ours: the same next-token logits; its token
+    type 1, which a causal LM has no row for, is named."""
+    torch.manual_seed(5)
+    config = transformers.BertConfig(vocab_size=500, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64, is_decoder=True)
+    transformers.BertLMHeadModel(config).save_pretrained(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="pretrain.hf"):
+        model = load_hf_bert(tmp_path).eval()
+    assert model.cfg.causal_lm and "token type 1 is dropped" in caplog.text
+    assert "freshly initialised" not in caplog.text  # no pooler, no NSP head: a causal LM never trains them
+    hf_model = transformers.BertLMHeadModel.from_pretrained(tmp_path).eval()
+    input_ids, length = torch.randint(5, 500, (2, 12)), torch.tensor([12, 12])
+    with torch.no_grad():
+        ours = model.mlm_logits(model.encode_objective(input_ids, LEFT_TO_RIGHT, length, length))
+        theirs = hf_model(input_ids=input_ids).logits
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+
+
+def test_a_decoder_loaded_as_a_masked_lm_is_named_in_a_warning(tmp_path, caplog):
+    torch.manual_seed(6)
+    model = build_model(dataclasses.replace(preset("tiny"), causal_lm=True))
+    save_hf_bert(model, tmp_path)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="pretrain.hf"):
+        load_hf_bert(tmp_path, dataclasses.replace(model.cfg, hidden_dropout=0.0))
+        assert caplog.text == ""
+        load_hf_bert(tmp_path, dataclasses.replace(model.cfg, causal_lm=False))
+    assert "holds a causal LM (is_decoder), loaded here as a masked-LM model" in caplog.text
 
 
 def test_an_untied_decoder_is_named_in_a_warning(tmp_path, caplog):
