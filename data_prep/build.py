@@ -84,7 +84,8 @@ class BuildConfig:
     vocab_sha256: str
     uncased: bool = False
     instances: InstanceConfig = field(default_factory=InstanceConfig)
-    masking: MaskingConfig = field(default_factory=MaskingConfig)
+    masking: MaskingConfig | None = None
+    """None: the recipe's (``MaskingConfig.for_recipe``: UniLM's spans, BERT's single tokens)"""
     seed: int = 1
     dupe_factor: int = 1
     """differently-masked copies of every instance"""
@@ -101,6 +102,8 @@ class BuildConfig:
     """a .jsonl file larger than this is split into byte ranges that different builders read"""
 
     def __post_init__(self) -> None:
+        if self.masking is None:
+            object.__setattr__(self, "masking", MaskingConfig.for_recipe(self.instances.recipe))
         if not self.inputs:
             raise ValueError("no --input given")
         if self.seed < 0:
@@ -956,7 +959,8 @@ def main(argv: list[str] | None = None) -> None:
             instances=InstanceConfig(recipe=args.recipe, max_seq_len=args.max_seq_len,
                                      short_seq_prob=args.short_seq_prob,
                                      objective_mix=parse_objective_mix(args.objective_mix)),
-            masking=MaskingConfig(mask_prob=args.mask_prob, max_predictions=max_predictions), seed=args.seed,
+            masking=MaskingConfig.for_recipe(args.recipe, mask_prob=args.mask_prob, max_predictions=max_predictions),
+            seed=args.seed,
             dupe_factor=args.dupe_factor, samples_per_shard=args.samples_per_shard, chunk_chars=args.chunk_chars,
             text_field=args.text_field, sentence_inputs=sentence_inputs, rows_per_document=args.rows_per_document)
         if args.max_predictions is not None:

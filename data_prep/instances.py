@@ -2,8 +2,8 @@
 
 Recipes (``--recipe``):
   ``unilm`` — objective per instance drawn from the mix (default 1/3 bidirectional with NSP, 1/3 seq2seq,
-              1/6 left-to-right, 1/6 right-to-left); every objective gets cloze masking, as in the paper.
-  ``bert``  — bidirectional + NSP only, masked.
+              1/6 left-to-right, 1/6 right-to-left); every objective gets cloze masking in spans, as in the paper.
+  ``bert``  — bidirectional + NSP only, single masked tokens, as in BERT.
   ``gpt``   — contiguous left-to-right windows of each document, no masking (every next token is a label).
 
 Pairs follow BERT's ``create_instances_from_document``: sentences accumulate up to a target length (a random
@@ -14,11 +14,12 @@ one of the same chunk, or, for a document alone in its chunk, one of the neighbo
 and its continuation. The unused sentences go back to the stream. Segments never cross documents except that
 random B. Layout: ``[CLS] A [SEP]`` or ``[CLS] A [SEP] B [SEP]``.
 
-Masking (``mask_tokens``): 15% of the non-special tokens (at least 1, at most ``max_predictions``, by default
-round(0.15 × max_seq_len), so a full-length sample is masked at 15% too), in
-non-adjacent spans of which 80% are single tokens and 20% bigrams or trigrams; of the masked tokens 80%
-become [MASK], 10% a random non-special token, 10% stay. Everything random comes from a generator seeded
-by (seed, document index, stream), never by process order, so any split of the work gives the same bytes.
+Masking (``mask_samples``): 15% of the non-special tokens (at least 1, at most ``max_predictions``, by default
+round(0.15 × max_seq_len), so a full-length sample is masked at 15% too), in non-adjacent spans whose lengths
+follow the recipe (``SPAN_LENGTH_PROBS``): unilm 80% single tokens and 20% bigrams or trigrams (UniLM, Dong et
+al. 2019), bert single tokens only (BERT, Devlin et al. 2019); of the masked tokens 80% become [MASK], 10% a
+random non-special token, 10% stay. Everything random comes from a generator seeded by (seed, document index,
+stream), never by process order, so any split of the work gives the same bytes.
 """
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ import numpy as np
 from data_prep.shard_format import Objective
 
 RECIPES = ("unilm", "bert", "gpt")
+SPAN_LENGTH_PROBS = {"unilm": (0.8, 0.1, 0.1), "bert": (1.0,)}
+"""Probability of a masked span of length 1, 2, 3, … in each masked recipe (gpt masks nothing)."""
 UNILM_MIX = {Objective.BIDIRECTIONAL: 1 / 3, Objective.SEQ2SEQ: 1 / 3,
              Objective.LEFT_TO_RIGHT: 1 / 6, Objective.RIGHT_TO_LEFT: 1 / 6}
 
@@ -43,8 +46,8 @@ class MaskingConfig:
     """fraction of non-special tokens to predict"""
     max_predictions: int = 20
     """cap on masked tokens per sample"""
-    span_length_probs: tuple[float, ...] = (0.8, 0.1, 0.1)
-    """probability of a masked span of length 1, 2, 3, …"""
+    span_length_probs: tuple[float, ...] = SPAN_LENGTH_PROBS["unilm"]
+    """probability of a masked span of length 1, 2, 3, … (the recipe's: `for_recipe`)"""
     replace_mask: float = 0.8
     """fraction of masked tokens shown as [MASK]"""
     replace_random: float = 0.1
@@ -61,6 +64,14 @@ class MaskingConfig:
             raise ValueError(f"span_length_probs {self.span_length_probs} must sum to 1")
         if self.replace_mask < 0 or self.replace_random < 0 or self.replace_mask + self.replace_random > 1:
             raise ValueError("replace_mask + replace_random must be within [0, 1]")
+
+    @classmethod
+    def for_recipe(cls, recipe: str, **settings: float | int) -> "MaskingConfig":
+        """The masking of ``recipe`` with these other settings: its span lengths (``SPAN_LENGTH_PROBS``); gpt's
+        config is never used (it masks nothing, and the manifest records no masking)."""
+        if recipe in SPAN_LENGTH_PROBS:
+            return cls(span_length_probs=SPAN_LENGTH_PROBS[recipe], **settings)
+        return cls(**settings)
 
 
 @dataclass(frozen=True)
@@ -287,7 +298,8 @@ def mask_samples(tokens: np.ndarray, token_offset: np.ndarray, length: np.ndarra
     tokens: int [T] the samples back to back; token_offset, length, segment_a_length: int [S];
     uniforms: float [random_draws_needed] in [0, 1), laid out per sample as
       (span lengths k | replacement k | random token k | slot keys n), samples concatenated in order, so the
-      caller can draw each document's block from that document's own generator.
+      caller can draw each document's block from that document's own generator (the span-length draws are
+      taken under single-token masking too, which reads none: one layout for every recipe).
     Returns (num_masked [S], masked_positions [K] ascending within each sample, masked_labels [K]).
     Spans live in each sample's maskable coordinates (positions without [CLS]/[SEP]); they are placed
     uniformly at random with at least one unmasked token between them (stars and bars), so each span is a

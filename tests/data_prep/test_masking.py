@@ -1,19 +1,23 @@
-"""Property test of the vectorised masking on random sample layouts."""
+"""The vectorised masking: a property test on random sample layouts, and each recipe's span lengths in real builds."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from data_prep.inspect import shard_statistics
 from data_prep.instances import MaskingConfig, mask_samples, masking_budget, random_draws_needed
+from data_prep.shard_format import ShardDataset
+from shard_builds import run_build
 
 CLS, SEP, MASK = 2, 3, 4
+LAYOUTS = st.lists(st.tuples(st.integers(1, 60), st.integers(0, 60)), min_size=1, max_size=8)
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 60), st.integers(0, 60)), min_size=1, max_size=8), st.integers(0, 2**31))
-def test_mask_samples_invariants(segments, seed):
-    cfg = MaskingConfig(max_predictions=12)
+def masked_layout(segments: list[tuple[int, int]], seed: int, cfg: MaskingConfig):
+    """Samples ``[CLS] A [SEP]`` or ``[CLS] A [SEP] B [SEP]`` of the given segment lengths, back to back, masked:
+    (original tokens, masked tokens, (offset, length, len_a) per sample, num_masked, positions, labels)."""
     rows, flat = [], []
     for len_a, len_b in segments:
         start = len(flat)
@@ -30,6 +34,14 @@ def test_mask_samples_invariants(segments, seed):
     num_masked, positions, labels = mask_samples(tokens, offset, length, len_a, uniforms, cfg, MASK,
                                                  np.arange(5, 400))
     np.testing.assert_array_equal(num_masked, masking_budget(maskable, cfg))
+    return original, tokens, rows, num_masked, positions, labels
+
+
+@settings(max_examples=60, deadline=None)
+@given(LAYOUTS, st.integers(0, 2**31))
+def test_mask_samples_invariants(segments, seed):
+    original, tokens, rows, num_masked, positions, labels = masked_layout(segments, seed,
+                                                                          MaskingConfig(max_predictions=12))
     assert num_masked.sum() == len(positions) == len(labels)
     starts = np.cumsum(num_masked) - num_masked
     for s, (start, total, segment_a_length) in enumerate(rows):
@@ -37,5 +49,42 @@ def test_mask_samples_invariants(segments, seed):
         assert np.all(np.diff(pos) > 0) and pos.min() >= 1 and pos.max() <= total - 2
         assert segment_a_length - 1 not in pos
         np.testing.assert_array_equal(labels[starts[s]:starts[s] + num_masked[s]], original[start + pos])
+    offset = np.array([start for start, _, _ in rows])
     changed = np.flatnonzero(tokens != original)
     assert set(changed.tolist()) <= set((offset.repeat(num_masked) + positions).tolist())
+
+
+@settings(max_examples=40, deadline=None)
+@given(LAYOUTS, st.integers(0, 2**31))
+def test_bert_masking_isolates_every_masked_token_within_the_same_budget(segments, seed):
+    cfg = MaskingConfig.for_recipe("bert", max_predictions=12)
+    assert cfg.span_length_probs == (1.0,) and MaskingConfig.for_recipe("unilm") == MaskingConfig()
+    _, _, rows, num_masked, positions, _ = masked_layout(segments, seed, cfg)
+    starts = np.cumsum(num_masked) - num_masked
+    for s in range(len(rows)):
+        assert np.all(np.diff(positions[starts[s]:starts[s] + num_masked[s]]) >= 2)  # no two side by side
+
+
+def test_bert_builds_mask_single_tokens_and_unilm_builds_keep_their_spans(samples_dir, minilm_dir, tmp_path):
+    common = ["--input", samples_dir / "news/lee.txt", "--vocab", minilm_dir, "--max-seq-len", 128, "--seed", 3]
+    for recipe, span_length_probs in (("bert", [1.0]), ("unilm", [0.8, 0.1, 0.1])):
+        manifest = run_build(*common, "--recipe", recipe, "--out", tmp_path / recipe)
+        assert manifest["masking"]["span_length_probs"] == span_length_probs
+        stats = shard_statistics(ShardDataset(tmp_path / recipe))
+        assert stats["masked_fraction"] == pytest.approx(0.15, abs=0.01)
+        spans = {int(length): count for length, count in stats["span_lengths"].items()}
+        if recipe == "bert":
+            assert set(spans) == {1}, spans
+        else:  # 80 % of the spans single tokens, the rest bigrams and trigrams
+            assert set(spans) == {1, 2, 3} and spans[1] / sum(spans.values()) == pytest.approx(0.8, abs=0.03), spans
+
+
+def test_a_bert_build_is_the_same_bytes_again_and_on_two_workers(samples_dir, minilm_dir, tmp_path):
+    common = ["--input", samples_dir / "news/lee.txt", "--vocab", minilm_dir, "--recipe", "bert", "--max-seq-len",
+              64, "--seed", 5, "--chunk-chars", 40_000, "--samples-per-shard", 500]
+    for name, workers in (("one", 1), ("again", 1), ("two", 2)):
+        run_build(*common, "--workers", workers, "--out", tmp_path / name)
+    reference = {p.name: p.read_bytes() for p in sorted((tmp_path / "one").iterdir())}
+    assert len(reference) >= 3  # manifest, vocab, shards
+    for name in ("again", "two"):
+        assert {p.name: p.read_bytes() for p in sorted((tmp_path / name).iterdir())} == reference, name
