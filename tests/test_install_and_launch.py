@@ -115,3 +115,19 @@ def test_an_editable_install_on_top_of_an_existing_torch_keeps_it_and_needs_no_d
     assert Path(torch_file) == Path(torch.__file__) and version == torch.__version__  # kept, not replaced
     assert Path(project_file) == ROOT / "pretrain" / "trainer.py"                     # the checkout, editable
     assert not any(p.name.startswith("torch") for p in site.iterdir())                # nothing torch-like added
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_shards_replaces_an_existing_build_only_when_asked(tmp_path: Path) -> None:
+    """A run resumes only on the shards it started with: `make shards` stops at an existing build and names
+    OVERWRITE=1, which alone passes --overwrite."""
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "manifest.json").write_text("{}")
+    environ = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS")}
+    stopped = subprocess.run(["make", "--no-print-directory", "shards", f"SHARDS={shards}"], cwd=ROOT, env=environ,
+                             capture_output=True, text=True, timeout=120)
+    assert stopped.returncode != 0 and "holds a build; make shards OVERWRITE=1 replaces it" in stopped.stderr
+    other = str(tmp_path / "other")
+    assert "--overwrite" not in make(tmp_path, None, "shards", f"SHARDS={other}")
+    assert "--overwrite" in make(tmp_path, None, "shards", f"SHARDS={other}", "OVERWRITE=1")
