@@ -2,11 +2,15 @@
 
 A fine-tuning output directory is a Hugging Face BERT directory plus what HF BERT cannot hold:
 
-    config.json, model.safetensors   `pretrain.hf.save_hf_bert` (loads in `transformers`)
+    config.json, model.safetensors   `pretrain.hf.save_hf_bert`: loads in `transformers` as the task's class with
+                                     its trained head (`hf_task_class`: BertForSequenceClassification with the
+                                     labels as `id2label`, BertForMultipleChoice, BertForQuestionAnswering), so
+                                     its pipelines run it; else (seq2seq, GPT heads) as BertForPreTraining
     vocab.txt, tokenizer_config.json the vocabulary it was trained with and its casing, and
     special_tokens_map.json          (`data_prep.vocab.write_hf_tokenizer`: `AutoTokenizer` loads them)
-    finetune_extra.safetensors       the task head (`head.*`) and all 6 segment rows
-                                     (`embeddings.segment.weight`: HF keeps only 2, seq2seq uses rows 4/5)
+    finetune_extra.safetensors       the task head (`head.*`), all 6 segment rows (`embeddings.segment.weight`:
+                                     HF keeps only 2, seq2seq uses rows 4/5) and the backbone's heads the HF
+                                     class has no place for (MLM, NSP; the pooler for QA)
     finetune.json                    format version, task, labels, model config, run settings, and the sha256
                                      of every file above (written last: it vouches for a complete set)
 
@@ -35,7 +39,7 @@ from safetensors.torch import load_file, save_file
 from data_prep.vocab import write_hf_tokenizer
 from pretrain import checkpoint as ckpt
 from pretrain.export import load_consolidated, resolve_checkpoint, shard_vocabulary
-from pretrain.hf import load_hf_bert, save_hf_bert
+from pretrain.hf import HF_TASK_ARCHITECTURES, load_hf_bert, save_hf_bert, to_hf_name
 from pretrain.model import UniLMModel
 
 from .tokenizer import Tokenizer, load_tokenizer
@@ -65,16 +69,13 @@ def _load_model_dir(directory: Path) -> UniLMModel:
     if not (directory / "config.json").is_file():
         raise ValueError(f"{directory} is not a model directory: no config.json (expected a Hugging Face BERT "
                          "export, a fine-tuning output directory or a pre-training checkpoint)")
+    extra = directory / EXTRA_FILE
+    # a fine-tuning output: what its HF file has no place for (all six segment rows, heads) is kept beside it
+    supplement = {k: v for k, v in load_file(extra).items() if not k.startswith("head.")} if extra.is_file() else None
     try:
-        model = load_hf_bert(directory)
+        return load_hf_bert(directory, supplement=supplement)
     except (ValueError, KeyError, FileNotFoundError, OSError) as err:
         raise ValueError(f"{directory} is not a loadable BERT model: {err}") from err
-    extra = directory / EXTRA_FILE
-    if extra.is_file():
-        segments = load_file(extra).get(SEGMENT_WEIGHT)
-        if segments is not None:
-            model.embeddings.segment.weight.data.copy_(segments)
-    return model
 
 
 def load_init(path: str | Path, vocab: str | Path | None = None) -> tuple[UniLMModel, Tokenizer]:
@@ -144,11 +145,24 @@ def save_finetuned(out_dir: str | Path, model: UniLMModel, head: torch.nn.Module
     out.mkdir(parents=True, exist_ok=True)
     staging = out / f".model.partial-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
+    head_weights = {k: v for k, v in weights.items() if k.startswith("head.")}
+    architecture = hf_task_class(task, model.cfg, extra_meta)
     try:
-        save_hf_bert(model, staging, state=backbone)
-        tensors = {SEGMENT_WEIGHT: backbone[SEGMENT_WEIGHT].detach().cpu().contiguous()}
-        tensors.update({k: v.detach().cpu().contiguous() for k, v in weights.items() if k.startswith("head.")})
-        save_file(tensors, staging / EXTRA_FILE)
+        if architecture is None:
+            save_hf_bert(model, staging, state=backbone, quiet=True)
+            kept: tuple[str, ...] = ("bert.", "cls.")
+        else:
+            prefix = "qa_outputs." if architecture == "BertForQuestionAnswering" else "classifier."
+            save_hf_bert(model, staging, architecture, state=backbone, quiet=True,
+                         task_head={prefix + k.removeprefix("head."): v for k, v in head_weights.items()},
+                         task_config=hf_task_config(architecture, extra_meta))
+            kept = HF_TASK_ARCHITECTURES[architecture]
+        # beside the HF file: all six segment rows, the heads its class has no place for, the task head
+        tensors = {SEGMENT_WEIGHT: backbone[SEGMENT_WEIGHT]}
+        tensors.update({k: v for k, v in backbone.items()
+                        if (to_hf_name(k) or "").startswith(("bert.", "cls.")) and not to_hf_name(k).startswith(kept)})
+        tensors.update(head_weights)
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, staging / EXTRA_FILE)
         write_hf_tokenizer(tokenizer.vocab, tokenizer.lowercase, staging, model.cfg.max_position_embeddings)
         files = sorted(p.name for p in staging.iterdir())
         meta = {"format_version": FORMAT_VERSION, "task": task, "model_config": dataclasses.asdict(model.cfg),
@@ -163,6 +177,36 @@ def save_finetuned(out_dir: str | Path, model: UniLMModel, head: torch.nn.Module
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out
+
+
+def hf_task_class(task: str, cfg: Any, meta: dict[str, Any]) -> str | None:
+    """The transformers task class a fine-tuned model is written as, when one computes what our head does: a
+    masked-LM backbone's classifier on the pooled [CLS] of one view (`BertForSequenceClassification`; one score per
+    choice: `BertForMultipleChoice`), its span head (`BertForQuestionAnswering`). None (written as
+    `BertForPreTraining`, the head beside it): seq2seq, a causal LM's head on the last token, GPT-1 similarity's
+    two summed views."""
+    if cfg.causal_lm:
+        return None
+    if task == "qa":
+        return "BertForQuestionAnswering"
+    if task == "classify" and not meta.get("settings", {}).get("similarity"):
+        return "BertForMultipleChoice" if meta.get("multiple_choice") else "BertForSequenceClassification"
+    return None
+
+
+def hf_task_config(architecture: str, meta: dict[str, Any]) -> dict[str, Any]:
+    """The config.json entries of a task class: the labels (`id2label`, so pipelines name them) and problem type
+    of a classifier, its dropout."""
+    config: dict[str, Any] = {"classifier_dropout": meta.get("settings", {}).get("dropout")}
+    if architecture == "BertForSequenceClassification":
+        labels = meta.get("labels") or []
+        if meta.get("regression"):
+            config.update(num_labels=1, problem_type="regression")
+        else:
+            config.update(id2label={str(i): label for i, label in enumerate(labels)},
+                          label2id={label: i for i, label in enumerate(labels)},
+                          problem_type="single_label_classification")
+    return config
 
 
 def check_complete(directory: Path, meta: dict[str, Any]) -> None:

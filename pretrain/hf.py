@@ -205,7 +205,8 @@ def hf_model_config(path: str | Path) -> ModelConfig:
     return config_from_hf(config)
 
 
-def load_hf_bert(path: str | Path, cfg: ModelConfig | None = None) -> UniLMModel:
+def load_hf_bert(path: str | Path, cfg: ModelConfig | None = None,
+                 supplement: dict[str, torch.Tensor] | None = None) -> UniLMModel:
     """Our model with the weights of a HF BERT directory (config.json + model.safetensors | pytorch_model.bin,
     or either split into shards by an index file).
 
@@ -220,6 +221,8 @@ def load_hf_bert(path: str | Path, cfg: ModelConfig | None = None) -> UniLMModel
     their fresh init, with a warning (not for the pooler and NSP head of a causal LM, which never trains them),
     except a missing MLM transform, which starts at the identity (module docstring); anything else missing,
     unknown or of the wrong shape is an error.
+    ``supplement`` (our names) adds or replaces tensors: what a fine-tuning output keeps beside its HF file (all
+    six segment rows, the heads its HF task class has no place for); its own task head then goes unremarked.
     """
     directory = Path(path)
     source = hf_model_config(directory)
@@ -262,8 +265,9 @@ def load_hf_bert(path: str | Path, cfg: ModelConfig | None = None) -> UniLMModel
         loaded[name] = tensor
     if unknown:
         raise ValueError(f"{directory}: tensors our model has no place for: {unknown}")
-    if task_head:
+    if task_head and supplement is None:
         logger.warning(f"{directory}: left out its fine-tuned task head {sorted(task_head)}; the encoder loads")
+    loaded.update(supplement or {})
 
     if "mlm_head.decoder.bias" not in loaded and decoder_bias is not None:  # the bias stored under the decoder only
         loaded["mlm_head.decoder.bias"] = decoder_bias
@@ -298,6 +302,13 @@ HF_ARCHITECTURES = {
     "BertLMHeadModel": ("bert.embeddings.", "bert.encoder.", "cls.predictions."),
     "BertModel": ("bert.embeddings.", "bert.encoder.", "bert.pooler."),
 }
+HF_TASK_ARCHITECTURES = {
+    "BertForSequenceClassification": ("bert.",),  # + classifier.*: pooled [CLS] -> dropout -> linear
+    "BertForMultipleChoice": ("bert.",),  # + classifier.*: one score per choice from its pooled [CLS]
+    "BertForQuestionAnswering": ("bert.embeddings.", "bert.encoder."),  # + qa_outputs.*: start/end per token
+}
+"""The fine-tuned heads of transformers' BERT task classes that a fine-tuning output is written as (with its task
+head's tensors, `save_hf_bert(task_head=...)`): the backbone's tensors each class holds."""
 
 
 def hf_architectures(cfg: ModelConfig) -> tuple[str, ...]:
@@ -350,7 +361,8 @@ def hf_config(cfg: ModelConfig, architecture: str | None = None) -> dict:
 
 
 def save_hf_bert(model: UniLMModel, path: str | Path, architecture: str | None = None,
-                 state: dict[str, torch.Tensor] | None = None) -> Path:
+                 state: dict[str, torch.Tensor] | None = None, task_head: dict[str, torch.Tensor] | None = None,
+                 task_config: dict | None = None, quiet: bool = False) -> Path:
     """Write `config.json` + `model.safetensors` for one HF class to `path`; returns it.
 
     `architecture` is the class that will load it with no missing and no unexpected weights, by default the
@@ -363,9 +375,19 @@ def save_hf_bert(model: UniLMModel, path: str | Path, architecture: str | None =
     `state` (our names) replaces `model.state_dict()` as the weights written: under DeepSpeed, the fp32 master
     copy that `pretrain.checkpoint.gather_full_weights` collects (the module itself holds bf16/fp16 copies, or
     ZeRO-3 partitions).
+    A fine-tuned model of a masked-LM backbone may be written as one of `HF_TASK_ARCHITECTURES` instead: its
+    backbone's tensors that class holds, plus `task_head` (HF names, e.g. `classifier.weight`) and `task_config`
+    (`num_labels`, `id2label`, ...) in its config. `quiet`: no warning about the dropped segment rows (the caller
+    keeps them).
     """
     architecture = architecture or hf_architectures(model.cfg)[0]
-    check_architecture(model.cfg, architecture)
+    if architecture in HF_TASK_ARCHITECTURES:
+        if model.cfg.causal_lm or task_head is None:
+            raise ValueError(f"{architecture} needs a masked-LM backbone and its task head's tensors")
+        kept = HF_TASK_ARCHITECTURES[architecture]
+    else:
+        check_architecture(model.cfg, architecture)
+        kept = HF_ARCHITECTURES[architecture]
     segment_rows = SEGMENT_ROWS_TO_HF_DECODER if model.cfg.causal_lm else SEGMENT_ROWS_TO_HF
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
@@ -373,21 +395,23 @@ def save_hf_bert(model: UniLMModel, path: str | Path, architecture: str | None =
     for name, tensor in (model.state_dict() if state is None else state).items():
         hf_name = to_hf_name(name)
         # the decoder weight is the token embedding (HF re-ties it on load); heads the class lacks are left out
-        if hf_name is None or not hf_name.startswith(HF_ARCHITECTURES[architecture]):
+        if hf_name is None or not hf_name.startswith(kept):
             continue
         if name == "embeddings.segment.weight":
             tensor = tensor[list(segment_rows)]
         if architecture == "BertModel":
             hf_name = hf_name.removeprefix("bert.")
         tensors[hf_name] = tensor.detach().cpu().contiguous()
-    if model.cfg.causal_lm:
+    tensors.update({name: tensor.detach().cpu().contiguous() for name, tensor in (task_head or {}).items()})
+    if not quiet and model.cfg.causal_lm:
         logger.warning("causal LM: exported segment row 2 (left-to-right, the one it embeds every token with) as "
                        "HF token types 0 and 1; dropped rows 0, 1, 3-5, which its training never updates")
-    else:
+    elif not quiet:
         logger.warning("HF BERT has 2 token types: exported segment rows 0/1 (bidirectional A/B); dropped rows "
                        "2-5 (left-to-right, right-to-left, seq2seq source/target)")
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
-    (directory / "config.json").write_text(json.dumps(hf_config(model.cfg, architecture), indent=2) + "\n")
+    config = dict(hf_config(model.cfg, architecture), **(task_config or {}))
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return directory
 
 

@@ -36,6 +36,37 @@ def test_classify_run_exports_the_best_model_and_metrics(small_tasks, tiny_init,
         {"business", "entertainment", "politics", "sports", "tech"})
     assert set(finetuned.head_state) == {"weight", "bias"} and finetuned.head_state["weight"].shape == (5, 32)
     assert (tmp_path / "vocab.txt").read_bytes() == (tiny_init / "vocab.txt").read_bytes()
+    assert_transformers_runs_the_task_head(tmp_path, small_tasks["bbc_topic.dev"])
+
+
+def assert_transformers_runs_the_task_head(out, dev) -> None:
+    """The output loads as transformers' BertForSequenceClassification (no missing or unexpected weights, the
+    labels named) and gives our classifier's logits on dev inputs tokenized by its own AutoTokenizer."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from finetune import classify
+    from finetune.task_files import read_jsonl
+    from safetensors.torch import load_file
+    finetuned = load_finetuned(out)
+    kept = load_file(out / "finetune_extra.safetensors")  # the heads the HF class has no place for come back
+    assert {"mlm_head.dense.weight", "nsp_head.weight"} <= set(kept)
+    torch.testing.assert_close(finetuned.model.mlm_head.dense.weight, kept["mlm_head.dense.weight"], rtol=0, atol=0)
+    hf, info = AutoModelForSequenceClassification.from_pretrained(str(out), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert hf.config.id2label[0] == "business" and hf.config.num_labels == 5
+    records = read_jsonl(dev)[:6]
+    encoded = AutoTokenizer.from_pretrained(str(out))([r["text"] for r in records], truncation=True, max_length=64,
+                                                       padding=True, return_tensors="pt")
+    labels = classify.LabelSpace(classes=tuple(finetuned.meta["labels"]))
+    ours = classify.ClassifierModel(finetuned.model, labels, dropout=0.1)
+    ours.head.load_state_dict(finetuned.head_state)
+    examples, _ = classify.encode_examples(records, finetuned.tokenizer, labels, 64, False, where="dev")
+    batch = classify.collate(examples, finetuned.tokenizer.pad_id, regression=False)
+    assert encoded["input_ids"][:, :batch["input_ids"].shape[-1]].tolist() == batch["input_ids"][:, 0].tolist()
+    with torch.no_grad():
+        expected = ours.eval().scores(batch["input_ids"], batch["len_a"], batch["length"])[0]
+        got = hf.eval()(**encoded).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_a_stopped_run_resumes_to_the_same_losses(small_tasks, tiny_init, tmp_path):
@@ -116,6 +147,14 @@ def test_seq2seq_run_then_decode_with_and_without_cache(small_tasks, tiny_init, 
         predictions[bool(flag)] = [r["prediction"] for r in records]
         assert "rougeL" in json.loads(decode.metrics_path(output).read_text())
     assert predictions[False] == predictions[True]
+    # no --max-tgt-len: the run's (16 word pieces) bounds the predictions, not a fixed 64
+    decoded = {}
+    for flag in ([], ["--max-tgt-len", "16"], ["--max-tgt-len", "64"]):
+        output = tmp_path / f"default{len(flag)}{''.join(flag[1:])}.jsonl"
+        decode.main(["--model", str(out), "--input", str(small_tasks["bbc_headline.dev"]), "--output", str(output),
+                     "--beam-size", "1", "--no-repeat-ngram", "0", *flag])
+        decoded[" ".join(flag)] = [json.loads(line)["prediction"] for line in output.read_text().splitlines()]
+    assert decoded[""] == decoded["--max-tgt-len 16"] != decoded["--max-tgt-len 64"]
     with pytest.raises(ValueError, match="fine-tuned for 'seq2seq', not 'classify'"):
         load_finetuned(out, expect_task="classify")
 
@@ -146,7 +185,27 @@ def test_qa_run_on_the_squad_sample(small_tasks, tiny_init, tmp_path):
     metrics = json.loads((tmp_path / "summary.json").read_text())
     assert metrics["primary_metric"] == "f1" and {"exact_match", "f1"} <= set(metrics["best"])
     assert metrics["windows"]["train"] > 5 and not metrics["version_2"]
-    assert load_finetuned(tmp_path).head_state["weight"].shape == (2, 32)
+    finetuned = load_finetuned(tmp_path)
+    assert finetuned.head_state["weight"].shape == (2, 32)
+    # transformers runs the span head: BertForQuestionAnswering with our start/end logits on a window
+    from transformers import AutoModelForQuestionAnswering
+
+    from finetune import qa
+    hf, info = AutoModelForQuestionAnswering.from_pretrained(str(tmp_path), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    questions, _ = qa.read_squad(squad)
+    windows = qa.make_windows(questions[:2], finetuned.tokenizer, 96, 48, 64)
+    batch = qa.collate(windows, finetuned.tokenizer.pad_id)
+    ours = qa.SpanModel(finetuned.model)
+    ours.head.load_state_dict(finetuned.head_state)
+    positions = torch.arange(batch["input_ids"].shape[1])
+    with torch.no_grad():
+        start, end = ours.eval().span_logits(batch["input_ids"], batch["len_a"], batch["length"])
+        out = hf.eval()(input_ids=batch["input_ids"], attention_mask=positions < batch["length"][:, None],
+                        token_type_ids=(positions >= batch["len_a"][:, None]).long())
+    inside = positions < batch["length"][:, None]
+    torch.testing.assert_close(out.start_logits[inside], start[inside], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.end_logits[inside], end[inside], rtol=1e-4, atol=1e-4)
 
 
 def test_two_ranks_train_stop_and_resume_under_torchrun(small_tasks, tiny_init, tmp_path):
