@@ -888,22 +888,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab-out", type=Path, help="where --train-vocab writes the vocab")
     p.add_argument("--recipe", default="unilm", help=f"one of {', '.join(RECIPES)} (default unilm)")
     p.add_argument("--objective-mix", default="", help="unilm only: e.g. bidirectional=0.5,seq2seq=0.5")
-    p.add_argument("--max-seq-len", type=int, default=128)
-    p.add_argument("--short-seq-prob", type=float, default=0.1)
-    p.add_argument("--mask-prob", type=float, default=0.15)
+    p.add_argument("--max-seq-len", type=int, default=128, help="tokens per sample, [CLS]/[SEP] included (default 128)")
+    p.add_argument("--short-seq-prob", type=float, default=0.1,
+                   help="share of pair samples built to a random shorter length, as BERT (default 0.1)")
+    p.add_argument("--mask-prob", type=float, default=0.15, help="share of tokens masked (default 0.15)")
     p.add_argument("--max-predictions", type=int,
                    help="cap on masked tokens per sample (default round(0.15 x --max-seq-len): 19 at 128, 77 at 512)")
     p.add_argument("--dupe-factor", type=int, default=1,
                    help="differently-masked copies of each instance (BERT: 10; see docs/shard_format.md)")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--workers", type=int, default=1, help="processes on this machine (output is identical)")
+    p.add_argument("--seed", type=int, default=1, help="seeds every random choice of the build (default 1)")
+    p.add_argument("--workers", type=int, default=1, help="processes on this machine (output is identical; default 1)")
     p.add_argument("--num-builders", type=int, default=1,
                    help="split the work across K machines: each reads only its units (files, 256 MiB ranges of "
                         ".jsonl files, dataset shards)")
     p.add_argument("--builder-index", type=int, default=0, help="this machine's share, 0..K-1")
     p.add_argument("--finalize", action="store_true", help="after all builders: write shards + manifest in --out")
-    p.add_argument("--samples-per-shard", type=int, default=65536)
-    p.add_argument("--chunk-chars", type=int, default=500_000, help="characters per work unit (affects output)")
+    p.add_argument("--samples-per-shard", type=int, default=65536, help="upper bound per shard file (default 65536)")
+    p.add_argument("--chunk-chars", type=int, default=500_000,
+                   help="characters per work unit (affects output; default 500000)")
     p.add_argument("--out", type=Path, help="output directory (assembled beside it, renamed into place when done)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing build in --out (it stays until the new one is complete)")

@@ -347,11 +347,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", required=True, help="a fine-tuning output directory (or an HF BERT directory)")
     parser.add_argument("--input", required=True, help="JSONL with `src` (and optionally `tgt` references)")
     parser.add_argument("--output", required=True)
-    parser.add_argument("--beam-size", type=int, default=5)
-    parser.add_argument("--max-tgt-len", type=int, default=64)
-    parser.add_argument("--min-tgt-len", type=int, default=1)
+    parser.add_argument("--beam-size", type=int, default=5, help="1: greedy (default 5)")
+    parser.add_argument("--max-tgt-len", type=int, default=None,
+                        help="longest target in word pieces (default: the fine-tuning run's max_tgt_len, else 64)")
+    parser.add_argument("--min-tgt-len", type=int, default=1, help="shortest target in word pieces (default 1)")
     parser.add_argument("--max-src-len", type=int, default=None, help="default: the fine-tuning run's, else 448")
-    parser.add_argument("--length-penalty", type=float, default=0.0, help="GNMT alpha")
+    parser.add_argument("--length-penalty", type=float, default=0.0, help="GNMT alpha (default 0: none)")
     parser.add_argument("--no-repeat-ngram", type=_int_at_least(0), default=3, metavar="N",
                         help="forbid repeating an n-gram of N word pieces (3: trigram blocking, the paper's; "
                              "1: no word piece twice, for headlines; 0: off)")
@@ -369,7 +370,8 @@ def main(argv: list[str] | None = None) -> None:
     finetuned = load_finetuned(args.model, expect_task="seq2seq")
     device = torch.device(args.device) if args.device else default_device()
     finetuned.model.to(device)
-    config = DecodeConfig(args.beam_size, args.max_tgt_len, args.min_tgt_len, args.length_penalty,
+    max_tgt_len = args.max_tgt_len or finetuned.run_settings.get("max_tgt_len", 64)
+    config = DecodeConfig(args.beam_size, max_tgt_len, min(args.min_tgt_len, max_tgt_len), args.length_penalty,
                           args.no_repeat_ngram, not args.no_cache)
     max_src_len = args.max_src_len or finetuned.run_settings.get("max_src_len", 448)
     records = read_jsonl(args.input)

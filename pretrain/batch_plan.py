@@ -104,7 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     except InfeasibleBatchError as error:
         print(error, file=sys.stderr)
         return 1
-    print(plan)
+    print(f"global batch {plan.global_batch_size} = micro {plan.micro_batch_size} × accumulation "
+          f"{plan.gradient_accumulation_steps} × {plan.data_parallel_size} data-parallel ranks")
+    pairs = feasible_pairs(args.global_batch, args.world_size)
+    print(f"every (micro, accumulation) on {args.world_size} ranks: "
+          + ", ".join(f"({micro}, {accumulation})" for micro, accumulation in pairs)
+          + "; set train.micro_batch_size to the largest micro that fits in memory")
     return 0
 
 

@@ -116,7 +116,8 @@ def prepare_metrics_file(path: Path, resumed_step: int | None, report: Any = pri
             number += 1
         kept = path.with_name(f"{path.stem}.{number}{path.suffix}")
         os.replace(path, kept)
-        report(f"[metrics] {path} belongs to an earlier run that left no checkpoint here; kept as {kept.name}")
+        report(f"[metrics] {path} belongs to an earlier run this one does not resume (it left no checkpoint, or "
+               f"train.resume=never); kept as {kept.name}")
         return
     records = read_metrics(path, report)
     kept = [r for r in records if r.get("step", 0) <= resumed_step]

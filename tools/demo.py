@@ -1,4 +1,4 @@
-"""`make demo`: the whole pipeline on the small real corpus, end to end, in under 20 minutes on 2 CPU cores.
+"""`make demo`: the whole pipeline on the small real corpus, end to end, in about 5-10 minutes on 2 CPU cores.
 
     python -m tools.demo [--out demo_out] [--steps 600] [--from STAGE]
 

@@ -43,3 +43,7 @@ def test_cli(capsys: pytest.CaptureFixture) -> None:
     assert main(["--world-size", "8", "--micro-batch", "2"]) == 1
     assert "Nearest feasible global batches" in capsys.readouterr().err
     assert main(["--world-size", "3", "--micro-batch", "11"]) == 0
+    assert capsys.readouterr().out == ("global batch 330 = micro 11 × accumulation 10 × 3 data-parallel ranks\n"
+                                       "every (micro, accumulation) on 3 ranks: (110, 1), (55, 2), (22, 5), (11, 10), "
+                                       "(10, 11), (5, 22), (2, 55), (1, 110); set train.micro_batch_size to the "
+                                       "largest micro that fits in memory\n")
