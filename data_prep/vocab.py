@@ -166,6 +166,11 @@ class VocabSource:
     """casing stated by a tokenizer config; None for a bare vocab.txt"""
     casing_from: str | None = None
 
+    def load(self) -> Vocab:
+        """The validated vocabulary: the vocab.txt, or the tokenizer.json's vocabulary."""
+        return load_vocab(self.vocab_file) if self.vocab_file is not None else \
+            vocab_from_text(self.vocab_text, self.description)
+
 
 def resolve_vocab_source(path: Path | str) -> VocabSource:
     """Read ``--vocab``: a vocab.txt, a Hugging Face model/tokenizer directory, a tokenizer.json, or a shard
@@ -208,9 +213,7 @@ def resolve_casing(source: VocabSource, uncased_flag: bool | None) -> bool:
     if source.uncased is None:
         if uncased_flag is not None:
             return uncased_flag
-        vocab = load_vocab(source.vocab_file) if source.vocab_file is not None else \
-            vocab_from_text(source.vocab_text, source.description)
-        return vocab_is_uncased(vocab.tokens)
+        return vocab_is_uncased(source.load().tokens)
     if uncased_flag is not None and uncased_flag != source.uncased:
         flag, states = ("--uncased", "keeps case") if uncased_flag else ("--cased", "lowercases")
         raise VocabError(f"{flag} contradicts --vocab {source.description}: {source.casing_from} {states}; "

@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device) if args.device else default_device()
     finetuned.model.to(device)
     max_tgt_len = args.max_tgt_len or finetuned.run_settings.get("max_tgt_len", 64)
-    config = DecodeConfig(args.beam_size, max_tgt_len, min(args.min_tgt_len, max_tgt_len), args.length_penalty,
+    config = DecodeConfig(args.beam_size, max_tgt_len, args.min_tgt_len, args.length_penalty,
                           args.no_repeat_ngram, not args.no_cache)
     max_src_len = args.max_src_len or finetuned.run_settings.get("max_src_len", 448)
     records = read_jsonl(args.input)

@@ -93,7 +93,7 @@ def spearman(predictions: Sequence[float], labels: Sequence[float]) -> float:
     x, y = np.asarray(predictions, dtype=np.float64), np.asarray(labels, dtype=np.float64)
     if not (np.isfinite(x).all() and np.isfinite(y).all()):
         return math.nan
-    return pearson(_average_ranks(np.asarray(predictions, float)), _average_ranks(np.asarray(labels, float)))
+    return pearson(_average_ranks(x), _average_ranks(y))
 
 
 def classification_metrics(predictions: Sequence, labels: Sequence, positive=None) -> dict[str, float]:

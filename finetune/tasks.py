@@ -71,9 +71,8 @@ def build_classify(cfg: FinetuneConfig, backbone: UniLMModel, tokenizer: Tokeniz
                                                            labels.regression),
         evaluate=lambda m: classify.evaluate(m, dev, tokenizer.pad_id, positive),
         primary_metric=_primary_metric(cfg, classify.metrics_of(labels, positive)),
-        meta={"labels": list(labels.classes),
-              "positive_label": None if positive is None else labels.classes[positive], "regression": labels.regression,
-              "multiple_choice": labels.multiple_choice, "truncated": {"train": train_cut, "dev": dev_cut}},
+        meta={"labels": list(labels.classes), "positive_label": None if positive is None else labels.classes[positive],
+              "regression": labels.regression, "multiple_choice": labels.multiple_choice, "truncated": {"train": train_cut, "dev": dev_cut}},
     )
 
 

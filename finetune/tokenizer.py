@@ -16,7 +16,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as WordPieceEncoder
 from tokenizers import decoders
 
-from data_prep.vocab import Vocab, encoder_of, load_vocab, resolve_casing, resolve_vocab_source, vocab_from_text
+from data_prep.vocab import Vocab, encoder_of, resolve_casing, resolve_vocab_source
 
 _DECODER = decoders.WordPiece(prefix="##", cleanup=True)
 
@@ -80,6 +80,5 @@ def load_tokenizer(model_dir: str | Path, lowercase: bool | None = None) -> Toke
                                 "vocabulary it was trained with (or pass --vocab)")
     source = resolve_vocab_source(path)
     lowercase = resolve_casing(source, None) if lowercase is None else lowercase
-    vocab = load_vocab(source.vocab_file) if source.vocab_file is not None else \
-        vocab_from_text(source.vocab_text, path)
+    vocab = source.load()
     return Tokenizer(vocab, encoder_of(vocab, lowercase), lowercase)

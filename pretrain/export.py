@@ -46,10 +46,11 @@ def load_consolidated(path: str | Path) -> UniLMModel:
 
 
 def shard_vocabulary(checkpoint: str | Path, shards: str | Path | None = None) -> tuple[Path, bool]:
-    """(vocab.txt, uncased) of the shards a checkpoint was trained on, checked against its recorded vocab hash."""
+    """(vocab.txt, uncased) of the shards a checkpoint was trained on, checked against its recorded vocab hash.
+    Reads the marker (file sizes checked); the weights' sha256 are checked where they are read (`load_consolidated`)."""
 
     directory, tag = resolve_checkpoint(checkpoint)
-    meta, problem = ckpt.verify_tag(directory / tag)
+    meta, problem = ckpt.verify_tag(directory / tag, hashes=False)
     if meta is None:
         raise FileNotFoundError(f"{directory / tag} is not a valid checkpoint: {problem}")
     if shards is None:

@@ -383,14 +383,13 @@ def check_init_vocabulary(dataset: ShardDataset, init_from: str, report: Any = p
     and casing: its embedding row i belongs to the word piece on line i of its vocab.txt, so shards built with
     another vocabulary (or the same one with the other casing) would train its weights on scrambled ids. A shard
     vocabulary that extends the model's (its ids first, new pieces after) passes."""
-    from data_prep.vocab import VocabError, load_vocab, resolve_casing, resolve_vocab_source, vocab_from_text
+    from data_prep.vocab import VocabError, load_vocab, resolve_casing, resolve_vocab_source
 
     fix = (f"rebuild the shards with `python -m data_prep.build --vocab {init_from}` (its casing comes with it), "
            "or set model.check_init_vocab=false to train its weights on these ids anyway")
     try:
         source = resolve_vocab_source(init_from)
-        theirs = load_vocab(source.vocab_file) if source.vocab_file is not None else \
-            vocab_from_text(source.vocab_text, init_from)
+        theirs = source.load()
         uncased = resolve_casing(source, None)
     except VocabError as error:
         report(f"[init] warning: cannot check that the shards use model.init_from's vocabulary ({error})")
