@@ -49,7 +49,7 @@ system-deps:  ## Debian packages for MPI, core binding and the two-host test (on
 	fi
 
 # Installs nothing from Debian: targets that only run code depend on this alone. A venv made with
-# --system-site-packages on top of a cluster's CUDA torch keeps that torch (pyproject asks for torch>=2.4).
+# --system-site-packages on top of a cluster's CUDA torch keeps that torch (pyproject asks for torch>=2.6).
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q -U pip

@@ -77,15 +77,47 @@ def init_distributed() -> tuple[int, int]:
     # under mpirun DeepSpeed's MPI discovery sets MASTER_PORT from this argument
     deepspeed.init_distributed(auto_mpi_discovery=True, verbose=False,
                                distributed_port=int(os.environ.get("MASTER_PORT", 29500)))
+    if device.type == "cpu":
+        unlink_shared_memory_names()
     return torch_dist.get_rank(), torch_dist.get_world_size()
+
+
+def unlink_shared_memory_names(maps: Path = Path("/proc/self/maps")) -> list[str]:
+    """Remove the /dev/shm names of the buffers DeepSpeed's CPU all-reduce maps (a collective on CPU ranks).
+
+    When all ranks share one machine, each creates a POSIX shared-memory buffer (66 MB,
+    ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``) and maps every other rank's; DeepSpeed never
+    unlinks them, so every run on a new port left ``world size × 66 MB`` of RAM in /dev/shm until reboot. Once every
+    rank has mapped every buffer (the barrier), the names are removed: the mappings stay valid and the memory is
+    freed when the last rank exits. Returns the names removed here."""
+    try:
+        lines = maps.read_text().splitlines()
+    except OSError:
+        lines = []
+    mapped = sorted({line.split(maxsplit=5)[5] for line in lines
+                     if len(line.split(maxsplit=5)) == 6 and "/dev/shm/deepspeed_" in line
+                     and not line.endswith(" (deleted)")})
+    if torch_dist.get_world_size() > 1:
+        torch_dist.barrier()
+    removed = []
+    for name in mapped:
+        try:
+            os.unlink(name)
+            removed.append(name)
+        except FileNotFoundError:  # another rank removed it first
+            pass
+    return removed
 
 
 def close_distributed() -> None:
     """Destroy the process group at the end of a command that completed on every rank (its ``__main__``): a
     process leaving it to interpreter shutdown can abort there ("terminate called without an active exception",
     SIGABRT) while gloo's worker threads still hold work — a finished run reported as failed. Not after an error:
-    destroying while other ranks are inside a collective can hang."""
+    destroying while other ranks are inside a collective can hang. Hence the barrier first: ranks leave their last
+    collective at different times, and on torch 2.6 a 4-rank gloo group whose ranks destroyed it as they came hung
+    in every run (6 of 6; with the barrier 1 of 10; torch 2.11 and 2.13 never hung)."""
     if torch_dist.is_available() and torch_dist.is_initialized():
+        torch_dist.barrier()
         torch_dist.destroy_process_group()
         # Groups DeepSpeed still references keep their gloo worker threads; a worker releasing the last
         # collective's tensors takes the GIL, and one that asks for it while the interpreter finalizes aborts the

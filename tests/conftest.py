@@ -45,6 +45,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def plain_functional_linear():
+    """Gives each test the `torch.nn.functional.linear` it started with. A ZeRO-3 DeepSpeed engine swaps in its own
+    (`zero3_linear_wrap`) for the rest of the process; an in-process ZeRO-3 run of an earlier test would otherwise
+    leave it to later ones (torch 2.11's compiler then gets gradients wrong through it: off by up to 1e-2)."""
+    import torch.nn.functional as F
+
+    linear = F.linear
+    yield
+    F.linear = linear
+
+
 @pytest.fixture
 def one_rank_group(tmp_path: Path):
     """An in-process 1-rank gloo process group, as `python -m pretrain.train` makes (unless one exists already)."""

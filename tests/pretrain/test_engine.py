@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -87,3 +88,30 @@ def test_ranks_that_close_the_process_group_exit_cleanly(tmp_path: Path) -> None
         done = subprocess.run(command, env=subprocess_env(PYTHONPATH=str(Path(__file__).resolve().parents[2])),
                               capture_output=True, text=True, timeout=300)
         assert done.returncode == 0 and "terminate called" not in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs POSIX shared memory in /dev/shm")
+def test_shared_memory_names_are_unlinked_and_their_mappings_stay_valid(tmp_path: Path, one_rank_group) -> None:
+    """What a rank maps from /dev/shm/deepspeed_* loses its name (nothing stays in RAM after the run); the mapping
+    still reads and writes, and what the process maps from elsewhere is left alone."""
+    import mmap
+
+    shm = Path("/dev/shm") / f"deepspeed_allreduce_buffer_test_{os.getpid()}_0"
+    other = tmp_path / "other.bin"
+    for path in (shm, other):
+        path.write_bytes(b"\0" * 4096)
+    with shm.open("r+b") as handle, other.open("r+b") as other_handle:
+        view, other_view = mmap.mmap(handle.fileno(), 4096), mmap.mmap(other_handle.fileno(), 4096)
+    maps = tmp_path / "maps"
+    maps.write_text(f"7f00-7f01 rw-s 00000000 00:19 12 {shm}\n7f02-7f03 rw-s 00000000 00:19 13 {other}\n"
+                    "7f04-7f05 r--p 00000000 00:00 0 \n")
+    try:
+        assert engine.unlink_shared_memory_names(maps) == [str(shm)]
+        assert not shm.exists() and other.exists()
+        view[:5] = b"still"
+        assert view[:5] == b"still"
+        assert engine.unlink_shared_memory_names(maps) == []  # already gone: nothing to do, no error
+    finally:
+        view.close()
+        other_view.close()
+        shm.unlink(missing_ok=True)
