@@ -91,12 +91,11 @@ def unlink_shared_memory_names(maps: Path = Path("/proc/self/maps")) -> list[str
     rank has mapped every buffer (the barrier), the names are removed: the mappings stay valid and the memory is
     freed when the last rank exits. Returns the names removed here."""
     try:
-        lines = maps.read_text().splitlines()
+        fields = [line.split(maxsplit=5) for line in maps.read_text().splitlines()]
     except OSError:
-        lines = []
-    mapped = sorted({line.split(maxsplit=5)[5] for line in lines
-                     if len(line.split(maxsplit=5)) == 6 and "/dev/shm/deepspeed_" in line
-                     and not line.endswith(" (deleted)")})
+        fields = []
+    mapped = sorted({f[5] for f in fields if len(f) == 6 and f[5].startswith("/dev/shm/deepspeed_")
+                     and not f[5].endswith(" (deleted)")})
     if torch_dist.get_world_size() > 1:
         torch_dist.barrier()
     removed = []
