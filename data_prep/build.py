@@ -48,9 +48,9 @@ from data_prep.instances import (RECIPES, Instance, InstanceConfig, MaskingConfi
 from data_prep.shard_format import (INDEX_DTYPE, MANIFEST_NAME, SHARD_GLOB, VOCAB_NAME, Objective,
                                     ShardArrays, ShardError, ShardFile, manifest_dict, read_manifest,
                                     sha256_file, token_dtype, write_json, write_shard)
-from data_prep.sources import (ROWS_PER_DOCUMENT, TEXT_FIELD, UNIT_BYTES, ReadOptions, RepairedText, Skipped, Unit,
-                               Wikitext, check_input, directory_files, document_text, input_units, is_dataset_folder,
-                               read_documents, read_unit)
+from data_prep.sources import (ALL_FILES, ROWS_PER_DOCUMENT, TEXT_FIELD, UNIT_BYTES, ReadOptions, RepairedText,
+                               Skipped, Unit, Wikitext, check_input, directory_files, document_text, folder_split,
+                               input_units, is_plain_folder, read_documents, read_unit)
 from data_prep.text import clean_document, split_sentences
 from data_prep.vocab import (Vocab, VocabError, load_encoder, load_vocab, resolve_casing, resolve_vocab_source,
                              train_vocab)
@@ -252,13 +252,8 @@ def build_units(cfg: BuildConfig) -> list[tuple[Unit, ReadOptions]]:
     units: list[tuple[Unit, ReadOptions]] = []
     first_spec: dict[tuple, str] = {}
     for spec in cfg.inputs:
-        if Path(spec).is_dir() and not is_dataset_folder(Path(spec)):
-            _, others = directory_files(Path(spec))
-            if others:
-                names = ", ".join(str(p.relative_to(spec)) for p in others[:5]) + (", …" if len(others) > 5 else "")
-                print(f"[build] warning: --input {spec}: {len(others)} file(s) of other types are not read: {names} "
-                      "(read here: .xml[.bz2], .jsonl, .json, .parquet, .txt; convert a file to one of them to "
-                      "include it)", file=sys.stderr)
+        if is_plain_folder(spec):
+            _warn_left_out(spec)
         twice: list[Unit] = []
         earlier: set[str] = set()
         for unit in input_units(spec, cfg.unit_bytes):
@@ -275,6 +270,28 @@ def build_units(cfg: BuildConfig) -> list[tuple[Unit, ReadOptions]]:
             print(f"[build] warning: --input {spec}: {len(twice)} unit(s) come also from --input "
                   f"{' '.join(sorted(earlier))} and are read once, from there: {names}", file=sys.stderr)
     return units
+
+
+def _warn_left_out(spec: str) -> None:
+    """Name, on stderr, the files of a directory input that are not read: other types, other splits."""
+    folder, split = folder_split(spec)
+    listed = directory_files(folder, split)
+
+    def names(files: list[Path]) -> str:
+        return ", ".join(str(p.relative_to(folder)) for p in files[:5]) + (", …" if len(files) > 5 else "")
+
+    if listed.other_types:
+        print(f"[build] warning: --input {spec}: {len(listed.other_types)} file(s) of other types are not read: "
+              f"{names(listed.other_types)} (read here: .xml[.bz2], .jsonl, .json, .parquet, .txt; convert a file "
+              "to one of them to include it)", file=sys.stderr)
+    if listed.split:
+        left = "; ".join(f"{f'split {name}' if name else 'no split named'}: {names(files)}"
+                         for name, files in listed.other_splits.items())
+        print(f"[build] --input {spec}: the file names here name splits, as Hugging Face datasets reads them; "
+              f"reading split {listed.split} ({len(listed.read)} file(s): {names(listed.read)})"
+              + (f". Not read: {left}" if left else "")
+              + f". Name another split as {folder}::SPLIT, or read every file as {folder}::{ALL_FILES}",
+              file=sys.stderr)
 
 
 class _OtherDocuments:
@@ -788,9 +805,9 @@ def _one_sentence_hint(documents: dict, every_input_is_rows: bool) -> str:
     if characters > ONE_SENTENCE_CHARS * single:
         return (f"; {single} of {read} documents are single sentences of {characters // single} characters on "
                 "average: the sentence splitter found no sentence end in them (it ends sentences at . ! ? "
-                "followed by a space and a capital letter or digit, and at 。！？); for lowercased text or a "
-                "script without these, give one sentence per line with --rows-as-sentences, or use --recipe gpt, "
-                "which needs no sentences")
+                "followed by a space and a capital letter or digit, or in text without capitals any letter, and "
+                "at 。！？); for text without these, give one sentence per line with --rows-as-sentences, or use "
+                "--recipe gpt, which needs no sentences")
     if every_input_is_rows:
         return ""
     return (f"; {single} of {read} documents are single sentences: if the input has one sentence per row "
@@ -865,8 +882,8 @@ def training_documents(inputs: Sequence[str], cfg: BuildConfig | None = None) ->
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m data_prep.build", description=__doc__.split("\n")[0])
     p.add_argument("--input", nargs="+", action="extend", default=[], metavar="SRC",
-                   help="file (.xml[.bz2] .jsonl .json .parquet .txt), directory, or HF dataset name[:config][:split]; "
-                        "repeatable")
+                   help="file (.xml[.bz2] .jsonl .json .parquet .txt), directory (files named by split: split train, "
+                        "or DIR::SPLIT), or HF dataset name[:config][:split]; repeatable")
     p.add_argument("--text-field", default=TEXT_FIELD, metavar="NAME",
                    help="field / column of JSON, parquet and dataset records that holds the text "
                         f"(default {TEXT_FIELD})")

@@ -7,7 +7,10 @@
 ``*.json``                              a JSON array of objects with ``text`` (else read as JSON lines)
 ``*.parquet``                           a ``text`` column, read in record batches
 ``*.txt``                               documents separated by blank lines (lines may end in LF, CRLF or a lone CR)
-a directory of such files               every such file, in sorted path order (``directory_files``)
+a directory of such files               every such file, in sorted path order (``directory_files``); where
+                                        file or folder names name splits the way ``datasets`` reads them
+                                        (``train.jsonl``, ``valid-0.txt``, ``test/``) only split ``train``,
+                                        or the one named as ``FOLDER::SPLIT`` (``FOLDER::all``: every file)
 a Hugging Face dataset folder, or       ``datasets.load_dataset(name, config, split=split, streaming=True)``,
 ``name[:config][:split]``               field ``text`` (e.g. ``wikimedia/wikipedia:20231101.en:train``); split
                                         ``train`` unless named (a folder's: ``FOLDER::validation``)
@@ -17,7 +20,10 @@ A directory is a Hugging Face dataset folder only when it has the marks of one (
 ``dataset_dict.json``, ``dataset_info.json``, ``state.json`` or ``*.arrow`` files (``save_to_disk``), a
 ``README.md`` whose YAML header declares ``configs:`` (a hub snapshot), or data files that are all tables
 (``*.parquet``, ``*.csv``, ``*.tsv``; other files such as a LICENSE aside). Any other directory is read file
-by file; its files of other types are not read, and ``directory_files`` names them so the build can warn.
+by file; its files of other types are not read, and ``directory_files`` names them so the build can warn. Its
+files are split only when ``datasets`` would split them (``split_layout``: it chooses, from the names, which
+files belong to which split), so a held-out split is never pre-trained on unless asked for; the files left out
+are named as well.
 Hidden files and folders, ``*.md`` files and shard builds (a folder holding ``manifest.json`` or
 ``shard-*.bin``, e.g. an ``--out`` inside the input directory) are never read.
 
@@ -46,7 +52,7 @@ import itertools
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -160,8 +166,7 @@ def check_input(spec: str) -> None:
     folder = Path(spec.split(":", 1)[0])
     if ":" in spec and folder.is_dir():  # FOLDER[:config][:split]
         if not is_dataset_folder(folder):
-            raise SourceError(f"--input {spec}: {folder} is not a Hugging Face dataset folder, so it has no "
-                              "configs or splits; pass the folder alone")
+            directory_files(*folder_split(spec))  # FOLDER::SPLIT of a folder whose file names name splits
         return
     if _suffix(path) or spec.endswith((".bz2", ".gz", ".csv", ".tsv")) or spec.startswith((".", "/", "~")):
         raise SourceError(f"--input {spec}: file not found")
@@ -211,24 +216,113 @@ def is_dataset_folder(directory: Path) -> bool:
     return bool(data) and all(p.suffix.lower() in TABLE_SUFFIXES for p in data)
 
 
-def directory_files(directory: Path) -> tuple[list[Path], list[Path]]:
-    """(files read, files not read) of an ordinary directory input, each in sorted path order. Files not read
-    are those of other types; ``*.md`` files (READMEs) are left out of both."""
+ALL_FILES = "all"
+"""``FOLDER::all``: every file of a directory whose names name splits (the union ``datasets`` calls ``all``, plus
+the files whose names name none)"""
+
+
+def split_layout(files: list[Path], directory: Path) -> dict[str, list[Path]]:
+    """``files`` (of ``directory``) by split, as ``datasets`` assigns files to splits by their names and folders
+    (``train.jsonl``, ``data/validation-00000.jsonl``, ``test/part-1.txt``; ``datasets.data_files``): split ->
+    its files, in order. Empty when no name names a split: then the directory is not split. Worked out once per
+    directory and listing in a process (``datasets`` globs the whole tree once per pattern)."""
+    return _split_layout(str(directory), tuple(map(str, files)))
+
+
+@functools.lru_cache(maxsize=16)
+def _split_layout(directory_name: str, names: tuple[str, ...]) -> dict[str, list[Path]]:
+    import datasets.data_files as hf_files  # slow to import: only directory inputs need it
+
+    directory, files = Path(directory_name), [Path(name) for name in names]
+
+    keywords = [word for words in hf_files.SPLIT_KEYWORDS.values() for word in words]
+    if not any(word in str(p.relative_to(directory)) for p in files for word in keywords):
+        return {}  # no name holds a split's name: no need for datasets' globbing over the whole tree
+    try:
+        patterns = hf_files.get_data_patterns(str(directory))
+    except hf_files.EmptyDatasetError:
+        return {}
+    if patterns == hf_files.DEFAULT_PATTERNS_ALL:
+        return {}
+    found = hf_files.DataFilesDict.from_patterns(patterns, base_path=str(directory))
+    real = [(p, os.path.realpath(p)) for p in files]
+    layout = {}
+    for split, in_split in found.items():
+        in_split = {os.path.realpath(f) for f in in_split}
+        if chosen := [p for p, path in real if path in in_split]:
+            layout[str(split)] = chosen
+    return layout
+
+
+@dataclass(frozen=True)
+class DirectoryFiles:
+    """What an ordinary directory input reads, and what it leaves out, each in sorted path order."""
+
+    read: list[Path]
+    other_types: list[Path]
+    """files of types not read here (``*.md`` files, READMEs, are not listed)"""
+    split: str = ""
+    """the split read, when the names name splits (``split_layout``); "" when the directory is not split"""
+    other_splits: dict[str, list[Path]] = field(default_factory=dict)
+    """readable files left out: split -> files ("": files whose names name no split)"""
+
+
+def directory_files(directory: Path, split: str = "") -> DirectoryFiles:
+    """The files an ordinary directory input reads: every file of a type read here or, when the names name
+    splits, those of ``split`` (default ``train``). A split that is not there is a ``SourceError``."""
     files = [p for p in _visible_files(directory) if not p.name.lower().endswith(".md")]
-    return [p for p in files if _suffix(p)], [p for p in files if not _suffix(p)]
+    readable, other_types = [p for p in files if _suffix(p)], [p for p in files if not _suffix(p)]
+    if split == ALL_FILES:
+        return DirectoryFiles(readable, other_types)
+    splits = split_layout(readable, directory) if readable else {}
+    if not splits:
+        if split:
+            raise SourceError(f"--input {directory}::{split}: no file or folder name in {directory} names a split "
+                              "(train, validation, test, as Hugging Face datasets name them), so it has none; "
+                              "pass the folder alone")
+        return DirectoryFiles(readable, other_types)
+    split = split or "train"
+    if split not in splits:
+        named = ", ".join(f"{name} ({', '.join(str(p.relative_to(directory)) for p in found[:3])}"
+                          f"{', …' if len(found) > 3 else ''})" for name, found in splits.items())
+        raise SourceError(f"--input {directory}{'::' + split if split != 'train' else ''}: the file names here "
+                          f"name splits, as Hugging Face datasets reads them: {named}, and none is {split!r}; "
+                          f"name one as {directory}::SPLIT, or read every file as {directory}::{ALL_FILES}")
+    read, named = set(splits[split]), {p for found in splits.values() for p in found}
+    others = {name: [p for p in found if p not in read] for name, found in splits.items() if name != split}
+    others = {name: found for name, found in ({**others, "": [p for p in readable if p not in named]}).items()
+              if found}
+    return DirectoryFiles([p for p in readable if p in read], other_types, split, others)
+
+
+def folder_split(spec: str) -> tuple[Path, str]:
+    """(directory, split) of an ordinary directory input: ``FOLDER`` or ``FOLDER::SPLIT`` (no configs)."""
+    if Path(spec).is_dir():
+        return Path(spec), ""
+    folder, config, split = (spec.split(":") + ["", ""])[:3]
+    if config or not split:
+        raise SourceError(f"--input {spec}: {folder} is not a Hugging Face dataset folder, so it has no configs; "
+                          f"pass the folder alone, or name a split of its files as {folder}::SPLIT")
+    return Path(folder), split
+
+
+def is_plain_folder(spec: str) -> bool:
+    """Whether an input is an ordinary directory (read file by file), alone or as ``FOLDER::SPLIT``."""
+    folder = Path(spec) if Path(spec).is_dir() else Path(spec.split(":", 1)[0])
+    return folder.is_dir() and not is_dataset_folder(folder)
 
 
 def input_units(spec: str, unit_bytes: int = UNIT_BYTES) -> list[Unit]:
     """The units of one ``--input``: the file itself (or byte ranges of a large .jsonl), each file of a
-    directory, or every dataset shard."""
+    directory (of its split, when the names name splits), or every dataset shard."""
     check_input(spec)
-    if Path(spec).is_dir() and not is_dataset_folder(Path(spec)):
-        files, others = directory_files(Path(spec))
-        if not files:
-            held = f" (it holds {', '.join(p.name for p in others[:5])})" if others else ""
+    if is_plain_folder(spec):
+        listed = directory_files(*folder_split(spec))
+        if not listed.read:
+            held = f" (it holds {', '.join(p.name for p in listed.other_types[:5])})" if listed.other_types else ""
             raise SourceError(f"--input {spec}: no file in this directory is of a type read here{held}; supported: "
                               f"{', '.join(FILE_SUFFIXES)} (hidden files, *.md and shard builds are never read)")
-        return [unit for p in files for unit in _file_units(p, unit_bytes)]
+        return [unit for p in listed.read for unit in _file_units(p, unit_bytes)]
     if not _is_hf(spec):
         return _file_units(Path(spec), unit_bytes)
     num_shards = _load_hf(spec).num_shards

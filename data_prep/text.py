@@ -5,8 +5,11 @@ run inside a paragraph into one space (joining its lines); paragraphs (blank-lin
 ``split_sentences`` cuts each paragraph after ``.``/``!``/``?`` (plus closing quotes or brackets) followed by
 whitespace and a capital letter (any script: ``str.isupper``), digit or opening quote, except after common
 abbreviations and initials; and after the full-width terminators ``。！？．`` (plus closing quotes or brackets)
-of Chinese and Japanese text, with or without whitespace after them. Text with neither (lowercased prose,
-scripts without capitals or these terminators) stays one sentence per paragraph.
+of Chinese and Japanese text, with or without whitespace after them. A document of at least
+``UNCASED_MIN_CHARS`` characters with no capital letter at all (lower-casing changes nothing in it: lowercased
+prose, as uncased corpora ship; scripts without case) is cut after ``.``/``!``/``?`` followed by whitespace and
+any letter or digit instead, with the same exceptions lowercased; a shorter one may be a fragment of cased text,
+so the cased rule stays. Text with neither capitals nor terminators stays one sentence per paragraph.
 Sentences longer than ``MAX_SENTENCE_CHARS`` are cut at whitespace so one huge line cannot become one
 unbounded sequence.
 """
@@ -16,6 +19,9 @@ import re
 import sys
 
 MAX_SENTENCE_CHARS = 2000
+UNCASED_MIN_CHARS = 200
+"""a document this long without a single capital letter is taken as lowercased text (cased prose of this length
+has capitals: every sentence starts with one); shorter ones, a line or a quote, are not"""
 
 # lone surrogates (JSON allows "\ud800") are dropped too: they are not text, and tokenizers refuses them
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff\ufeff\ufffe\uffff]")
@@ -49,6 +55,12 @@ _BOUNDARY = re.compile(
     r"([.!?]" + "".join(rf"(?<!\b{re.escape(a)}\.)" for a in _ABBREVIATIONS)
     + rf"(?<!\b[{_UPPER}]\.)[{_CLOSERS}]?(?=\s+[{_OPENERS}]*[{_UPPER}0-9])"
     + rf"|[{_CJK_TERMINATORS}]+[{_CJK_CLOSERS}]*)\s*")
+# The same for a document without capitals: any letter or digit may start the next sentence; the abbreviations
+# and one-letter initials it must not end at are the lowercased ones.
+_BOUNDARY_UNCASED = re.compile(
+    r"([.!?]" + "".join(rf"(?<!\b{re.escape(a)}\.)" for a in sorted({a.lower() for a in _ABBREVIATIONS}))
+    + rf"(?<!\b[^\W\d_]\.)[{_CLOSERS}]?(?=\s+[{_OPENERS}]*[^\W_])"
+    + rf"|[{_CJK_TERMINATORS}]+[{_CJK_CLOSERS}]*)\s*")
 _LONG_PIECE = re.compile(r"\S.{0,%d}(?=\s|$)|\S{%d}" % (MAX_SENTENCE_CHARS - 2, MAX_SENTENCE_CHARS))
 
 
@@ -61,7 +73,9 @@ def clean_document(text: str) -> str:
 
 def split_sentences(document: str) -> list[str]:
     """Sentences of a cleaned document, in order; never empty strings."""
-    parts = _BOUNDARY.split(document)  # one regex pass per document; paragraph ends are handled below
+    uncased = len(document) >= UNCASED_MIN_CHARS and document == document.lower()  # no capital: ~1 GB/s
+    boundary = _BOUNDARY_UNCASED if uncased else _BOUNDARY
+    parts = boundary.split(document)  # one regex pass per document; paragraph ends are handled below
     parts.append("")  # split alternates text and the punctuation that ends it
     sentences = [text + end for text, end in zip(parts[0::2], parts[1::2])]
     if "\n" in document:  # a paragraph end always ends a sentence, punctuated or not

@@ -372,12 +372,12 @@ def test_chinese_text_is_kept_and_the_hint_follows_the_cause(minilm_dir, tmp_pat
             f.write(json.dumps({"text": para * 3}, ensure_ascii=False) + "\n")  # one paragraph of 9 sentences
     manifest = run_build("--input", tmp_path / "zh.jsonl", "--vocab", minilm_dir, "--out", tmp_path / "zh")
     assert manifest["documents"]["skipped"] == 0 and manifest["num_samples"] >= 100  # all were dropped before
-    prose = ("the river rose in the spring, and the farmers moved their herds to the hills. the water fell in may "
-             "and they came back. ") * 5
-    with open(tmp_path / "lower.jsonl", "w") as f:  # lowercased: no sentence end the splitter knows
+    prose = ("the river rose in the spring and the farmers moved their herds to the hills while the water fell in "
+             "may and they came back ") * 5
+    with open(tmp_path / "lower.jsonl", "w") as f:  # a transcript without punctuation: no sentence end to find
         for _ in range(20):
             f.write(json.dumps({"text": prose}) + "\n")
     error = build_error("--input", tmp_path / "lower.jsonl", "--vocab", minilm_dir, "--out", tmp_path / "lower")
-    assert "20 of 20 documents are single sentences of 600 characters on average: the sentence splitter found " \
+    assert "20 of 20 documents are single sentences of 615 characters on average: the sentence splitter found " \
            "no sentence end in them" in error
     assert "as BookCorpus" not in error

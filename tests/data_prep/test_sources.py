@@ -97,7 +97,7 @@ def test_wikipedia_dump_pieces_are_read_by_name_and_in_a_directory(samples_dir, 
     assert [str(r) if isinstance(r, str) else r.reason for r in read_documents(str(piece))] == \
         [str(r) if isinstance(r, str) else r.reason for r in expected]
     assert [u.spec for u in input_units(str(tmp_path / "pieces"))] == [str(piece)]  # the index is no dump
-    assert directory_files(tmp_path / "pieces")[1][0].name.startswith("enwiki-20231101-pages-articles-multistream")
+    assert directory_files(tmp_path / "pieces").other_types[0].name.startswith("enwiki-20231101-pages-articles-multistream")
 
 
 def test_a_directory_is_a_dataset_folder_only_by_the_marks_of_one(tmp_path):
@@ -108,7 +108,7 @@ def test_a_directory_is_a_dataset_folder_only_by_the_marks_of_one(tmp_path):
         (plain / name).write_text("Licensed under CC-BY 4.0.\n")
     assert not is_dataset_folder(plain)
     assert list(read_documents(str(plain))) == ["One. Two.\n"]
-    assert [p.name for p in directory_files(plain)[1]] == ["LICENSE", "README", "notes.csv"]
+    assert [p.name for p in directory_files(plain).other_types] == ["LICENSE", "README", "notes.csv"]
     (plain / "shards").mkdir()  # a shard build inside the input directory is never read
     for name in ("manifest.json", "vocab.txt", "shard-00000.bin"):
         (plain / "shards" / name).write_text("build output\n")
@@ -148,8 +148,46 @@ def test_a_hub_snapshot_folder_reads_its_train_split_unless_told(tmp_path):
     assert {d.split()[1] for d in read_documents(f"{root}::validation")} == {"validation"}
     (tmp_path / "plain").mkdir()
     (tmp_path / "plain" / "a.txt").write_text("One. Two.\n")
-    with pytest.raises(SourceError, match="plain is not a Hugging Face dataset folder, so it has no configs or splits"):
+    with pytest.raises(SourceError, match="no file or folder name in .*plain names a split"):
         check_input(f"{tmp_path / 'plain'}::test")
+    with pytest.raises(SourceError, match="plain is not a Hugging Face dataset folder, so it has no configs"):
+        check_input(f"{tmp_path / 'plain'}:default:train")
+
+
+def test_a_folder_of_split_named_files_reads_its_train_split_unless_told(tmp_path, capsys):
+    from data_prep.build import _warn_left_out
+
+    root = tmp_path / "snapshot"  # a hub dataset cloned without a dataset card: splits named by file names only
+    (root / "extra").mkdir(parents=True)
+    for name in ("train.jsonl", "validation.jsonl", "test.jsonl", "notes.jsonl"):
+        (root / name).write_text(f'{{"text": "From {name}. Two sentences."}}\n')
+    (root / "extra" / "wiki-test-0.txt").write_text("From the extra test file. Two.\n")
+    (root / "contest.txt").write_text("A contest is no test split. Two.\n")
+    assert not is_dataset_folder(root)
+    assert list(read_documents(str(root))) == ["From train.jsonl. Two sentences."]
+    assert list(read_documents(f"{root}::validation")) == ["From validation.jsonl. Two sentences."]
+    assert list(read_documents(f"{root}::test")) == ["From the extra test file. Two.\n",
+                                                      "From test.jsonl. Two sentences."]
+    listed = directory_files(root)
+    assert listed.split == "train" and [p.name for p in listed.read] == ["train.jsonl"]
+    assert {name: [p.name for p in files] for name, files in listed.other_splits.items()} == {
+        "validation": ["validation.jsonl"], "test": ["wiki-test-0.txt", "test.jsonl"],
+        "": ["contest.txt", "notes.jsonl"]}
+    _warn_left_out(str(root))
+    warned = capsys.readouterr().err
+    assert "reading split train (1 file(s): train.jsonl)" in warned
+    assert "no split named: contest.txt, notes.jsonl" in warned and "split test: extra/wiki-test-0.txt" in warned
+    with pytest.raises(SourceError, match=r"validation \(validation.jsonl\), test .* and none is 'dev'"):
+        check_input(f"{root}::dev")
+    assert len(list(read_documents(f"{root}::all"))) == 6  # every file, whatever its name says
+    (root / "train.jsonl").unlink()  # named splits without a train split: the default has nothing to read
+    with pytest.raises(SourceError, match="none is 'train'; name one as .*::SPLIT, or read every file as .*::all"):
+        list(read_documents(str(root)))
+    books = tmp_path / "books"  # names that name no split: every file is read, as before
+    books.mkdir()
+    for name in ("Testament.txt", "contest.txt", "trainspotting.txt"):
+        (books / name).write_text(f"{name}. Two.\n")
+    assert len(list(read_documents(str(books)))) == 3 and directory_files(books).split == ""
 
 
 def test_a_saved_dataset_folder_reads_its_train_split_unless_told(tmp_path):

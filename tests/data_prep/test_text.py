@@ -4,7 +4,7 @@ from __future__ import annotations
 import itertools
 
 from data_prep.sources import Skipped, read_documents
-from data_prep.text import MAX_SENTENCE_CHARS, clean_document, split_sentences
+from data_prep.text import MAX_SENTENCE_CHARS, UNCASED_MIN_CHARS, clean_document, split_sentences
 from data_prep.wikitext import wikitext_to_text
 
 
@@ -73,4 +73,19 @@ def test_a_capital_of_any_script_starts_a_sentence():
     assert split_sentences(document) == ["Die Straße ist lang.", "Über die Brücke geht man.",
                                          "Émile Zola schrieb « Oui ».", "Это дом.", "Здесь живёт Ж. Петров.",
                                          "Ελλάδα.", "¿Qué?", "Fin."]
-    assert split_sentences("it ends. here it goes on. ünd so.") == ["it ends. here it goes on. ünd so."]
+    assert split_sentences("It ends. here it goes on.") == ["It ends. here it goes on."]  # a cased document
+
+
+def test_lowercased_prose_is_split_with_the_lowercased_exceptions():
+    document = clean_document('mr. smith met dr. j. watson in the u.s. on jan. 5. he said "hi!" then 3 left. '
+                              "e.g. this one. the value is 3.5 now, and the river rose in the spring while the "
+                              "farmers moved their herds.\n\nünd so. ça va? «oui».")
+    assert len(document) >= UNCASED_MIN_CHARS
+    assert split_sentences(document) == [
+        "mr. smith met dr. j. watson in the u.s. on jan. 5.", 'he said "hi!"', "then 3 left.", "e.g. this one.",
+        "the value is 3.5 now, and the river rose in the spring while the farmers moved their herds.", "ünd so.",
+        "ça va?", "«oui»."]
+    unpunctuated = clean_document("no sentence end here at all " * 10)
+    assert split_sentences(unpunctuated) == [unpunctuated]
+    line = "ostler! come away and be hang'd; come away."  # a short line of cased text: not taken as lowercased
+    assert split_sentences(line) == [line]
