@@ -6,7 +6,9 @@ VENV    ?= .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 SAMPLES ?= data/samples
-export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+# DeepSpeed's ops built on first use go to one folder per torch build (tools/torch_extensions.py), so a changed
+# torch never loads a library built against another one; worked out when a target starts, once the venv exists.
+export TORCH_EXTENSIONS_DIR ?= $(or $(shell $(PY) -m tools.torch_extensions 2>/dev/null),$(CURDIR)/.cache/torch_extensions)
 export PYTHONUNBUFFERED := 1
 
 # The accelerator: GPUs when `nvidia-smi -L` lists any (DeepSpeed then detects CUDA itself), else DeepSpeed's CPU
@@ -142,7 +144,8 @@ bench-train: $(STAMP)  ## loader vs model throughput, data-wait share, per-rank 
 # Fine-tuning. finetune-demo fine-tunes the tiny model pre-trained by our pipeline (FT_PRETRAINED: a
 # checkpoints directory, built with `make vocab shards pretrain OVERRIDES=$(FT_PRETRAIN_OVERRIDES)` when missing)
 # and the same model from scratch on BBC topic classification and headline generation, then prints the table.
-# A VOCAB or SHARDS that exists already is used as it is.
+# A VOCAB, SHARDS or checkpoint that exists already is used as it is (the demo names it); finished fine-tuning runs
+# are kept unless they came from another checkpoint.
 FT_OUT                ?= demo_out/finetune
 FT_PRETRAINED         ?= $(RUN)/checkpoints
 FT_VOCAB              ?= $(VOCAB)

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from tools.torch_extensions import default_extensions_dir
+
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = Path(os.environ.get("UNILM_SAMPLES", ROOT / "data" / "samples"))
 
@@ -27,7 +29,7 @@ def subprocess_env(**extra: str) -> dict[str, str]:
 # machine). GPU tests (`-m gpu`) start their runs in child processes with GPU_ENV: in this process the accelerator
 # is chosen once, on the first `get_accelerator()`.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
+default_extensions_dir()
 GPU_ENV = {"DS_ACCELERATOR": "cuda"}
 """Extra environment of a GPU test's child process (DeepSpeed's CUDA accelerator, NCCL)."""
 

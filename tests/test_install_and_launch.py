@@ -74,6 +74,29 @@ def test_targets_that_only_run_code_install_no_system_packages(tmp_path: Path, g
     assert "apt-get" in make(tmp_path, gpus, "setup", "VENV=" + str(tmp_path / "no-venv"))  # setup/test may
 
 
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_builds_deepspeeds_ops_into_one_folder_per_torch_build(tmp_path: Path) -> None:
+    """An upgraded torch (or a second venv on the checkout) must not load ops built against another torch."""
+    import torch
+
+    from tools.torch_extensions import extensions_dir
+
+    def ops_folder(venv: Path, **env: str) -> str:
+        environ = {k: v for k, v in os.environ.items() if k not in ("TORCH_EXTENSIONS_DIR", "MAKEFLAGS", "MFLAGS")}
+        process = subprocess.run(["make", "-s", "--no-print-directory", f"VENV={venv}", "--eval",
+                                  "show-ops: ; @echo ops=[$$TORCH_EXTENSIONS_DIR]", "show-ops"],
+                                 cwd=ROOT, env={**environ, **env}, capture_output=True, text=True, timeout=120)
+        assert process.returncode == 0, process.stderr
+        return process.stdout.strip()
+
+    folder = ops_folder(Path(sys.prefix))
+    assert folder == f"ops=[{extensions_dir()}]"
+    assert folder.endswith(f"/.cache/torch_extensions/torch-{torch.__version__}-py{sys.version_info[0]}"
+                           f"{sys.version_info[1]}]")
+    assert ops_folder(tmp_path / "no-venv") == f"ops=[{ROOT}/.cache/torch_extensions]"  # before setup made it
+    assert ops_folder(Path(sys.prefix), TORCH_EXTENSIONS_DIR="/shared/ops") == "ops=[/shared/ops]"
+
+
 def test_the_slurm_script_gives_the_preflight_the_runs_overrides() -> None:
     script = (ROOT / "hostfiles/slurm.sbatch").read_text()
     preflight = next(line for line in script.splitlines() if line.startswith("make preflight"))

@@ -27,9 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pretrain.accelerator import choose_ds_accelerator
-from pretrain.config import REPO_ROOT
-from tools.stages import stream
+from tools.stages import driver_environment, stream
 
 SECTIONS = ("data", "model", "train", "decode", "gpu")
 
@@ -299,8 +297,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--shards", default="data/shards/unilm-128", help="shards for the training benchmark")
     parser.add_argument("--repeat", type=int, default=3, help="repeats of the data benchmark (best kept)")
     args = parser.parse_args(argv)
-    choose_ds_accelerator()
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO_ROOT / ".cache" / "torch_extensions"))
+    driver_environment()
     args.work = args.work or args.out
     args.out.mkdir(parents=True, exist_ok=True)
     info = machine()

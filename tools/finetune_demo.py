@@ -4,7 +4,9 @@ checkpoint and from scratch on BBC News topic classification and headline genera
     python -m tools.finetune_demo --pretrained CHECKPOINT_OR_HF_DIR --vocab VOCAB --data data/finetune --out DIR
 
 Every (task, init, seed) run is an ordinary `finetune.run` (DeepSpeed, 1 rank) into DIR/<task>-<init>-seed<S>/;
-a run whose summary.json says it finished is not repeated. The from-scratch run uses the same architecture,
+a run whose summary.json says it finished is not repeated, unless --pretrained is no longer the model DIR's runs
+were fine-tuned from (DIR/pretrained.json: the checkpoint's weights sha256 from its marker, or a model
+directory's weight files' sha256): then every run is redone. The from-scratch run uses the same architecture,
 tokenizer, data, seed and settings (`finetune/configs/demo-*.yaml`), only random weights. Each seed (data order,
 dropout, the new head's initialisation) pairs one pre-trained and one from-scratch run; small models fine-tuned
 for a few epochs swing by several points from seed to seed, so the table gives mean ± standard deviation over
@@ -15,10 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 from pathlib import Path
 
+from data_prep.shard_format import sha256_file
 from finetune import decode, run
+from pretrain import checkpoint as ckpt
 from pretrain.config import REPO_ROOT
 
 CONFIGS = REPO_ROOT / "finetune" / "configs"
@@ -51,6 +56,37 @@ def finetune_once(task: str, init_name: str, seed: int, args: argparse.Namespace
             argv += ["--epochs", str(args.epochs)]
         run.main(argv)
     return json.loads(metrics_file.read_text())
+
+
+def model_identity(path: str) -> dict:
+    """What the pre-trained runs start from: a pre-training checkpoint's tag and the weights sha256 its marker
+    vouches for, or a model directory's weight files and their sha256."""
+    directory = Path(path)
+    if (directory / "config.json").is_file():
+        weights = sorted(p for p in directory.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file())
+        return {"model": str(directory.resolve()), "sha256": {p.name: sha256_file(p) for p in weights}}
+    checkpoints, tag = ckpt.resolve_tag_dir(directory)
+    marker, problem = ckpt.verify_tag(checkpoints / tag, hashes=False)
+    if marker is None:
+        raise SystemExit(f"--pretrained {path}: {checkpoints / tag} is not a complete checkpoint: {problem}")
+    return {"checkpoint": str((checkpoints / tag).resolve()), "step": marker.get("step"),
+            "sha256": marker["sha256"].get(ckpt.WEIGHTS, marker.get("save_id"))}
+
+
+def forget_runs_of_another_model(out: Path, identity: dict) -> None:
+    """Remove the demo's runs in ``out`` when they were fine-tuned from another model than ``identity`` (a
+    finished run is otherwise kept), then record ``identity`` as the model they come from."""
+    record = out / "pretrained.json"
+    runs = sorted(p for task in TASKS for init in INITS for p in out.glob(f"{task}-{init}-seed*") if p.is_dir())
+    earlier = json.loads(record.read_text()) if record.is_file() else None
+    if runs and earlier != identity:
+        was = f"{earlier.get('checkpoint') or earlier.get('model')}" if earlier else "an unrecorded model"
+        print(f"[demo] the {len(runs)} run(s) in {out} were fine-tuned from {was}, not from "
+              f"{identity.get('checkpoint') or identity.get('model')} as now: fine-tuning again", flush=True)
+        for path in runs:
+            shutil.rmtree(path)
+    out.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps(identity, indent=1) + "\n")
 
 
 def best_over_epochs(metrics: dict, metric: str) -> float:
@@ -95,6 +131,11 @@ def main(argv: list[str] | None = None) -> dict:
                         help="fine-tuning seeds; each pairs a pre-trained and a from-scratch run (default: 42 43 44)")
     args = parser.parse_args(argv)
 
+    identity = model_identity(args.pretrained)
+    where = identity.get("checkpoint") or identity.get("model")
+    print(f"[demo] pre-trained model: {where}" + (f" (step {identity['step']})" if identity.get("step") else ""),
+          flush=True)
+    forget_runs_of_another_model(Path(args.out), identity)
     results = {(task, init): [finetune_once(task, init, seed, args) for seed in args.seeds]
                for task in TASKS for init in INITS}
     out = Path(args.out)

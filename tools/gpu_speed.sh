@@ -27,7 +27,6 @@ WHAT=${2:-all}
 case $WHAT in bench|tests|suite|all) ;; *) echo "usage: $0 [OUT] [bench|tests|suite|all], not '$WHAT'" >&2; exit 2;; esac
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || command -v python3 || echo python )}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}
 mkdir -p "$OUT"
 { nvidia-smi || true; "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'; } \
   > "$OUT/machine.txt" 2>&1

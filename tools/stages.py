@@ -17,6 +17,7 @@ from typing import Any
 
 from pretrain.accelerator import choose_ds_accelerator, local_launch_arguments
 from pretrain.config import REPO_ROOT
+from tools.torch_extensions import default_extensions_dir
 
 
 
@@ -127,5 +128,5 @@ def load_average() -> str:
 def driver_environment() -> None:
     """The environment every driver's commands need (set only where the user has not)."""
     choose_ds_accelerator()
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO_ROOT / ".cache" / "torch_extensions"))
+    default_extensions_dir()
     os.environ.setdefault("PYTHONUNBUFFERED", "1")

@@ -1,5 +1,9 @@
-"""tools.finetune_demo's table: best dev epoch per run, mean ± sd over seeds, per-seed paired differences."""
+"""tools.finetune_demo: the table (best dev epoch per run, mean ± sd over seeds, per-seed paired differences), and
+which finished runs it keeps."""
 from __future__ import annotations
+
+import hashlib
+import shutil
 
 from tools.finetune_demo import best_over_epochs, table
 
@@ -32,3 +36,41 @@ def test_rows_give_mean_sd_and_per_seed_differences() -> None:
 def test_one_seed_gives_plain_values() -> None:
     results = {(task, init): [run([0.6])] for task in ("topic", "headline") for init in ("pretrained", "scratch")}
     assert "| BBC topic | accuracy | 60.00 | 60.00 | +0.00 |" in table(results)
+
+
+def test_runs_fine_tuned_from_another_checkpoint_are_redone(tmp_path, capsys) -> None:
+    """A finished run is kept only while --pretrained is the model it was fine-tuned from."""
+    import json
+
+    from pretrain import checkpoint as ckpt
+    from tools.finetune_demo import forget_runs_of_another_model, model_identity
+
+    def save(checkpoints, step: int, weights: bytes) -> dict:
+        tag_dir = checkpoints / ckpt.tag_for_step(step)
+        tag_dir.mkdir(parents=True)
+        (tag_dir / ckpt.WEIGHTS).write_bytes(weights)
+        ckpt.write_marker(tag_dir, {"step": step})
+        ckpt.update_latest(checkpoints, tag_dir.name)
+        return model_identity(str(checkpoints))
+
+    out = tmp_path / "demo"
+    first = save(tmp_path / "run" / "checkpoints", 600, b"weights of the first pre-training")
+    assert first["step"] == 600 and first["checkpoint"].endswith("global_step600")
+    forget_runs_of_another_model(out, first)
+    for name in ("topic-pretrained-seed42", "headline-scratch-seed43"):
+        (out / name).mkdir()
+        (out / name / "summary.json").write_text(json.dumps({"finished": True}))
+    forget_runs_of_another_model(out, model_identity(str(tmp_path / "run" / "checkpoints")))
+    assert (out / "topic-pretrained-seed42" / "summary.json").is_file()  # same model: finished runs are kept
+    assert "fine-tuning again" not in capsys.readouterr().out
+    shutil.rmtree(tmp_path / "run")  # pre-trained again into the same place, to the same step
+    again = save(tmp_path / "run" / "checkpoints", 600, b"weights of the second pre-training")
+    assert again != first
+    forget_runs_of_another_model(out, again)
+    assert "the 2 run(s) in" in capsys.readouterr().out and not list(out.glob("*-seed*"))
+    assert json.loads((out / "pretrained.json").read_text()) == again
+    model = tmp_path / "hf"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"exported weights")
+    assert model_identity(str(model))["sha256"] == {"model.safetensors": hashlib.sha256(b"exported weights").hexdigest()}
