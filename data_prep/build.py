@@ -48,9 +48,9 @@ from data_prep.instances import (RECIPES, Instance, InstanceConfig, MaskingConfi
 from data_prep.shard_format import (INDEX_DTYPE, MANIFEST_NAME, SHARD_GLOB, VOCAB_NAME, Objective,
                                     ShardArrays, ShardError, ShardFile, manifest_dict, read_manifest,
                                     sha256_file, token_dtype, write_json, write_shard)
-from data_prep.sources import (ALL_FILES, ROWS_PER_DOCUMENT, TEXT_FIELD, UNIT_BYTES, ReadOptions, RepairedText,
-                               Skipped, Unit, Wikitext, check_input, directory_files, document_text, folder_split,
-                               input_units, is_plain_folder, read_documents, read_unit)
+from data_prep.sources import (ALL_FILES, ROWS_PER_DOCUMENT, SUPPORTED, TEXT_FIELD, UNIT_BYTES, ReadOptions,
+                               RepairedText, Skipped, Unit, Wikitext, check_input, directory_files, document_text,
+                               folder_split, input_units, is_plain_folder, read_documents, read_unit)
 from data_prep.text import clean_document, split_sentences
 from data_prep.vocab import (Vocab, VocabError, load_encoder, load_vocab, resolve_casing, resolve_vocab_source,
                              train_vocab)
@@ -282,7 +282,7 @@ def _warn_left_out(spec: str) -> None:
 
     if listed.other_types:
         print(f"[build] warning: --input {spec}: {len(listed.other_types)} file(s) of other types are not read: "
-              f"{names(listed.other_types)} (read here: .xml[.bz2], .jsonl, .json, .parquet, .txt; convert a file "
+              f"{names(listed.other_types)} (read here: {SUPPORTED}; convert a file "
               "to one of them to include it)", file=sys.stderr)
     if listed.split:
         left = "; ".join(f"{f'split {name}' if name else 'no split named'}: {names(files)}"
@@ -882,8 +882,9 @@ def training_documents(inputs: Sequence[str], cfg: BuildConfig | None = None) ->
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m data_prep.build", description=__doc__.split("\n")[0])
     p.add_argument("--input", nargs="+", action="extend", default=[], metavar="SRC",
-                   help="file (.xml[.bz2] .jsonl .json .parquet .txt), directory (files named by split: split train, "
-                        "or DIR::SPLIT), or HF dataset name[:config][:split]; repeatable")
+                   help="file (.xml[.bz2] .jsonl .json .parquet .txt; .jsonl .json .txt also .gz .bz2 .xz .zst), "
+                        "directory (files named by split: split train, or DIR::SPLIT), or HF dataset "
+                        "name[:config][:split]; repeatable")
     p.add_argument("--text-field", default=TEXT_FIELD, metavar="NAME",
                    help="field / column of JSON, parquet and dataset records that holds the text "
                         f"(default {TEXT_FIELD})")

@@ -7,6 +7,8 @@
 ``*.json``                              a JSON array of objects with ``text`` (else read as JSON lines)
 ``*.parquet``                           a ``text`` column, read in record batches
 ``*.txt``                               documents separated by blank lines (lines may end in LF, CRLF or a lone CR)
+``*.jsonl.gz``, ``*.txt.zst``, …        the same, compressed: ``.gz``, ``.bz2``, ``.xz`` or ``.zst`` after ``.jsonl``,
+                                        ``.json`` or ``.txt`` (C4 ships ``.json.gz``, the Pile ``.jsonl.zst``)
 a directory of such files               every such file, in sorted path order (``directory_files``); where
                                         file or folder names name splits the way ``datasets`` reads them
                                         (``train.jsonl``, ``valid-0.txt``, ``test/``) only split ``train``,
@@ -37,7 +39,7 @@ the text column) raise ``SourceError`` naming the input and the fix. ``--text-fi
 than ``text``.
 
 Work is split into units (``input_units``): one per local file, one per ``unit_bytes`` byte range of a large
-``.jsonl`` file (a range holds the lines that start in it), one per shard of a Hugging Face dataset
+uncompressed ``.jsonl`` file (a range holds the lines that start in it), one per shard of a Hugging Face dataset
 (``IterableDataset.shard``), so several builders read disjoint parts of the inputs. Wikipedia pages come out
 as raw ``Wikitext``; ``document_text`` turns them into prose in the worker that processes them.
 
@@ -47,19 +49,31 @@ For ``.txt`` inputs a row is a line.
 """
 from __future__ import annotations
 
+import bz2
 import functools
+import gzip
+import io
 import itertools
 import json
+import lzma
 import os
 import re
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import BinaryIO, Iterator
 
 from data_prep.shard_format import MANIFEST_NAME, SHARD_GLOB
 from data_prep.wikitext import iter_pages, wikitext_to_text
 
 FILE_SUFFIXES = (".xml", ".xml.bz2", ".jsonl", ".json", ".parquet", ".txt")
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
+"""what a .jsonl, .json or .txt file may be compressed with (gzip, bzip2, xz: the standard library; zstandard:
+pyarrow's codec, which ``datasets`` brings)"""
+_COMPRESSIBLE = (".jsonl", ".json", ".txt")
+SUPPORTED = (f"{', '.join(FILE_SUFFIXES)} ({', '.join(_COMPRESSIBLE)} also compressed: "
+             f"{', '.join(COMPRESSIONS)})")
+"""every file type read here, for messages"""
 _DUMP_PIECE = re.compile(r"\.xml-p\d+p\d+\.bz2$")  # enwiki-20231101-pages-articles1.xml-p1p41242.bz2
 _BOM = b"\xef\xbb\xbf"
 DATASET_FOLDER_FILES = ("dataset_dict.json", "dataset_info.json", "state.json")
@@ -146,11 +160,44 @@ class ReadOptions:
 
 
 def _suffix(path: Path) -> str:
-    """The file type (one of ``FILE_SUFFIXES``) a name says, or "" when it names none."""
+    """The file type (one of ``FILE_SUFFIXES``) a name says, whether or not compressed (``_compression``), or ""
+    when it names none."""
     name = path.name.lower()
     if _DUMP_PIECE.search(name):
         return ".xml.bz2"
-    return next((s for s in sorted(FILE_SUFFIXES, key=len, reverse=True) if name.endswith(s)), "")
+    if found := next((s for s in sorted(FILE_SUFFIXES, key=len, reverse=True) if name.endswith(s)), ""):
+        return found
+    stem = name.removesuffix(_compression(path))
+    return next((s for s in _COMPRESSIBLE if stem != name and stem.endswith(s)), "")
+
+
+def _compression(path: Path) -> str:
+    """The compression suffix of a compressed .jsonl/.json/.txt file name (``COMPRESSIONS``), else ""."""
+    name = path.name.lower()
+    if name.endswith(".xml.bz2") or _DUMP_PIECE.search(name):
+        return ""  # a Wikipedia dump: its reader decompresses it
+    return next((c for c in COMPRESSIONS if name.endswith(c)), "")
+
+
+def _open_binary(path: Path) -> BinaryIO:
+    """A file opened for reading bytes, decompressed as its name says."""
+    compression = _compression(path)
+    if compression == ".zst":
+        import pyarrow  # optional: only .zst inputs need it
+
+        return io.BufferedReader(pyarrow.input_stream(str(path), compression="zstd"))
+    opener = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}.get(compression, open)
+    return opener(path, "rb")
+
+
+def _decompressed(records: Iterator[str | Skipped], path: Path) -> Iterator[str | Skipped]:
+    """``records`` of a compressed file; a damaged or truncated stream stops the build naming the file."""
+    try:
+        yield from records
+    except (OSError, EOFError, zlib.error, lzma.LZMAError) as err:  # pyarrow's errors are OSErrors too
+        raise SourceError(f"--input {path}: not a readable {_compression(path)[1:]} file ({err}); the download may "
+                          "have been cut short: fetch it again, or check it with the matching tool "
+                          "(gzip -t, bzip2 -t, xz -t, zstd -t)") from None
 
 
 def check_input(spec: str) -> None:
@@ -160,7 +207,7 @@ def check_input(spec: str) -> None:
         return
     if path.exists():
         if not _suffix(path):
-            raise SourceError(f"--input {spec}: unsupported file type; use one of {', '.join(FILE_SUFFIXES)} "
+            raise SourceError(f"--input {spec}: unsupported file type; use one of {SUPPORTED} "
                               "(or a Wikipedia dump piece *.xml-p<first>p<last>.bz2), or a Hugging Face dataset name")
         return
     folder = Path(spec.split(":", 1)[0])
@@ -168,7 +215,7 @@ def check_input(spec: str) -> None:
         if not is_dataset_folder(folder):
             directory_files(*folder_split(spec))  # FOLDER::SPLIT of a folder whose file names name splits
         return
-    if _suffix(path) or spec.endswith((".bz2", ".gz", ".csv", ".tsv")) or spec.startswith((".", "/", "~")):
+    if _suffix(path) or spec.endswith((*COMPRESSIONS, ".csv", ".tsv")) or spec.startswith((".", "/", "~")):
         raise SourceError(f"--input {spec}: file not found")
 
 
@@ -321,7 +368,7 @@ def input_units(spec: str, unit_bytes: int = UNIT_BYTES) -> list[Unit]:
         if not listed.read:
             held = f" (it holds {', '.join(p.name for p in listed.other_types[:5])})" if listed.other_types else ""
             raise SourceError(f"--input {spec}: no file in this directory is of a type read here{held}; supported: "
-                              f"{', '.join(FILE_SUFFIXES)} (hidden files, *.md and shard builds are never read)")
+                              f"{SUPPORTED} (hidden files, *.md and shard builds are never read)")
         return [unit for p in listed.read for unit in _file_units(p, unit_bytes)]
     if not _is_hf(spec):
         return _file_units(Path(spec), unit_bytes)
@@ -331,7 +378,7 @@ def input_units(spec: str, unit_bytes: int = UNIT_BYTES) -> list[Unit]:
 
 def _file_units(path: Path, unit_bytes: int) -> list[Unit]:
     size = path.stat().st_size
-    if _suffix(path) != ".jsonl" or size <= unit_bytes:
+    if _suffix(path) != ".jsonl" or _compression(path) or size <= unit_bytes:
         return [Unit(str(path))]
     starts = range(0, size, unit_bytes)
     return [Unit(str(path), start=start, stop=min(start + unit_bytes, size)) for start in starts]
@@ -362,6 +409,8 @@ def read_unit(unit: Unit, options: ReadOptions = ReadOptions()) -> Iterator[str 
             records = _read_jsonl(path, options.text_field, unit.start, unit.stop)
         else:
             records = {".json": _read_json, ".parquet": _read_parquet}[suffix](path, options.text_field)
+        if _compression(path):
+            records = _decompressed(records, path)
     return group_rows(records, options.rows_per_document) if options.rows_as_sentences else records
 
 
@@ -437,7 +486,7 @@ def _read_wiki(path: Path) -> Iterator[str | Skipped]:
 def _read_jsonl(path: Path, text_field: str, start: int = 0, stop: int = -1) -> Iterator[str | Skipped]:
     """The lines that start in bytes [start, stop) (stop -1: to the end of the file)."""
     text_of = _TextField(text_field)
-    with open(path, "rb") as f:
+    with _open_binary(path) as f:
         position = start
         if start:
             f.seek(start - 1)
@@ -478,7 +527,7 @@ class _LineNumber:
     def __call__(self) -> int:
         if self.line is None:
             newlines, remaining = 0, self.offset
-            with open(self.path, "rb") as f:
+            with _open_binary(self.path) as f:
                 while remaining:
                     block = f.read(min(remaining, 1 << 20))
                     newlines, remaining = newlines + block.count(b"\n"), remaining - len(block)
@@ -487,12 +536,13 @@ class _LineNumber:
 
 
 def _read_json(path: Path, text_field: str) -> Iterator[str | Skipped]:
-    with open(path, "rb") as f:
+    with _open_binary(path) as f:
         head = f.read(4096)
     if not head.removeprefix(_BOM).lstrip().startswith(b"["):
         yield from _read_jsonl(path, text_field)
         return
-    raw = path.read_bytes().removeprefix(_BOM)
+    with _open_binary(path) as f:
+        raw = f.read().removeprefix(_BOM)
     try:
         records = json.loads(raw.decode("utf-8"))  # a JSON array has to be parsed whole
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -530,7 +580,7 @@ def _txt_lines(path: Path) -> Iterator[tuple[int, bytes]]:
     """(line number, line with its end) of a text file. A line ends at LF, CRLF or a lone CR
     (old Mac files); a UTF-8 byte-order mark at the start is dropped."""
     number = 0
-    with open(path, "rb") as f:
+    with _open_binary(path) as f:
         for raw in f:  # splits after b"\n" only
             if number == 0:
                 raw = raw.removeprefix(_BOM)

@@ -1,7 +1,10 @@
 """Every input kind reads real or crafted documents; unusable records are counted skips, unusable inputs errors."""
 from __future__ import annotations
 
+import bz2
+import gzip
 import json
+import lzma
 import shutil
 
 import pyarrow as pa
@@ -25,6 +28,51 @@ def test_txt_blank_line_separated_news(samples_dir):
 def test_jsonl_books(samples_dir):
     records = list(read_documents(str(samples_dir / "books.jsonl")))
     assert len(records) == 42 and all(isinstance(r, str) and len(r) > 1_000 for r in records)
+
+
+COMPRESSORS = {".gz": gzip.compress, ".bz2": bz2.compress, ".xz": lzma.compress,
+               ".zst": lambda data: pa.Codec("zstd").compress(data, asbytes=True)}
+
+
+@pytest.mark.parametrize("compression", list(COMPRESSORS))
+def test_compressed_inputs_read_as_their_uncompressed_selves(samples_dir, tmp_path, compression):
+    """C4 ships .json.gz (JSON lines), the Pile and SlimPajama .jsonl.zst: the same documents, in order, as the
+    uncompressed files, with the same skips, and one unit per file (a compressed file has no byte ranges)."""
+    compress = COMPRESSORS[compression]
+    books, news = samples_dir / "books.jsonl", samples_dir / "news/lee.txt"
+    hostile = books.read_bytes()[:20_000] + b"\n{not json}\n" + b'{"text": 3}\n\xff\xfe\n'
+    for source, name in ((books, "books.jsonl"), (books, "c4-style.json"), (news, "lee.txt")):
+        (tmp_path / (name + compression)).write_bytes(compress(source.read_bytes()))
+        expected = list(read_documents(str(source)))
+        assert list(read_documents(str(tmp_path / (name + compression)))) == expected, name
+    (tmp_path / "plain.jsonl").write_bytes(hostile)
+    (tmp_path / ("hostile.jsonl" + compression)).write_bytes(compress(hostile))
+    expected = [r if isinstance(r, str) else (r.reason, r.chars)
+                for r in read_documents(str(tmp_path / "plain.jsonl"))]
+    got = [r if isinstance(r, str) else (r.reason, r.chars)
+           for r in read_documents(str(tmp_path / ("hostile.jsonl" + compression)))]
+    assert got == expected
+    assert {r[0] for r in got if isinstance(r, tuple)} == {"malformed_json", "text_not_a_string", "invalid_utf8"}
+    assert len(input_units(str(tmp_path / ("books.jsonl" + compression)), unit_bytes=1000)) == 1
+    rows = list(read_documents(str(tmp_path / ("lee.txt" + compression)), ReadOptions(rows_as_sentences=True)))
+    assert rows == list(read_documents(str(news), ReadOptions(rows_as_sentences=True)))
+    cut = tmp_path / ("cut.jsonl" + compression)  # a download cut short
+    cut.write_bytes(compress(books.read_bytes())[:5_000])
+    with pytest.raises(SourceError, match=rf"cut.jsonl{compression}: not a readable {compression[1:]} file .*"
+                                          "fetch it again"):
+        list(read_documents(str(cut)))
+
+
+def test_a_c4_style_folder_reads_its_compressed_train_files(tmp_path):
+    c4 = tmp_path / "c4" / "en"
+    c4.mkdir(parents=True)
+    for split, shards in (("train", 2), ("validation", 1)):
+        for shard in range(shards):
+            record = {"text": f"A {split} page {shard}. Two sentences.", "url": "https://example.org"}
+            (c4 / f"c4-{split}.{shard:05d}-of-{shards:05d}.json.gz").write_bytes(
+                gzip.compress((json.dumps(record) + "\n").encode()))
+    assert list(read_documents(str(c4))) == ["A train page 0. Two sentences.", "A train page 1. Two sentences."]
+    assert list(read_documents(f"{c4}::validation")) == ["A validation page 0. Two sentences."]
 
 
 def test_hostile_jsonl_lines_are_counted(tmp_path):
@@ -82,6 +130,12 @@ def test_missing_file_unknown_suffix_and_broken_dump(tmp_path):
     (tmp_path / "x.csv").write_text("a,b")
     with pytest.raises(SourceError, match="x.csv: unsupported file type"):
         list(read_documents(str(tmp_path / "x.csv")))
+    (tmp_path / "x.parquet.gz").write_bytes(b"")  # parquet compresses inside; a compressed one is not read
+    with pytest.raises(SourceError, match=r"x.parquet.gz: unsupported file type; use one of .*\(.jsonl, .json, .txt "
+                                          r"also compressed: .gz, .bz2, .xz, .zst\)"):
+        list(read_documents(str(tmp_path / "x.parquet.gz")))
+    with pytest.raises(SourceError, match="missing.jsonl.zst: file not found"):
+        list(read_documents(str(tmp_path / "missing.jsonl.zst")))
     (tmp_path / "dump.xml").write_text("<mediawiki><page><title>A</title><ns>0</ns><revision><text>Hi")
     with pytest.raises(SourceError, match="dump.xml: not a readable Wikipedia XML dump"):
         list(read_documents(str(tmp_path / "dump.xml")))
