@@ -882,7 +882,8 @@ def training_documents(inputs: Sequence[str], cfg: BuildConfig | None = None) ->
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m data_prep.build", description=__doc__.split("\n")[0])
     p.add_argument("--input", nargs="+", action="extend", default=[], metavar="SRC",
-                   help="file (.xml[.bz2] .jsonl .json .parquet .txt; .jsonl .json .txt also .gz .bz2 .xz .zst), "
+                   help="file (.xml[.bz2] .jsonl .json .parquet .txt; .jsonl .json .txt also .gz .bz2 .xz .zst; "
+                        "WikiExtractor's wiki_NN), "
                         "directory (files named by split: split train, or DIR::SPLIT), or HF dataset "
                         "name[:config][:split]; repeatable")
     p.add_argument("--text-field", default=TEXT_FIELD, metavar="NAME",

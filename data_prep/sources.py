@@ -9,6 +9,9 @@
 ``*.txt``                               documents separated by blank lines (lines may end in LF, CRLF or a lone CR)
 ``*.jsonl.gz``, ``*.txt.zst``, …        the same, compressed: ``.gz``, ``.bz2``, ``.xz`` or ``.zst`` after ``.jsonl``,
                                         ``.json`` or ``.txt`` (C4 ships ``.json.gz``, the Pile ``.jsonl.zst``)
+``wiki_NN`` / ``wiki_NN.bz2``           WikiExtractor output (NVIDIA's BERT and Megatron's Wikipedia step): one
+                                        document per ``<doc …>`` … ``</doc>``, its title line dropped and each
+                                        line a paragraph; or, written with ``--json``, JSON lines (``text``)
 a directory of such files               every such file, in sorted path order (``directory_files``); where
                                         file or folder names name splits the way ``datasets`` reads them
                                         (``train.jsonl``, ``valid-0.txt``, ``test/``) only split ``train``,
@@ -67,12 +70,15 @@ from data_prep.shard_format import MANIFEST_NAME, SHARD_GLOB
 from data_prep.wikitext import iter_pages, wikitext_to_text
 
 FILE_SUFFIXES = (".xml", ".xml.bz2", ".jsonl", ".json", ".parquet", ".txt")
+_WIKIEXTRACTOR = re.compile(r"^wiki_\d+(\.bz2)?$")  # text/AA/wiki_00 (wiki_00.bz2 with --compress)
+WIKIEXTRACTOR = "wiki_NN"
+"""the file type of WikiExtractor's output files, which have no suffix"""
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
 """what a .jsonl, .json or .txt file may be compressed with (gzip, bzip2, xz: the standard library; zstandard:
 pyarrow's codec, which ``datasets`` brings)"""
 _COMPRESSIBLE = (".jsonl", ".json", ".txt")
 SUPPORTED = (f"{', '.join(FILE_SUFFIXES)} ({', '.join(_COMPRESSIBLE)} also compressed: "
-             f"{', '.join(COMPRESSIONS)})")
+             f"{', '.join(COMPRESSIONS)}), WikiExtractor's {WIKIEXTRACTOR}[.bz2]")
 """every file type read here, for messages"""
 _DUMP_PIECE = re.compile(r"\.xml-p\d+p\d+\.bz2$")  # enwiki-20231101-pages-articles1.xml-p1p41242.bz2
 _BOM = b"\xef\xbb\xbf"
@@ -165,6 +171,8 @@ def _suffix(path: Path) -> str:
     name = path.name.lower()
     if _DUMP_PIECE.search(name):
         return ".xml.bz2"
+    if _WIKIEXTRACTOR.match(name):
+        return WIKIEXTRACTOR
     if found := next((s for s in sorted(FILE_SUFFIXES, key=len, reverse=True) if name.endswith(s)), ""):
         return found
     stem = name.removesuffix(_compression(path))
@@ -398,15 +406,18 @@ def read_unit(unit: Unit, options: ReadOptions = ReadOptions()) -> Iterator[str 
     else:
         path = Path(unit.spec)
         suffix = _suffix(path)
-        if options.rows_as_sentences and suffix in (".xml", ".xml.bz2"):
-            raise SourceError(f"--input {unit.spec}: --rows-as-sentences does not apply to a Wikipedia dump (its "
-                              "records are whole articles); name only the sentence-per-row inputs after the flag")
+        if options.rows_as_sentences and suffix in (".xml", ".xml.bz2", WIKIEXTRACTOR):
+            raise SourceError(f"--input {unit.spec}: --rows-as-sentences does not apply to Wikipedia articles (a dump "
+                              "or WikiExtractor's output: its records are whole articles); name only the "
+                              "sentence-per-row inputs after the flag")
         if suffix == ".txt" and options.rows_as_sentences:
             records = _read_txt_lines(path)
         elif suffix in (".xml", ".xml.bz2", ".txt"):
             records = {".xml": _read_wiki, ".xml.bz2": _read_wiki, ".txt": _read_txt}[suffix](path)
         elif suffix == ".jsonl":
             records = _read_jsonl(path, options.text_field, unit.start, unit.stop)
+        elif suffix == WIKIEXTRACTOR:
+            records = _read_wikiextractor(path, options.text_field)
         else:
             records = {".json": _read_json, ".parquet": _read_parquet}[suffix](path, options.text_field)
         if _compression(path):
@@ -602,6 +613,35 @@ def _read_txt(path: Path) -> Iterator[str]:
             lines = []
     if lines:
         yield _decode(lines, path, start)
+
+
+def _read_wikiextractor(path: Path, text_field: str) -> Iterator[str | Skipped]:
+    """WikiExtractor's output: ``<doc id=… url=… title=…>``, the title line, then one paragraph per line, up to
+    ``</doc>``; a document becomes its paragraphs (blank lines between, so no sentence runs across two), without
+    the title line. A file written with ``--json`` holds JSON lines, a paragraph per line of their text."""
+    with _open_binary(path) as f:
+        first = next((line for line in f if line.strip()), b"")
+    if first.lstrip().startswith(b"{"):
+        for record in _read_jsonl(path, text_field):
+            yield record.replace("\n", "\n\n") if isinstance(record, str) else record
+        return
+    lines: list[tuple[int, bytes]] | None = None  # (line number, paragraph) of the document being read
+
+    def document(lines: list[tuple[int, bytes]]) -> str:
+        body = [paragraph for _, paragraph in lines[1:]]  # lines[0]: the title
+        return _decode([p + b"\n\n" for p in body[:-1]] + body[-1:], path, lines[1][0]) if body else ""
+
+    for number, raw in _txt_lines(path):
+        line = raw.strip()
+        if line.startswith(b"<doc ") or line == b"<doc>":
+            lines = []
+        elif line == b"</doc>" and lines is not None:
+            yield document(lines)
+            lines = None
+        elif line and lines is not None:
+            lines.append((number, line))
+    if lines:  # a file cut off inside its last document
+        yield document(lines)
 
 
 def _read_txt_lines(path: Path) -> Iterator[str]:

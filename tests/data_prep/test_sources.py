@@ -75,6 +75,34 @@ def test_a_c4_style_folder_reads_its_compressed_train_files(tmp_path):
     assert list(read_documents(f"{c4}::validation")) == ["A validation page 0. Two sentences."]
 
 
+def test_wikiextractor_output_reads_as_the_articles_it_holds(samples_dir, tmp_path):
+    """NVIDIA's BERT and Megatron start from WikiExtractor's text/AA/wiki_00 files: `<doc>` blocks (title line,
+    then a paragraph per line) or, with --json, JSON lines; with --compress, wiki_00.bz2."""
+    articles = [d for d in read_documents(str(samples_dir / "wiki/enwiki-excerpt.xml.bz2")) if isinstance(d, str)][:6]
+    paragraphs = [[" ".join(p.split()) for p in a.split("\n\n") if p.strip()] for a in articles]
+    blocks = [f'<doc id="{i}" url="https://en.wikipedia.org/wiki?curid={i}" title="Title {i}">\nTitle {i}\n\n'
+              + "\n".join(ps) + "\n</doc>\n" for i, ps in enumerate(paragraphs)]
+    (tmp_path / "text" / "AA").mkdir(parents=True)
+    (tmp_path / "text" / "AB").mkdir()
+    (tmp_path / "text" / "AA" / "wiki_00").write_text("".join(blocks[:2]))
+    (tmp_path / "text" / "AA" / "wiki_01").write_text("".join(
+        json.dumps({"id": str(i), "url": "u", "title": f"Title {i}", "text": "\n".join(ps)}) + "\n"
+        for i, ps in enumerate(paragraphs[2:4], start=2)))
+    (tmp_path / "text" / "AB" / "wiki_00.bz2").write_bytes(bz2.compress("".join(blocks[4:]).encode()))
+    documents = list(read_documents(str(tmp_path / "text")))
+    assert [d.split("\n\n") for d in documents] == paragraphs  # title lines dropped, a paragraph per line kept
+    (tmp_path / "cut").mkdir()  # a file cut off inside a document, a bad byte in a paragraph, an empty article
+    (tmp_path / "cut" / "wiki_07").write_bytes(b'<doc id="1" title="A">\nA\nFirst para.\nSecond \xff para.\n</doc>\n'
+                                               b'<doc id="2" title="B">\nB\n</doc>\n<doc id="3" title="C">\nC\nCut')
+    first, empty, cut = read_documents(str(tmp_path / "cut" / "wiki_07"))
+    assert isinstance(first, RepairedText) and first.where.endswith("wiki_07:4") and first.startswith("First para.")
+    assert (empty, cut) == ("", "Cut")
+    with pytest.raises(SourceError, match="--rows-as-sentences does not apply to Wikipedia articles"):
+        list(read_documents(str(tmp_path / "cut" / "wiki_07"), ReadOptions(rows_as_sentences=True)))
+    assert [u.spec for u in input_units(str(tmp_path / "text"))] == [
+        str(tmp_path / "text" / name) for name in ("AA/wiki_00", "AA/wiki_01", "AB/wiki_00.bz2")]
+
+
 def test_hostile_jsonl_lines_are_counted(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_bytes(b'{"text": "fine"}\n\xff\xfe{"text": "bad bytes"}\n{not json\n{"title": "no text"}\n'
