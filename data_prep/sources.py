@@ -289,7 +289,6 @@ def _split_layout(directory_name: str, names: tuple[str, ...]) -> dict[str, list
     import datasets.data_files as hf_files  # slow to import: only directory inputs need it
 
     directory, files = Path(directory_name), [Path(name) for name in names]
-
     keywords = [word for words in hf_files.SPLIT_KEYWORDS.values() for word in words]
     if not any(word in str(p.relative_to(directory)) for p in files for word in keywords):
         return {}  # no name holds a split's name: no need for datasets' globbing over the whole tree
@@ -627,9 +626,9 @@ def _read_wikiextractor(path: Path, text_field: str) -> Iterator[str | Skipped]:
         return
     lines: list[tuple[int, bytes]] | None = None  # (line number, paragraph) of the document being read
 
-    def document(lines: list[tuple[int, bytes]]) -> str:
-        body = [paragraph for _, paragraph in lines[1:]]  # lines[0]: the title
-        return _decode([p + b"\n\n" for p in body[:-1]] + body[-1:], path, lines[1][0]) if body else ""
+    def document(numbered: list[tuple[int, bytes]]) -> str:
+        body = [paragraph for _, paragraph in numbered[1:]]  # numbered[0]: the title
+        return _decode([p + b"\n\n" for p in body[:-1]] + body[-1:], path, numbered[1][0]) if body else ""
 
     for number, raw in _txt_lines(path):
         line = raw.strip()

@@ -47,20 +47,24 @@ _CLOSERS = "\"')\\]\u201d\u2019\u00bb"                # " ' ) ] ” ’ »
 _OPENERS = "\"'(\\[\u201c\u2018\u00ab\u201e\u00bf\u00a1"  # " ' ( [ “ ‘ « „ ¿ ¡
 _CJK_TERMINATORS = "\u3002\uff01\uff1f\uff0e"             # 。！？．
 _CJK_CLOSERS = _CLOSERS + "\u300d\u300f\uff09\u3009\u300b\u3011\u3015"  # and 」』）〉》】〕
-# Group 1 ends a sentence: . ! ? (with an optional closing quote or bracket) that does not end an abbreviation
-# or an initial, when whitespace and a capital, digit or opening quote follow; or a run of full-width
-# terminators with their closing brackets, whatever follows. The whitespace after it is dropped. Each
-# alternative starts with its punctuation class, so the fixed-width lookbehinds only run at candidate boundaries.
-_BOUNDARY = re.compile(
-    r"([.!?]" + "".join(rf"(?<!\b{re.escape(a)}\.)" for a in _ABBREVIATIONS)
-    + rf"(?<!\b[{_UPPER}]\.)[{_CLOSERS}]?(?=\s+[{_OPENERS}]*[{_UPPER}0-9])"
-    + rf"|[{_CJK_TERMINATORS}]+[{_CJK_CLOSERS}]*)\s*")
-# The same for a document without capitals: any letter or digit may start the next sentence; the abbreviations
-# and one-letter initials it must not end at are the lowercased ones.
-_BOUNDARY_UNCASED = re.compile(
-    r"([.!?]" + "".join(rf"(?<!\b{re.escape(a)}\.)" for a in sorted({a.lower() for a in _ABBREVIATIONS}))
-    + rf"(?<!\b[^\W\d_]\.)[{_CLOSERS}]?(?=\s+[{_OPENERS}]*[^\W_])"
-    + rf"|[{_CJK_TERMINATORS}]+[{_CJK_CLOSERS}]*)\s*")
+
+
+def _boundary(abbreviations: list[str], initial: str, starter: str) -> re.Pattern:
+    """Group 1 ends a sentence: . ! ? (with an optional closing quote or bracket) that does not end one of the
+    ``abbreviations`` or an initial (a letter of class ``initial``), when whitespace, opening quotes and a letter of
+    class ``starter`` follow; or a run of full-width terminators with their closing brackets, whatever follows.
+    The whitespace after it is dropped. Each alternative starts with its punctuation class, so the fixed-width
+    lookbehinds only run at candidate boundaries."""
+    return re.compile(
+        r"([.!?]" + "".join(rf"(?<!\b{re.escape(a)}\.)" for a in abbreviations)
+        + rf"(?<!\b[{initial}]\.)[{_CLOSERS}]?(?=\s+[{_OPENERS}]*[{starter}])"
+        + rf"|[{_CJK_TERMINATORS}]+[{_CJK_CLOSERS}]*)\s*")
+
+
+# Cased text: a capital or digit starts the next sentence. A document without capitals: any letter or digit, and
+# the abbreviations and one-letter initials it must not end at are the lowercased ones.
+_BOUNDARY = _boundary(_ABBREVIATIONS, _UPPER, f"{_UPPER}0-9")
+_BOUNDARY_UNCASED = _boundary(sorted({a.lower() for a in _ABBREVIATIONS}), r"^\W\d_", r"^\W_")
 _LONG_PIECE = re.compile(r"\S.{0,%d}(?=\s|$)|\S{%d}" % (MAX_SENTENCE_CHARS - 2, MAX_SENTENCE_CHARS))
 
 

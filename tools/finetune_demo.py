@@ -73,6 +73,11 @@ def model_identity(path: str) -> dict:
             "sha256": marker["sha256"].get(ckpt.WEIGHTS, marker.get("save_id"))}
 
 
+def model_name(identity: dict) -> str:
+    """The checkpoint or model directory a ``model_identity`` names."""
+    return identity.get("checkpoint") or identity.get("model") or "an unrecorded model"
+
+
 def forget_runs_of_another_model(out: Path, identity: dict) -> None:
     """Remove the demo's runs in ``out`` when they were fine-tuned from another model than ``identity`` (a
     finished run is otherwise kept), then record ``identity`` as the model they come from."""
@@ -80,9 +85,8 @@ def forget_runs_of_another_model(out: Path, identity: dict) -> None:
     runs = sorted(p for task in TASKS for init in INITS for p in out.glob(f"{task}-{init}-seed*") if p.is_dir())
     earlier = json.loads(record.read_text()) if record.is_file() else None
     if runs and earlier != identity:
-        was = f"{earlier.get('checkpoint') or earlier.get('model')}" if earlier else "an unrecorded model"
-        print(f"[demo] the {len(runs)} run(s) in {out} were fine-tuned from {was}, not from "
-              f"{identity.get('checkpoint') or identity.get('model')} as now: fine-tuning again", flush=True)
+        print(f"[demo] the {len(runs)} run(s) in {out} were fine-tuned from {model_name(earlier or {})}, not from "
+              f"{model_name(identity)} as now: fine-tuning again", flush=True)
         for path in runs:
             shutil.rmtree(path)
     out.mkdir(parents=True, exist_ok=True)
@@ -132,9 +136,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
 
     identity = model_identity(args.pretrained)
-    where = identity.get("checkpoint") or identity.get("model")
-    print(f"[demo] pre-trained model: {where}" + (f" (step {identity['step']})" if identity.get("step") else ""),
-          flush=True)
+    print(f"[demo] pre-trained model: {model_name(identity)}"
+          + (f" (step {identity['step']})" if identity.get("step") else ""), flush=True)
     forget_runs_of_another_model(Path(args.out), identity)
     results = {(task, init): [finetune_once(task, init, seed, args) for seed in args.seeds]
                for task in TASKS for init in INITS}
