@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import subprocess_env
@@ -88,9 +89,16 @@ def test_torchrun_zero2_bf16(unilm_shards: Path, tmp_path: Path) -> None:
     assert_trained(tmp_path, zero_stage=2)
 
 
-def test_preflight_checks_batch_plan_shards_and_hosts(unilm_shards: Path, tmp_path: Path) -> None:
+def test_preflight_checks_batch_plan_shards_and_hosts(unilm_shards: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The free disk each host reports is fixed here, so the result does not depend on this machine's disk."""
     from pretrain.preflight import preflight, read_hostfile
 
+    def free_disk(gib: float) -> None:
+        usage = SimpleNamespace(total=2**50, used=0, free=int(gib * 2**30))
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: usage)
+
+    free_disk(1000)
     assert read_hostfile(ROOT / "hostfiles/localhost") == {"localhost": 2}
     assert sum(read_hostfile(ROOT / "hostfiles/multinode.example").values()) == 16
     overrides = [f"data.shards={unilm_shards}", f"out_dir={tmp_path}"]
@@ -99,6 +107,10 @@ def test_preflight_checks_batch_plan_shards_and_hosts(unilm_shards: Path, tmp_pa
     eight.write_text("localhost slots=8\n")
     problems = preflight("pretrain/configs/unilm-large.yaml", overrides, str(eight))
     assert len(problems) == 1 and "No (micro, accumulation) pair reaches 330 on 8 ranks" in problems[0]
+    free_disk(10)  # UniLM-large: ~6 GiB a checkpoint, keep_last + 1 of them
+    problems = preflight("pretrain/configs/unilm-large.yaml", overrides, str(ROOT / "hostfiles/localhost"))
+    assert len(problems) == 1 and "localhost: 10.0 GiB free under" in problems[0], problems
+    assert "checkpoints" in problems[0]
     problems = preflight("pretrain/configs/tiny.yaml", [f"data.shards={tmp_path}", f"out_dir={tmp_path}"], None)
     assert len(problems) == 1 and "no manifest" in problems[0]
 
