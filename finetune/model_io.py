@@ -39,7 +39,7 @@ from safetensors.torch import load_file, save_file
 from data_prep.vocab import write_hf_tokenizer
 from pretrain import checkpoint as ckpt
 from pretrain.export import load_consolidated, resolve_checkpoint, shard_vocabulary
-from pretrain.hf import HF_TASK_ARCHITECTURES, load_hf_bert, save_hf_bert, to_hf_name
+from pretrain.hf import HF_TASK_ARCHITECTURES, hf_config_file, load_hf_bert, save_hf_bert, to_hf_name
 from pretrain.model import UniLMModel
 
 from .tokenizer import Tokenizer, load_tokenizer
@@ -66,7 +66,7 @@ class Finetuned:
 
 
 def _load_model_dir(directory: Path) -> UniLMModel:
-    if not (directory / "config.json").is_file():
+    if hf_config_file(directory) is None:
         raise ValueError(f"{directory} is not a model directory: no config.json (expected a Hugging Face BERT "
                          "export, a fine-tuning output directory or a pre-training checkpoint)")
     extra = directory / EXTRA_FILE
@@ -83,7 +83,7 @@ def load_init(path: str | Path, vocab: str | Path | None = None) -> tuple[UniLMM
     directory = Path(path)
     if not directory.is_dir():
         raise FileNotFoundError(f"--init {directory}: no such directory")
-    if (directory / "config.json").is_file():
+    if hf_config_file(directory) is not None:
         model = _load_model_dir(directory)
     elif (directory / ckpt.MARKER).is_file() or (directory / ckpt.LATEST).is_file():
         tokenizer = checkpoint_tokenizer(directory, vocab)

@@ -25,7 +25,10 @@ attention the model trains with:
 Tensors are read safely: `model.safetensors` with safetensors, `pytorch_model.bin` with
 `torch.load(weights_only=True)`, a checkpoint saved in shards through its `*.index.json`. Checkpoints with or
 without the `bert.` prefix and with or without the MLM/NSP heads (and pooler) load; missing heads are freshly
-initialised and a warning names them.
+initialised and a warning names them. The layout of the original releases loads as well: `bert_config.json` for
+`config.json`, TF-era `gamma`/`beta` LayerNorm names, half-precision tensors, and UniLM v1's released checkpoints
+(`unilm1-large-cased.bin` as `pytorch_model.bin` beside BERT-large cased's config), whose 6 segment rows are ours
+in the same order.
 
 A missing MLM head (sentence-embedding checkpoints such as MiniLM ship the encoder alone) starts with its
 transform's dense layer at the identity (zero bias) rather than at random: the decoder is tied to the word
@@ -176,7 +179,11 @@ def hf_weight_files(directory: str | Path) -> tuple[list[Path], set[str] | None]
         if missing:
             raise FileNotFoundError(f"{path} lists shard files that are not in {directory}: {missing}")
         return [directory / shard for shard in shards], set(weight_map)
-    raise FileNotFoundError(f"{directory}: no weights (looked for {', '.join(n for n, _ in _WEIGHT_FILES)})")
+    tensorflow = sorted(p.name for p in directory.glob("*.ckpt*.index"))
+    raise FileNotFoundError(f"{directory}: no weights (looked for {', '.join(n for n, _ in _WEIGHT_FILES)})"
+                            + (f"; {tensorflow[0]} is a TensorFlow checkpoint, which this loader does not read: "
+                               "Google's BERT releases are on the Hugging Face hub as PyTorch weights "
+                               "(google-bert/bert-large-cased, ...)" if tensorflow else ""))
 
 
 def _read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
@@ -192,10 +199,21 @@ def _read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+# A model directory's config file: Hugging Face's name, then the original BERT release's (`bert_config.json`, beside
+# `pytorch_model.bin` in the archives pytorch-pretrained-bert and UniLM v1's fine-tuning code read).
+CONFIG_FILES = ("config.json", "bert_config.json")
+
+
+def hf_config_file(path: str | Path) -> Path | None:
+    """The config file of a BERT model directory (`CONFIG_FILES`, first found), or None."""
+    return next((Path(path) / name for name in CONFIG_FILES if (Path(path) / name).is_file()), None)
+
+
 def hf_model_config(path: str | Path) -> ModelConfig:
-    """The ModelConfig of a HF BERT directory, from its `config.json` alone (no weights read)."""
-    config_file = Path(path) / "config.json"
-    if not config_file.is_file():
+    """The ModelConfig of a HF BERT directory, from its `config.json` (or `bert_config.json`) alone (no weights
+    read)."""
+    config_file = hf_config_file(path)
+    if config_file is None:
         raise FileNotFoundError(f"{path}: no config.json — expected a Hugging Face BERT directory "
                                 "(config.json + model.safetensors or pytorch_model.bin)")
     try:
@@ -208,7 +226,7 @@ def hf_model_config(path: str | Path) -> ModelConfig:
 def load_hf_bert(path: str | Path, cfg: ModelConfig | None = None,
                  supplement: dict[str, torch.Tensor] | None = None) -> UniLMModel:
     """Our model with the weights of a HF BERT directory (config.json + model.safetensors | pytorch_model.bin,
-    or either split into shards by an index file).
+    or either split into shards by an index file; or the original release's bert_config.json + pytorch_model.bin).
 
     ``cfg`` (default: the directory's own, `hf_model_config`) builds the model instead, for settings that leave
     the tensors' shapes alone, such as other dropout rates; a shape it changes is an error naming the tensor, and

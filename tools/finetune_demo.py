@@ -25,6 +25,7 @@ from data_prep.shard_format import sha256_file
 from finetune import decode, run
 from pretrain import checkpoint as ckpt
 from pretrain.config import REPO_ROOT
+from pretrain.hf import hf_config_file
 
 CONFIGS = REPO_ROOT / "finetune" / "configs"
 TASKS = {  # name → (config, train file stem, metrics shown)
@@ -62,7 +63,7 @@ def model_identity(path: str) -> dict:
     """What the pre-trained runs start from: a pre-training checkpoint's tag and the weights sha256 its marker
     vouches for, or a model directory's weight files and their sha256."""
     directory = Path(path)
-    if (directory / "config.json").is_file():
+    if hf_config_file(directory) is not None:
         weights = sorted(p for p in directory.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file())
         return {"model": str(directory.resolve()), "sha256": {p.name: sha256_file(p) for p in weights}}
     checkpoints, tag = ckpt.resolve_tag_dir(directory)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from pretrain.data import synthetic_batch
 from pretrain.hf import (
-    SEGMENT_ROWS_FROM_HF, config_from_hf, hf_model_config, hf_pretraining_inputs, load_hf_bert, save_hf_bert,
+    SEGMENT_ROWS_FROM_HF, config_from_hf, hf_config, hf_model_config, hf_pretraining_inputs, load_hf_bert,
+    save_hf_bert, to_hf_name,
 )
 from pretrain.masks import BIDIRECTIONAL, LEFT_TO_RIGHT, build_attention_mask, build_segment_ids
 from pretrain.model import build_model, preset
@@ -344,6 +346,43 @@ def test_a_checkpoint_with_six_segment_types_loads_as_is(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "type_vocab_size": 6}))
     assert torch.equal(load_hf_bert(tmp_path).embeddings.segment.weight, model.embeddings.segment.weight)
+
+
+def test_the_original_release_layout_loads(minilm_dir, tmp_path):
+    """UniLM v1's released checkpoints as their fine-tuning code reads them: a pytorch-pretrained-bert state dict
+    (`bert.`/`cls.` names, LayerNorm gamma/beta, the decoder stored beside the embeddings, 6 segment rows, half
+    precision) as pytorch_model.bin beside BERT's `bert_config.json` (which says 2 segment types). Fine-tuning finds it
+    too, with its vocab.txt."""
+    from finetune.model_io import load_init
+
+    torch.manual_seed(5)
+    model = build_model(preset("tiny"))
+    original = {}
+    for name, tensor in model.state_dict().items():
+        hf_name = to_hf_name(name) or "cls.predictions.decoder.weight"
+        original[re.sub(r"LayerNorm\.weight$", "LayerNorm.gamma", re.sub(r"LayerNorm\.bias$", "LayerNorm.beta",
+                                                                          hf_name))] = tensor.half()
+    assert original["bert.embeddings.token_type_embeddings.weight"].shape[0] == 6
+    torch.save(original, tmp_path / "pytorch_model.bin")
+    (tmp_path / "bert_config.json").write_text(json.dumps(hf_config(model.cfg)))  # BERT's: type_vocab_size 2
+    assert hf_model_config(tmp_path) == model.cfg
+    loaded = load_hf_bert(tmp_path).state_dict()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded[name], tensor.half().float()), name
+
+    vocab = [line for line in (minilm_dir / "vocab.txt").read_text().splitlines()][:model.cfg.vocab_size]
+    (tmp_path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    backbone, tokenizer = load_init(tmp_path)
+    assert torch.equal(backbone.embeddings.segment.weight, loaded["embeddings.segment.weight"])
+    assert tokenizer.vocab_size == model.cfg.vocab_size
+
+
+def test_a_tensorflow_checkpoint_is_named_as_such(minilm_dir, tmp_path):
+    (tmp_path / "bert_config.json").write_text((minilm_dir / "config.json").read_text())
+    for name in ("bert_model.ckpt.index", "bert_model.ckpt.data-00000-of-00001"):
+        (tmp_path / name).write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="bert_model.ckpt.index is a TensorFlow checkpoint"):
+        load_hf_bert(tmp_path)
 
 
 def test_training_loss_equals_bert_for_pretraining_on_the_bench_batch(tmp_path):
