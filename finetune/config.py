@@ -101,7 +101,9 @@ class FinetuneConfig:
     """qa: longest predicted answer (word pieces)."""
 
     max_src_len: int = 448
-    """seq2seq: source word-piece budget (longer sources are cut and counted)."""
+    """seq2seq: source word-piece budget. Longer sources are cut and counted, and further where the pair would not
+    fit the model's positions (UniLM's truncation: training cuts only as far as each target needs; decoding leaves
+    room for a target of max_tgt_len)."""
     max_tgt_len: int = 64
     """seq2seq: target word-piece budget (training) and the decoding maximum (dev)."""
     mask_prob: float = 0.7
@@ -114,6 +116,9 @@ class FinetuneConfig:
     """seq2seq: GNMT alpha of the dev decoding."""
     eval_no_repeat_ngram: int = 3
     """seq2seq: the dev decoding forbids repeating an n-gram of this many word pieces (0: off)."""
+    eval_no_repeat_ignore: str = "."
+    """seq2seq: word pieces that blocking exempts, separated by | (UniLM's forbid_ignore_word: nothing is blocked
+    after one, and it is never blocked; "" for none)."""
     eval_max_examples: int | None = None
     """Evaluate on the first N dev examples only (None: all)."""
     metric: str | None = None

@@ -12,10 +12,13 @@ next-token log-probabilities, and must agree:
   agreement of the two proves the cache right.
 
 Beam search: GNMT length penalty ((5 + length) / 6) ** alpha on the summed log-probabilities (length counts
-the final [SEP]), repeated n-gram blocking on word-piece ids (trigrams by default, as the paper decodes), a
-minimum and maximum target length, and early stop: an example is done once it holds `beam_size` finished
-hypotheses (a [SEP] among the top `beam_size` candidates), the batch once every example is done. At the maximum length
-unfinished beams count as finished.
+the final [SEP]), repeated n-gram blocking on word-piece ids (trigrams by default, as the paper decodes) with
+UniLM's exemption for "." (nothing is blocked right after one and "." itself never is, so "u . s ." or "2 . 5"
+may recur), a minimum and maximum target length. A hypothesis finishes when a [SEP] is among the top `beam_size`
+candidates; `beam_size` beams stay alive. An example is done once its best finished hypothesis scores at least
+what any alive beam could still reach (its log-probability can only fall; divided by the largest length penalty
+left), so stopping early never changes the result of searching to the maximum length, as UniLM's decoder does;
+the batch stops once every example is done. At the maximum length unfinished beams count as finished.
 
 CLI: `python -m finetune.decode --model DIR --input FILE.jsonl --output FILE.jsonl [--beam-size 5] ...`; when every
 record has a `tgt`, ROUGE and BLEU against it go to `FILE.metrics.json` (`score_predictions`).
@@ -39,6 +42,7 @@ from pretrain.outputs import check_output, write_file_atomically
 
 from .task_files import read_jsonl, write_jsonl
 from .metrics import generation_metrics
+from .seq2seq import source_budget
 from .model_io import check_vocab, load_finetuned
 from .tokenizer import Tokenizer
 
@@ -58,6 +62,9 @@ class DecodeConfig:
     no_repeat_ngram: int = 3
     """Forbid a word piece that would repeat an n-gram of this size already in the hypothesis (3: trigram
     blocking, the paper's; 1: no word piece twice, for short outputs such as headlines; 0: off)."""
+    no_repeat_ignore: frozenset[int] = frozenset()
+    """Word-piece ids the blocking exempts (UniLM's `forbid_ignore_word`, "." by default in `finetune.decode` and
+    fine-tuning): never blocked, and nothing is blocked while one is among the n - 1 last word pieces."""
     use_cache: bool = True
     """Incremental key/value cache; False recomputes the whole sequence each step (same outputs, slower)."""
 
@@ -183,9 +190,11 @@ def length_penalty(length: int, alpha: float) -> float:
     return ((5.0 + length) / 6.0) ** alpha
 
 
-def block_repeated_ngrams(log_probs: torch.Tensor, hypotheses: list[list[int]], n: int) -> None:
+def block_repeated_ngrams(log_probs: torch.Tensor, hypotheses: list[list[int]], n: int,
+                          ignore: frozenset[int] = frozenset()) -> None:
     """Set to -inf, in place, each word piece that would complete an n-gram its hypothesis already has
-    (n = 1: each word piece it already has).
+    (n = 1: each word piece it already has). Word pieces in `ignore` are never set, and a hypothesis whose n - 1
+    last word pieces include one has nothing set.
 
     log_probs Float[N, V]; hypotheses: N token lists.
     """
@@ -194,12 +203,25 @@ def block_repeated_ngrams(log_probs: torch.Tensor, hypotheses: list[list[int]], 
         if len(tokens) < n:
             continue
         prefix = tokens[len(tokens) - n + 1:]  # the n - 1 last tokens, which the next one would extend
-        banned = {tokens[i + n - 1] for i in range(len(tokens) - n + 1) if tokens[i: i + n - 1] == prefix}
+        if ignore.intersection(prefix):
+            continue
+        banned = {tokens[i + n - 1] for i in range(len(tokens) - n + 1) if tokens[i: i + n - 1] == prefix} - ignore
         rows += [row] * len(banned)
         banned_tokens += sorted(banned)
     if rows:  # one indexed write on log_probs' device: the ids travel, the distribution stays
         index = torch.tensor([rows, banned_tokens], device=log_probs.device)
         log_probs[index[0], index[1]] = -math.inf
+
+
+def best_reachable(alive: list[tuple[int, int, float]], length: int, config: DecodeConfig) -> float:
+    """The highest score any of the `alive` (row, token, log-prob) beams, now `length` word pieces long, can still
+    finish with: its log-probability (<= 0) only falls, and is divided by the largest length penalty of a length
+    it can still end at (`length` + 1 to `max_tgt_len`)."""
+    if not alive:
+        return -math.inf
+    penalty = max(length_penalty(min(length + 1, config.max_tgt_len), config.length_penalty),
+                  length_penalty(config.max_tgt_len, config.length_penalty))
+    return max(score for _, _, score in alive) / penalty
 
 
 @dataclass(frozen=True)
@@ -236,7 +258,7 @@ def generate(model: torch.nn.Module, sources: list[list[int]], special: SpecialI
         if length <= config.min_tgt_len:
             log_probs[:, special.sep_id] = -math.inf
         if config.no_repeat_ngram:
-            block_repeated_ngrams(log_probs, hypotheses, config.no_repeat_ngram)
+            block_repeated_ngrams(log_probs, hypotheses, config.no_repeat_ngram, config.no_repeat_ignore)
         vocab = log_probs.shape[1]
         total = (scores.view(-1, 1) + log_probs).view(batch_size, beams * vocab)
         top_scores, top_index = total.topk(min(2 * beams, total.shape[1]), dim=1)
@@ -255,7 +277,8 @@ def generate(model: torch.nn.Module, sources: list[list[int]], special: SpecialI
                         alive.append((row, token, score))
                     if len(alive) == beams:
                         break
-                done[example] = len(finished[example]) >= beams
+                done[example] = bool(finished[example]) and (
+                    max(h.score for h in finished[example]) >= best_reachable(alive, length, config))
             if done[example]:  # keep the batch shape: dummy beams that never win
                 alive = [(example * beams, special.pad_id, -math.inf)] * beams
             alive += [(example * beams, special.pad_id, -math.inf)] * (beams - len(alive))
@@ -287,6 +310,22 @@ def generate(model: torch.nn.Module, sources: list[list[int]], special: SpecialI
 
 
 # ------------------------------------------------------------------------------------------------ files
+NO_REPEAT_IGNORE = "."
+"""The word pieces repeated n-gram blocking exempts by default: UniLM's `--forbid_ignore_word "."`."""
+
+
+def ignore_ids(tokenizer: Tokenizer, spec: str, where: str) -> frozenset[int]:
+    """The ids of the word pieces `spec` names, separated by | as UniLM's `--forbid_ignore_word` writes them
+    ("." or ".|[X_SEP]"; "" for none); each must be one entry of the vocabulary."""
+    tokens = [token for token in spec.split("|") if token]
+    ids = {token: tokenizer.vocab.tokens.index(token) for token in tokens if token in tokenizer.vocab.tokens}
+    unknown = [token for token in tokens if token not in ids]
+    if unknown:
+        raise ValueError(f"{where}: {unknown} not in the vocabulary {tokenizer.vocab_path} (each must be one of its "
+                         "word pieces, such as '.')")
+    return frozenset(ids.values())
+
+
 def pack_source(tokenizer: Tokenizer, text: str, max_src_len: int) -> tuple[list[int], bool]:
     """`[CLS] src [SEP]` with src cut to `max_src_len` word pieces; also whether it was cut."""
     ids = tokenizer.encode(text)
@@ -295,13 +334,12 @@ def pack_source(tokenizer: Tokenizer, text: str, max_src_len: int) -> tuple[list
 
 def decode_records(model: torch.nn.Module, tokenizer: Tokenizer, records: list[dict], config: DecodeConfig,
                    max_src_len: int, batch_size: int = 8, progress: bool = False) -> tuple[list[str], int]:
-    """Predicted text per record (`src` field) and how many sources were truncated."""
+    """Predicted text per record (`src` field) and how many sources were truncated (to `max_src_len`, lowered by
+    `source_budget` to leave room for a target of `config.max_tgt_len`)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     check_vocab(model, tokenizer)
-    budget = model.cfg.max_position_embeddings - config.max_tgt_len - 3
-    if max_src_len > budget:
-        max_src_len = budget  # src + [CLS] [SEP] + target + [MASK] must fit the position table
+    max_src_len = source_budget(model.cfg.max_position_embeddings, max_src_len, config.max_tgt_len)
     predictions, truncated = [], 0
     for start in range(0, len(records), batch_size):
         batch = records[start: start + batch_size]
@@ -356,6 +394,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-repeat-ngram", type=_int_at_least(0), default=3, metavar="N",
                         help="forbid repeating an n-gram of N word pieces (3: trigram blocking, the paper's; "
                              "1: no word piece twice, for headlines; 0: off)")
+    parser.add_argument("--no-repeat-ignore", default=NO_REPEAT_IGNORE, metavar="TOKENS",
+                        help="word pieces the blocking exempts, separated by | (default '.', UniLM's: nothing is "
+                             "blocked after one, and it is never blocked; '' for none)")
     parser.add_argument("--no-cache", action="store_true", help="recompute everything each step (proves the cache)")
     parser.add_argument("--batch-size", type=_int_at_least(1), default=8, help="sources decoded together (>= 1)")
     parser.add_argument("--device", default=None,
@@ -371,9 +412,17 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device) if args.device else default_device()
     finetuned.model.to(device)
     max_tgt_len = args.max_tgt_len or finetuned.run_settings.get("max_tgt_len", 64)
+    try:
+        ignore = ignore_ids(finetuned.tokenizer, args.no_repeat_ignore, "--no-repeat-ignore")
+    except ValueError as error:
+        parser.error(str(error))
     config = DecodeConfig(args.beam_size, max_tgt_len, args.min_tgt_len, args.length_penalty,
-                          args.no_repeat_ngram, not args.no_cache)
-    max_src_len = args.max_src_len or finetuned.run_settings.get("max_src_len", 448)
+                          args.no_repeat_ngram, ignore, not args.no_cache)
+    try:
+        max_src_len = source_budget(finetuned.model.cfg.max_position_embeddings,
+                                    args.max_src_len or finetuned.run_settings.get("max_src_len", 448), max_tgt_len)
+    except ValueError as error:
+        parser.error(f"--max-tgt-len: {error}")
     records = read_jsonl(args.input)
     began = time.perf_counter()
     predictions, truncated = decode_records(finetuned.model, finetuned.tokenizer, records, config, max_src_len,

@@ -5,8 +5,11 @@ whole source, target tokens see the source, the target to their left and themsel
 both built on the device by `pretrain.masks` from (objective, len_a, length) — exactly as in pre-training.
 Each target token, the final [SEP] included, is replaced by [MASK] with probability `mask_prob` (paper: 0.7;
 0.5 for generative QA and dialogue); at least one per example. The loss is cross-entropy with label smoothing
-(0.1) at the masked positions only. Decoding (`finetune.decode`) appends [MASK] and predicts it, which is why
-masked targets are always replaced by [MASK] here (never by a random or the original token).
+(0.1) at the masked positions only. Decoding (`finetune.decode`) appends [MASK] and predicts it, so masked targets
+are always replaced by [MASK] here. UniLM v1's fine-tuning code differs in two details the paper does not state: it
+masks exactly round(0.7 · target length) positions per example, and replaces 10 % of them by a random token and
+10 % by themselves, as in pre-training; the expected number of masked positions is about the same.
+Sources are cut only as far as `[CLS] src [SEP] tgt [SEP]` needs to fit the positions (`encode_examples`).
 """
 from __future__ import annotations
 
@@ -40,9 +43,21 @@ class TruncationCounts:
     targets: int = 0
 
 
+def source_budget(max_positions: int, max_src_len: int, max_tgt_len: int) -> int:
+    """Source word pieces that fit beside a target of `max_tgt_len` in `max_positions` (`[CLS] src [SEP] tgt [SEP]`,
+    or the [MASK] being predicted when decoding), at most `max_src_len`; an error when none do."""
+    room = max_positions - max_tgt_len - 3
+    if room < 1:
+        raise ValueError(f"max_tgt_len {max_tgt_len} leaves no source word piece in the model's {max_positions} "
+                         f"positions; lower it to at most {max_positions - 4}")
+    return min(max_src_len, room)
+
+
 def encode_examples(records: list[dict], tokenizer: Tokenizer, max_src_len: int, max_tgt_len: int,
-                    where: str = "input") -> tuple[list[Seq2SeqExample], TruncationCounts]:
-    """Tokenise `{"src", "tgt"}` records; sources are cut to `max_src_len` word pieces, targets to `max_tgt_len`.
+                    max_positions: int, where: str = "input") -> tuple[list[Seq2SeqExample], TruncationCounts]:
+    """Tokenise `{"src", "tgt"}` records. Targets are cut to `max_tgt_len` word pieces; sources to `max_src_len`,
+    or further so that `[CLS] src [SEP] tgt [SEP]` fits `max_positions`: UniLM's truncation (`trunc_seg a`), which
+    cuts the source only as far as the pair needs, so a short target leaves the source more room.
 
     An empty `src` or `tgt` fails with the record number; truncations are counted and returned.
     """
@@ -52,8 +67,12 @@ def encode_examples(records: list[dict], tokenizer: Tokenizer, max_src_len: int,
                 raise ValueError(f"{where}: record {number} has an empty or missing {field!r}")
     sources = tokenizer.encode_batch([r["src"] for r in records])
     targets = tokenizer.encode_batch([r["tgt"] for r in records])
-    counts = TruncationCounts(sum(len(s) > max_src_len for s in sources), sum(len(t) > max_tgt_len for t in targets))
-    examples = [Seq2SeqExample(s[:max_src_len], t[:max_tgt_len]) for s, t in zip(sources, targets)]
+    source_budget(max_positions, max_src_len, max_tgt_len)  # a target of max_tgt_len leaves the source room
+    targets_cut = [t[:max_tgt_len] for t in targets]
+    room = [min(max_src_len, max_positions - 3 - len(t)) for t in targets_cut]
+    counts = TruncationCounts(sum(len(s) > r for s, r in zip(sources, room)),
+                              sum(len(t) > max_tgt_len for t in targets))
+    examples = [Seq2SeqExample(s[:r], t) for s, r, t in zip(sources, room, targets_cut)]
     return examples, counts
 
 

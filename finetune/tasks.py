@@ -14,7 +14,7 @@ from pretrain.model import UniLMModel
 from . import classify, qa, seq2seq
 from .config import TASK_METRICS, FinetuneConfig
 from .task_files import read_jsonl
-from .decode import DecodeConfig, decode_records, score_predictions
+from .decode import DecodeConfig, decode_records, ignore_ids, score_predictions
 from .tokenizer import Tokenizer
 
 
@@ -95,12 +95,14 @@ def build_qa(cfg: FinetuneConfig, backbone: UniLMModel, tokenizer: Tokenizer) ->
 
 def build_seq2seq(cfg: FinetuneConfig, backbone: UniLMModel, tokenizer: Tokenizer) -> TaskSetup:
     train_records, dev_records = read_jsonl(cfg.train), _limit(read_jsonl(cfg.dev), cfg.eval_max_examples)
-    train, cut = seq2seq.encode_examples(train_records, tokenizer, cfg.max_src_len, cfg.max_tgt_len, cfg.train)
-    dev, _ = seq2seq.encode_examples(dev_records, tokenizer, cfg.max_src_len, cfg.max_tgt_len, cfg.dev)
-    _check_positions(backbone, cfg.max_src_len + cfg.max_tgt_len + 3, "max_src_len + max_tgt_len + 3")
+    lengths = (cfg.max_src_len, cfg.max_tgt_len, backbone.cfg.max_position_embeddings)
+    train, cut = seq2seq.encode_examples(train_records, tokenizer, *lengths, where=cfg.train)
+    dev, _ = seq2seq.encode_examples(dev_records, tokenizer, *lengths, where=cfg.dev)
     module = seq2seq.Seq2SeqModel(backbone, cfg.label_smoothing)
+    ignore = ignore_ids(tokenizer, cfg.eval_no_repeat_ignore, "eval_no_repeat_ignore")
     decoding = DecodeConfig(beam_size=cfg.eval_beam_size, max_tgt_len=cfg.max_tgt_len,
-                            length_penalty=cfg.eval_length_penalty, no_repeat_ngram=cfg.eval_no_repeat_ngram)
+                            length_penalty=cfg.eval_length_penalty, no_repeat_ngram=cfg.eval_no_repeat_ngram,
+                            no_repeat_ignore=ignore)
 
     def make_batch(indices: list[int], epoch: int) -> dict[str, torch.Tensor]:
         # the masking of example i in epoch e depends on (seed, e, i) only: resume and world size keep it

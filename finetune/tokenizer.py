@@ -7,6 +7,9 @@ directories do), from a shard directory's manifest, otherwise from the vocabular
 whose word pieces changes under lower-casing is uncased.
 Exports and fine-tuning outputs carry both files (`data_prep.vocab.write_hf_tokenizer`), so `finetune.decode
 --model DIR` and `AutoTokenizer` find them.
+BERT's special tokens written in fine-tuning text are read as themselves, as transformers' BertTokenizer reads
+them: "passage [SEP] answer" (the source of UniLM's question-generation data) keeps its [SEP]. Pre-training text
+is read by the shard builder, which splits such strings like any other words.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as WordPieceEncoder
 from tokenizers import decoders
 
-from data_prep.vocab import Vocab, encoder_of, resolve_casing, resolve_vocab_source
+from data_prep.vocab import SPECIAL_TOKENS, Vocab, encoder_of, resolve_casing, resolve_vocab_source
 
 _DECODER = decoders.WordPiece(prefix="##", cleanup=True)
 
@@ -81,4 +84,7 @@ def load_tokenizer(model_dir: str | Path, lowercase: bool | None = None) -> Toke
     source = resolve_vocab_source(path)
     lowercase = resolve_casing(source, None) if lowercase is None else lowercase
     vocab = source.load()
-    return Tokenizer(vocab, encoder_of(vocab, lowercase), lowercase)
+    # a copy of the shard builder's encoder (which must keep reading "[SEP]" in a corpus as plain words)
+    encoder = WordPieceEncoder.from_str(encoder_of(vocab, lowercase).to_str())
+    encoder.add_special_tokens(list(SPECIAL_TOKENS.values()))
+    return Tokenizer(vocab, encoder, lowercase)

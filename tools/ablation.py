@@ -123,7 +123,8 @@ def headline_test_loss(model_dir: Path, test_file: Path, micro_batch_size: int =
     finetuned = load_finetuned(model_dir, expect_task="seq2seq")
     settings = finetuned.run_settings
     examples, _ = seq2seq.encode_examples(read_jsonl(test_file), finetuned.tokenizer, settings["max_src_len"],
-                                          settings["max_tgt_len"], where=str(test_file))
+                                          settings["max_tgt_len"], finetuned.model.cfg.max_position_embeddings,
+                                          where=str(test_file))
     return seq2seq.held_out_loss(finetuned.model, examples, finetuned.tokenizer, settings["mask_prob"],
                                  TEST_MASKING_SEED, micro_batch_size)
 

@@ -48,3 +48,17 @@ def test_help_lists_every_key() -> None:
                            capture_output=True, text=True, check=True).stdout
     for name in FinetuneConfig.__dataclass_fields__:
         assert f"  {name} (" in shown, name
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "finetune" / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads_and_fits_a_512_position_bert(path, minilm_dir) -> None:
+    from finetune.decode import ignore_ids
+    from finetune.seq2seq import source_budget
+    from finetune.tokenizer import load_tokenizer
+
+    cfg = load_config(path, {k: v for k, v in REQUIRED.items() if k != "task"})
+    if cfg.task == "seq2seq":
+        assert source_budget(512, cfg.max_src_len, cfg.max_tgt_len) >= min(cfg.max_src_len, 48)
+        assert ignore_ids(load_tokenizer(minilm_dir), cfg.eval_no_repeat_ignore, path.name)
+    else:
+        assert cfg.max_seq_len <= 512

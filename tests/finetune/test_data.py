@@ -64,21 +64,54 @@ def test_seq2seq_packing_masks_targets_only_and_sometimes_the_final_sep(tiny_ini
     assert 20 < final_sep_masked < 50  # about 70% of the time
 
 
+def test_special_tokens_in_fine_tuning_text_read_as_transformers_reads_them(minilm_dir):
+    """"passage [SEP] answer" keeps its [SEP] (UniLM's question-generation sources), as BertTokenizer keeps it; the
+    shard builder's encoder still reads it as plain words."""
+    from transformers import AutoTokenizer
+
+    from data_prep.vocab import encoder_of
+
+    ours, theirs = load_tokenizer(minilm_dir), AutoTokenizer.from_pretrained(str(minilm_dir))
+    texts = ["The dam was finished in 1936. [SEP] 1936", "a [CLS] b [MASK] c [PAD] [UNK] d", "no [sep] here",
+             "Plain text, with no special tokens."]
+    for text in texts:
+        assert ours.encode(text) == theirs(text, add_special_tokens=False)["input_ids"], text
+    assert ours.encode(texts[0]).count(ours.sep_id) == 1
+    assert ours.sep_id not in encoder_of(ours.vocab, ours.lowercase).encode(texts[0]).ids
+
+
 def test_seq2seq_encoding_truncates_and_counts_and_rejects_empty_fields(tiny_init):
     tokenizer = load_tokenizer(tiny_init)
     records = [{"src": "the market rose sharply " * 20, "tgt": "shares up"}, {"src": "short", "tgt": "x " * 30}]
-    examples, counts = encode_examples(records, tokenizer, max_src_len=16, max_tgt_len=8)
+    examples, counts = encode_examples(records, tokenizer, max_src_len=16, max_tgt_len=8, max_positions=512)
     assert (counts.sources, counts.targets) == (1, 1)
     assert len(examples[0].source_ids) == 16 and len(examples[1].target_ids) == 8
     with pytest.raises(ValueError, match="record 2 has an empty or missing 'tgt'"):
-        encode_examples([records[0], {"src": "a", "tgt": " "}], tokenizer, 16, 8, where="train.jsonl")
+        encode_examples([records[0], {"src": "a", "tgt": " "}], tokenizer, 16, 8, 512, where="train.jsonl")
+
+
+def test_seq2seq_sources_are_cut_only_as_far_as_the_pair_needs(tiny_init):
+    """UniLM's truncation: `[CLS] src [SEP] tgt [SEP]` fits the positions; a short target leaves the source the
+    rest of them, up to max_src_len."""
+    tokenizer = load_tokenizer(tiny_init)
+    long_source = "the market rose sharply " * 30
+    records = [{"src": long_source, "tgt": "shares up"}, {"src": long_source, "tgt": "shares " * 40}]
+    examples, counts = encode_examples(records, tokenizer, max_src_len=100, max_tgt_len=30, max_positions=64)
+    short_target = len(tokenizer.encode("shares up"))
+    assert [len(e.target_ids) for e in examples] == [short_target, 30]
+    assert [len(e.source_ids) for e in examples] == [64 - 3 - short_target, 64 - 3 - 30]
+    assert (counts.sources, counts.targets) == (2, 1)
+    examples, _ = encode_examples(records, tokenizer, max_src_len=20, max_tgt_len=30, max_positions=64)
+    assert [len(e.source_ids) for e in examples] == [20, 20]  # max_src_len still caps
+    with pytest.raises(ValueError, match="max_tgt_len 61 leaves no source word piece .* lower it to at most 60"):
+        encode_examples(records, tokenizer, max_src_len=20, max_tgt_len=61, max_positions=64)
 
 
 def test_seq2seq_loss_is_label_smoothed_cross_entropy_at_masked_positions(tiny_init):
     tokenizer = load_tokenizer(tiny_init)
     model = load_hf_bert(tiny_init)
     examples, _ = encode_examples([{"src": "shares in the firm rose", "tgt": "firm shares rise"},
-                                   {"src": "the match ended in a draw today", "tgt": "draw"}], tokenizer, 32, 8)
+                                   {"src": "the match ended in a draw today", "tgt": "draw"}], tokenizer, 32, 8, 512)
     batch = collate([pack_and_mask(e, tokenizer, 0.7, np.random.default_rng(i)) for i, e in enumerate(examples)],
                     tokenizer.pad_id)
     loss = seq2seq_loss(model, batch, label_smoothing=0.1)
@@ -100,7 +133,7 @@ def test_seq2seq_fine_tuning_then_decoding_reproduces_memorised_targets(tiny_ini
     records = [{"src": "shares in the bank rose after profits beat forecasts", "tgt": "bank profits beat forecasts"},
                {"src": "the team won the cup final after extra time", "tgt": "team wins cup"},
                {"src": "the new phone will go on sale next month in europe", "tgt": "phone on sale next month"}]
-    examples, _ = encode_examples(records, tokenizer, 64, 16)
+    examples, _ = encode_examples(records, tokenizer, 64, 16, 512)
     model = Seq2SeqModel(backbone, label_smoothing=0.0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for step in range(200):

@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from finetune.decode import (
-    CachedStepper, DecodeConfig, FullStepper, SpecialIds, block_repeated_ngrams, generate, length_penalty,
+    CachedStepper, DecodeConfig, FullStepper, SpecialIds, block_repeated_ngrams, generate, ignore_ids,
+    length_penalty,
 )
+from finetune.tokenizer import load_tokenizer
 from pretrain.model import ModelConfig, UniLMModel, build_model
 
 SPECIAL = SpecialIds(cls_id=2, sep_id=3, mask_id=4, pad_id=0)
@@ -160,6 +162,41 @@ def test_block_repeated_ngrams_bans_exactly_the_repeating_tokens():
         assert [torch.isinf(row).nonzero().flatten().tolist() for row in log_probs] == banned, n
     with pytest.raises(ValueError, match="no_repeat_ngram"):
         DecodeConfig(no_repeat_ngram=-1)
+
+
+def test_blocking_exempts_the_ignored_word_pieces_as_unilm_does():
+    dot = 21
+    hypotheses = [[20, dot, 22, dot, 9, 20, dot],  # "u . s . x u ." : a second "u . s" may follow
+                  [5, 6, dot, 7, 5, 6],  # "." after "5 6" again is never blocked
+                  [5, 6, 7, 5, 6]]  # no "." involved: 7 is blocked as before
+    for ignore, banned in ((frozenset(), [[22], [dot], [7]]), (frozenset({dot}), [[], [], [7]])):
+        log_probs = torch.zeros(3, 30)
+        block_repeated_ngrams(log_probs, hypotheses, 3, ignore)
+        assert [torch.isinf(row).nonzero().flatten().tolist() for row in log_probs] == banned, ignore
+    log_probs = torch.zeros(1, 30)
+    block_repeated_ngrams(log_probs, [[5, dot, 6]], 1, frozenset({dot}))  # n = 1: every word piece but "."
+    assert torch.isinf(log_probs[0]).nonzero().flatten().tolist() == [5, 6]
+
+
+def test_ignored_word_pieces_are_named_from_the_vocabulary(tiny_init):
+    tokenizer = load_tokenizer(tiny_init)
+    assert ignore_ids(tokenizer, ".", "x") == {tokenizer.vocab.tokens.index(".")}
+    assert ignore_ids(tokenizer, "", "x") == frozenset()
+    with pytest.raises(ValueError, match=r"--no-repeat-ignore: \['\[X_SEP\]'\] not in the vocabulary"):
+        ignore_ids(tokenizer, ".|[X_SEP]", "--no-repeat-ignore")
+
+
+def test_search_goes_on_until_no_alive_beam_can_beat_the_best_finished_one():
+    # beam 2: [6] [SEP] finishes at step 2 (probability 0.1), and [5 7] [SEP] (0.081) at step 3, two finished
+    # hypotheses; but [5 7 8] [SEP] (0.729) is still alive and wins, as searching to the maximum length finds
+    model = bigram({3: {5: 0.9, 6: 0.1}, 6: {3: 1.0}, 5: {7: 0.9, 3: 0.1}, 7: {8: 0.9, 3: 0.1}, 8: {3: 1.0}})
+    for length_penalty_alpha in (0.0, 1.0):
+        for use_cache in (True, False):
+            config = DecodeConfig(beam_size=2, max_tgt_len=8, no_repeat_ngram=0, length_penalty=length_penalty_alpha,
+                                  use_cache=use_cache)
+            best = generate(model, [[2, 9, 3]], SPECIAL, config)[0]
+            assert best.tokens == [5, 7, 8], (length_penalty_alpha, use_cache)
+            assert best.log_prob == pytest.approx(math.log(0.9 ** 3), abs=1e-4)
 
 
 def test_min_and_max_length_and_length_penalty():

@@ -63,7 +63,7 @@ def test_fine_tuning_loss_is_the_pretraining_seq2seq_loss_on_the_same_input(tiny
     model = _trained_looking_model(tokenizer.vocab_size).eval()
     records = [{"src": "Shares in the airline rose after record profits.", "tgt": "Airline profits soar"},
                {"src": "The central bank kept interest rates on hold on Thursday.", "tgt": "Rates held"}]
-    examples, _ = seq2seq.encode_examples(records, tokenizer, 64, 16)
+    examples, _ = seq2seq.encode_examples(records, tokenizer, 64, 16, 512)
     packed = [seq2seq.pack_and_mask(e, tokenizer, 0.7, np.random.default_rng([3, i])) for i, e in enumerate(examples)]
     batch = seq2seq.collate(packed, tokenizer.pad_id)
     with torch.no_grad():

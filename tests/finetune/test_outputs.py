@@ -41,6 +41,22 @@ def test_decode_refuses_a_count_below_its_minimum_and_writes_nothing(tiny_init, 
     assert not output.exists()
 
 
+def test_decode_reports_the_source_cut_it_applies_and_refuses_what_leaves_no_source(tiny_init, sources, tmp_path,
+                                                                                       capsys):
+    # 256 positions: a target of up to 200 word pieces leaves 256 - 200 - 3 = 53 for the source, not 448
+    output = tmp_path / "out.jsonl"
+    decode.main(["--model", str(tiny_init), "--input", str(sources), "--output", str(output), "--beam-size", "1",
+                 "--max-tgt-len", "200", "--max-src-len", "448"])
+    assert "(0 sources truncated to 53 word pieces)" in capsys.readouterr().out
+    for option, value, message in (("--max-tgt-len", "253", "lower it to at most 252"),
+                                   ("--no-repeat-ignore", ".|[X_SEP]", "['[X_SEP]'] not in the vocabulary")):
+        with pytest.raises(SystemExit) as exit_info:
+            decode.main(decode_args(tiny_init, sources, tmp_path / "refused.jsonl", option, value))
+        error = capsys.readouterr().err
+        assert exit_info.value.code == 2 and option in error and message in error, error
+    assert not (tmp_path / "refused.jsonl").exists()
+
+
 def test_decode_refuses_an_output_equal_to_its_input_and_keeps_the_input(tiny_init, sources, capsys):
     before = sources.read_bytes()
     with pytest.raises(SystemExit):
