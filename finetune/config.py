@@ -16,7 +16,7 @@ from pretrain.config import REPO_ROOT, check_field_types, load_dataclass
 
 TASKS = ("classify", "qa", "seq2seq")
 TASK_METRICS = {"classify": ("accuracy", "macro_f1", "mcc", "f1", "pearson", "spearman"),
-                "qa": ("f1", "exact_match"), "seq2seq": ("rougeL", "rouge1", "rouge2", "bleu")}
+                "qa": ("f1", "exact_match"), "seq2seq": ("rougeL", "rouge1", "rouge2", "rougeLsum", "bleu")}
 """The dev scores a task can pick its best epoch by (the first is the default; regression's is pearson)."""
 CPU_DEEPSPEED_CONFIG = "ds_configs/zero0_fp32_cpu.json"
 GPU_DEEPSPEED_CONFIGS = {"bf16": "ds_configs/zero2_bf16.json", "fp16": "ds_configs/zero2_fp16.json"}
@@ -124,7 +124,8 @@ class FinetuneConfig:
     metric: str | None = None
     """The dev score that picks the best epoch, higher is better: classify accuracy, macro_f1, mcc (Matthews
     correlation; GLUE's CoLA), f1 (F1 of `positive_label`; MRPC, QQP), regression pearson, spearman (STS-B); qa f1,
-    exact_match; seq2seq rougeL, rouge1, rouge2, bleu (None: accuracy, pearson, f1, rougeL)."""
+    exact_match; seq2seq rougeL, rouge1, rouge2, rougeLsum (summary-level, CNN/DM's), bleu (None: accuracy,
+    pearson, f1, rougeL)."""
     positive_label: str | None = None
     """classify: the class whose F1 is reported as `f1`; None: with two classes the second in sorted order ("1" of
     0/1, "true", "yes", "positive"), with more no `f1`."""

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from data_prep.text import split_sentences
 from pretrain.accelerator import default_device
 from pretrain.masks import SEQ2SEQ, build_segment_ids
 from pretrain.outputs import check_output, write_file_atomically
@@ -360,8 +361,12 @@ def decode_records(model: torch.nn.Module, tokenizer: Tokenizer, records: list[d
 def score_predictions(tokenizer: Tokenizer, predictions: list[str], references: list[str]) -> dict[str, float]:
     """ROUGE and BLEU of decoded `predictions` against `references`, both in the model's word form
     (`Tokenizer.words`: an uncased model is scored on lower-cased, accent-stripped references; punctuation split
-    off on both sides), the tokenised, lower-cased comparison UniLM's generation results use."""
-    return generation_metrics([tokenizer.words(p) for p in predictions], [tokenizer.words(r) for r in references])
+    off on both sides), the tokenised, lower-cased comparison UniLM's generation results use; one sentence per
+    line for `rougeLsum` (a text's lines, each split as shard building splits sentences)."""
+    def word_form(text: str) -> str:
+        sentences = (s for line in text.splitlines() for s in split_sentences(" ".join(line.split())))
+        return "\n".join(filter(None, map(tokenizer.words, sentences)))
+    return generation_metrics([word_form(p) for p in predictions], [word_form(r) for r in references])
 
 
 def metrics_path(output: str | Path) -> Path:

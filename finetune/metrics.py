@@ -174,11 +174,16 @@ class RougeWords:
         return [self._stemmer.stem(w) if len(w) > 3 and w.isascii() else w for w in words]
 
 
+ROUGE_TYPES = ("rouge1", "rouge2", "rougeL", "rougeLsum")
+
+
 def generation_metrics(predictions: Sequence[str], references: Sequence[str]) -> dict[str, float]:
-    """ROUGE-1/2/L F1 (rouge-score, with stemming, mean over examples, in percent; words as `RougeWords`) and
-    corpus BLEU-4 (sacrebleu's defaults). ROUGE-L is the sentence-level LCS (rouge-score's `rougeL`), not the
-    summary-level `rougeLsum` over newline-split sentences. The fine-tuning tasks score text in the model's word
-    form on both sides (`finetune.tokenizer.Tokenizer.words`)."""
+    """ROUGE-1/2/L/Lsum F1 (rouge-score, with stemming, mean over examples, in percent; words as `RougeWords`) and
+    corpus BLEU-4 (sacrebleu's defaults). `rougeL` is the LCS of the whole texts; `rougeLsum` is the
+    summary-level ROUGE-L over their newline-separated sentences (the union LCS of each reference sentence
+    against all predicted ones), the ROUGE-L that CNN/DailyMail results, UniLM's among them, report. Newlines
+    matter to `rougeLsum` alone. The fine-tuning tasks score text in the model's word form on both sides, one
+    sentence per line (`finetune.decode.score_predictions`)."""
     # optional (extras): only generation metrics need them
     import sacrebleu
     from rouge_score import rouge_scorer
@@ -186,11 +191,12 @@ def generation_metrics(predictions: Sequence[str], references: Sequence[str]) ->
     if len(predictions) != len(references) or not references:
         raise ValueError(f"generation_metrics needs equally long, non-empty lists "
                          f"({len(predictions)} predictions, {len(references)} references)")
-    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], tokenizer=RougeWords())
+    scorer = rouge_scorer.RougeScorer(list(ROUGE_TYPES), tokenizer=RougeWords())
     totals = collections.Counter()
     for prediction, reference in zip(predictions, references):
         for name, score in scorer.score(reference, prediction).items():
             totals[name] += score.fmeasure
-    result = {name: 100.0 * totals[name] / len(references) for name in ("rouge1", "rouge2", "rougeL")}
-    result["bleu"] = sacrebleu.corpus_bleu(list(predictions), [list(references)]).score
+    result = {name: 100.0 * totals[name] / len(references) for name in ROUGE_TYPES}
+    one_line = [text.replace("\n", " ") for text in predictions], [[text.replace("\n", " ") for text in references]]
+    result["bleu"] = sacrebleu.corpus_bleu(*one_line).score
     return result

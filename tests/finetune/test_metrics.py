@@ -89,6 +89,23 @@ def test_rouge_words_keep_unicode_and_equal_rouge_score_on_ascii():
     assert generation_metrics(["société générale"], ["Société Générale"])["rougeL"] == pytest.approx(100)
 
 
+def test_rouge_lsum_is_summary_level_rouge_l_over_sentences(minilm_dir):
+    """rougeLsum equals rouge-score's on newline-split ASCII text; it scores each reference sentence against the
+    whole prediction, so a summary with its sentences in another order keeps its score, where rougeL halves."""
+    from rouge_score import rouge_scorer
+
+    reference = "Police arrested two men in London.\nThe men were charged with fraud on Monday"
+    prediction = "The two men were charged with fraud.\nPolice arrested them in London."
+    ours = generation_metrics([prediction], [reference])["rougeLsum"]
+    theirs = rouge_scorer.RougeScorer(["rougeLsum"], use_stemmer=True).score(reference, prediction)["rougeLsum"]
+    assert ours == pytest.approx(100 * theirs.fmeasure) and 0 < ours < 100
+    # scored in the model's word form, sentences split as shard building splits them (lines, then punctuation)
+    tokenizer = load_tokenizer(minilm_dir)
+    swapped = "The men were charged with fraud on Monday. Police arrested two men in London."
+    scores = score_predictions(tokenizer, [swapped], [reference])
+    assert scores["rougeLsum"] == pytest.approx(100) and scores["rougeL"] < 60 and scores["rouge1"] == pytest.approx(100)
+
+
 def test_generated_text_is_scored_in_the_model_word_form(minilm_dir, samples_dir):
     """A perfect uncased model's output (its own decoding of the reference) scores 100 BLEU and ROUGE against the
     real cased references; the raw comparison would count case and the decoder's spacing as errors."""
