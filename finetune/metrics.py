@@ -138,23 +138,22 @@ def squad_f1(prediction: str, gold: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-def squad_metrics(predictions: dict[str, str], gold_answers: dict[str, list[str]]) -> dict[str, float]:
-    """EM and F1 in percent over every question of `gold_answers` (a missing prediction scores 0).
+def squad_scores(prediction: str, answers: Sequence[str]) -> tuple[float, float]:
+    """EM and F1 of one prediction against its gold answers, the best over them. Gold answers that normalise to
+    nothing are left out, and a question with none left (SQuAD 2.0 unanswerable) has the gold answer "" (as the
+    official v2.0 script)."""
+    answers = [a for a in answers if normalize_answer(a)] or [""]
+    return max(squad_exact_match(prediction, a) for a in answers), max(squad_f1(prediction, a) for a in answers)
 
-    Gold answers that normalise to nothing are left out, and a question with none left (SQuAD 2.0 unanswerable)
-    has the gold answer "" (as the official v2.0 script).
-    """
+
+def squad_metrics(predictions: dict[str, str], gold_answers: dict[str, list[str]]) -> dict[str, float]:
+    """EM and F1 in percent over every question of `gold_answers` (a missing prediction scores 0), each scored by
+    `squad_scores`."""
     if not gold_answers:
         raise ValueError("squad_metrics: no gold questions")
-    exact, f1 = 0.0, 0.0
-    for qid, answers in gold_answers.items():
-        answers = [a for a in answers if normalize_answer(a)] or [""]
-        prediction = predictions.get(qid, None)
-        if prediction is None:
-            continue
-        exact += max(squad_exact_match(prediction, a) for a in answers)
-        f1 += max(squad_f1(prediction, a) for a in answers)
-    return {"exact_match": 100.0 * exact / len(gold_answers), "f1": 100.0 * f1 / len(gold_answers)}
+    scored = [squad_scores(predictions[qid], answers) for qid, answers in gold_answers.items() if qid in predictions]
+    return {"exact_match": 100.0 * sum(e for e, _ in scored) / len(gold_answers),
+            "f1": 100.0 * sum(f for _, f in scored) / len(gold_answers)}
 
 
 # ---- generation ----

@@ -2,18 +2,26 @@
 
 Each question becomes one window per stretch of its context: `[CLS] question [SEP] context_window [SEP]`
 (bidirectional, segments 0/1), windows `doc_stride` word pieces apart so every context token sits in some
-window with room around it. Training targets the answer's first/last word piece when the answer lies inside
+window with room around it. A question's word pieces and their character offsets are held once (`Pieces`,
+int32 arrays) and its windows refer to them, so SQuAD's 88k training questions take a few hundred MB of host
+memory per rank, not gigabytes. Training targets the answer's first/last word piece when the answer lies inside
 the window, else [CLS] (position 0: "no answer here" — SQuAD 2.0's unanswerable questions always).
 Prediction takes the best-scoring span (start ≤ end, at most `max_answer_len` word pieces, inside the context)
-over all windows, mapped back to the context's characters through the tokenizer's offsets; for SQuAD 2.0 it
-answers "" when the best [CLS] score (start + end at position 0) beats it. Metrics: `finetune.metrics.squad_metrics`.
+over all windows, a span starting only in the window where its first word piece has the most context around it
+(BERT's rule for overlapping windows), mapped back to the context's characters through the tokenizer's offsets;
+for SQuAD 2.0 it answers "" when the lowest [CLS] score (start + end at position 0) beats the span's by more than
+`null_score_diff_threshold` (BERT's setting, default 0). Metrics: `finetune.metrics.squad_metrics`, for SQuAD 2.0
+also over the answerable and unanswerable questions apart and at the threshold that would have been best
+(`squad2_breakdown`, the official evaluation's HasAns / NoAns / best_f1 figures).
 """
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,7 +29,7 @@ from torch import nn
 from pretrain.masks import BIDIRECTIONAL
 from pretrain.model import UniLMModel
 
-from .metrics import squad_metrics
+from .metrics import squad_metrics, squad_scores
 from .tokenizer import Tokenizer
 
 
@@ -55,10 +63,11 @@ def read_squad(path: str | Path) -> tuple[list[Question], bool]:
                 start = None
                 if answers:
                     text, start = answers[0]["text"], answers[0]["answer_start"]
-                    if context[start: start + len(text)] != text:
-                        start = context.find(text)
-                        if start < 0:
+                    if context[start: start + len(text)] != text:  # a sloppy offset: the nearest occurrence
+                        found = [i for i in range(len(context)) if context.startswith(text, i)]
+                        if not found:
                             raise ValueError(f"{path}: question {qa['id']}: answer {text!r} is not in its context")
+                        start = min(found, key=lambda i: abs(i - start))
                 elif not impossible:
                     raise ValueError(f"{path}: question {qa['id']} has no answers and is not marked is_impossible")
                 questions.append(Question(qa["id"], qa["question"], context,
@@ -69,16 +78,55 @@ def read_squad(path: str | Path) -> tuple[list[Question], bool]:
 
 
 @dataclass(frozen=True)
+class Pieces:
+    """One question's word pieces, shared by its windows."""
+
+    framed_question: np.ndarray
+    """int32: [CLS] question [SEP]."""
+    context_ids: np.ndarray
+    """int32 word pieces of the whole context."""
+    offsets: np.ndarray
+    """int32 [n, 2]: character span in the context of each context word piece."""
+
+
+@dataclass(frozen=True)
 class Window:
     question_index: int
-    input_ids: tuple[int, ...]
-    len_a: int
-    """[CLS] question [SEP]: the context starts here."""
-    offsets: tuple[tuple[int, int], ...]
-    """Character span in the context of each window context token."""
+    pieces: Pieces
+    context_start: int
+    context_stop: int
+    """The window holds context word pieces [context_start, context_stop)."""
     start_position: int
     end_position: int
     """Training targets (0, 0 = [CLS] when the answer is not inside)."""
+
+    @property
+    def len_a(self) -> int:
+        """[CLS] question [SEP]: the context starts here."""
+        return len(self.pieces.framed_question)
+
+    @property
+    def input_ids(self) -> np.ndarray:
+        context = self.pieces.context_ids[self.context_start: self.context_stop]
+        return np.concatenate([self.pieces.framed_question, context, self.pieces.framed_question[-1:]])
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """int32 [n, 2]: character span in the context of each of the window's context word pieces."""
+        return self.pieces.offsets[self.context_start: self.context_stop]
+
+    def max_context(self, windows: list["Window"]) -> np.ndarray:
+        """Bool per window context word piece: whether this window, of the question's `windows`, gives it the most
+        context (BERT: the larger of min(pieces left, pieces right) + 0.01 · window length; the first on ties)."""
+        def score(window: Window, positions: np.ndarray) -> np.ndarray:
+            left, right = positions - window.context_start, window.context_stop - 1 - positions
+            inside = (left >= 0) & (right >= 0)
+            return np.where(inside, np.minimum(left, right) + 0.01 * (window.context_stop - window.context_start),
+                            -np.inf)
+        positions = np.arange(self.context_start, self.context_stop)
+        best = np.max([score(w, positions) for w in windows], axis=0)
+        first_best = np.argmax([score(w, positions) == best for w in windows], axis=0)
+        return np.asarray([windows[i] is self for i in first_best], dtype=bool)
 
 
 def make_windows(questions: list[Question], tokenizer: Tokenizer, max_seq_len: int, doc_stride: int,
@@ -87,6 +135,8 @@ def make_windows(questions: list[Question], tokenizer: Tokenizer, max_seq_len: i
     for index, q in enumerate(questions):
         question_ids = tokenizer.encode(q.question)[:max_query_len]
         context_ids, offsets = tokenizer.encode_with_offsets(q.context)
+        pieces = Pieces(np.asarray([tokenizer.cls_id, *question_ids, tokenizer.sep_id], dtype=np.int32),
+                        np.asarray(context_ids, dtype=np.int32), np.asarray(offsets, dtype=np.int32).reshape(-1, 2))
         room = max_seq_len - len(question_ids) - 3
         if room < 1:
             raise ValueError(f"max_seq_len={max_seq_len} leaves no room for context after question {q.qid}")
@@ -103,8 +153,7 @@ def make_windows(questions: list[Question], tokenizer: Tokenizer, max_seq_len: i
             len_a = len(question_ids) + 2
             if answer_span and start <= answer_span[0] and answer_span[1] < stop:
                 target = (len_a + answer_span[0] - start, len_a + answer_span[1] - start)
-            ids = [tokenizer.cls_id, *question_ids, tokenizer.sep_id, *context_ids[start:stop], tokenizer.sep_id]
-            windows.append(Window(index, tuple(ids), len_a, tuple(offsets[start:stop]), *target))
+            windows.append(Window(index, pieces, start, stop, *target))
             if stop >= len(context_ids):
                 break
             start += min(doc_stride, room)  # a longer stride would skip context tokens no window then holds
@@ -112,14 +161,14 @@ def make_windows(questions: list[Question], tokenizer: Tokenizer, max_seq_len: i
 
 
 def collate(windows: list[Window], pad_id: int) -> dict[str, torch.Tensor]:
-    max_len = max(len(w.input_ids) for w in windows)
-    input_ids = torch.full((len(windows), max_len), pad_id, dtype=torch.long)
-    for row, window in enumerate(windows):
-        input_ids[row, : len(window.input_ids)] = torch.tensor(window.input_ids)
+    rows = [w.input_ids for w in windows]
+    input_ids = torch.full((len(windows), max(map(len, rows))), pad_id, dtype=torch.long)
+    for row, ids in enumerate(rows):
+        input_ids[row, : len(ids)] = torch.from_numpy(ids)
     return {
         "input_ids": input_ids,
         "len_a": torch.tensor([w.len_a for w in windows]),
-        "length": torch.tensor([len(w.input_ids) for w in windows]),
+        "length": torch.tensor([len(ids) for ids in rows]),
         "start_positions": torch.tensor([w.start_position for w in windows]),
         "end_positions": torch.tensor([w.end_position for w in windows]),
     }
@@ -149,13 +198,26 @@ class SpanModel(nn.Module):
         return (F.cross_entropy(start_logits, start_positions) + F.cross_entropy(end_logits, end_positions)) / 2
 
 
+@dataclass(frozen=True)
+class Prediction:
+    text: str
+    """The best span's text ("" when no window offered one)."""
+    null_margin: float
+    """The lowest [CLS] score (start + end) minus the best span's score (inf without a span): SQuAD 2.0 answers ""
+    when it exceeds the threshold."""
+
+
 @torch.no_grad()  # not inference_mode: run mid-training, ZeRO-3 may keep parameters it gathers here
-def predict(model: SpanModel, questions: list[Question], windows: list[Window], pad_id: int,
-            max_answer_len: int, version_2: bool, batch_size: int = 32, top_k: int = 20) -> dict[str, str]:
-    """Predicted answer text per question id ("" = no answer, SQuAD 2.0 only)."""
+def predict_spans(model: SpanModel, questions: list[Question], windows: list[Window], pad_id: int,
+                  max_answer_len: int, batch_size: int = 32, top_k: int = 20) -> list[Prediction]:
+    """Per question, its best span over all its windows (a span starts only in the window that gives its first
+    word piece the most context) and the [CLS] score's margin over it."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
+    siblings: dict[int, list[Window]] = {}
+    for window in windows:
+        siblings.setdefault(window.question_index, []).append(window)
     best: dict[int, tuple[float, str]] = {}
     null: dict[int, float] = {}
     for begin in range(0, len(windows), batch_size):
@@ -166,9 +228,12 @@ def predict(model: SpanModel, questions: list[Question], windows: list[Window], 
             q = window.question_index
             null[q] = min(null.get(q, float("inf")), float(start_logits[0] + end_logits[0]))
             first, last = window.len_a, window.len_a + len(window.offsets) - 1  # context positions
+            max_context = window.max_context(siblings[q]) if len(siblings[q]) > 1 else None
             context_starts = start_logits[first: last + 1].topk(min(top_k, last - first + 1)).indices + first
             context_ends = end_logits[first: last + 1].topk(min(top_k, last - first + 1)).indices + first
             for s in context_starts.tolist():
+                if max_context is not None and not max_context[s - first]:
+                    continue
                 for e in context_ends.tolist():
                     if e < s or e - s + 1 > max_answer_len:
                         continue
@@ -177,14 +242,64 @@ def predict(model: SpanModel, questions: list[Question], windows: list[Window], 
                         char_start, char_end = window.offsets[s - first][0], window.offsets[e - first][1]
                         best[q] = (score, questions[q].context[char_start:char_end])
     model.train(was_training)
-    answers = {}
-    for index, question in enumerate(questions):
-        score, text = best.get(index, (float("-inf"), ""))
-        answers[question.qid] = "" if version_2 and null.get(index, float("-inf")) > score else text
-    return answers
+    # a question no window offered a span for answers "" at any threshold
+    return [Prediction(best[i][1], null[i] - best[i][0]) if i in best else Prediction("", float("inf"))
+            for i in range(len(questions))]
+
+
+def answers_of(predictions: list[Prediction], questions: list[Question], version_2: bool,
+               null_score_diff_threshold: float = 0.0) -> dict[str, str]:
+    """Answer text per question id: the span, or "" (SQuAD 2.0 only) when the [CLS] score beats the span's by more
+    than the threshold."""
+    return {q.qid: "" if version_2 and p.null_margin > null_score_diff_threshold else p.text
+            for q, p in zip(questions, predictions)}
+
+
+def predict(model: SpanModel, questions: list[Question], windows: list[Window], pad_id: int,
+            max_answer_len: int, version_2: bool, null_score_diff_threshold: float = 0.0) -> dict[str, str]:
+    """Predicted answer text per question id ("" = no answer, SQuAD 2.0 only)."""
+    return answers_of(predict_spans(model, questions, windows, pad_id, max_answer_len), questions, version_2,
+                      null_score_diff_threshold)
+
+
+def squad2_breakdown(predictions: list[Prediction], questions: list[Question],
+                     null_score_diff_threshold: float = 0.0) -> dict[str, float]:
+    """The official SQuAD 2.0 evaluation's further figures, in percent: EM/F1 over the answerable (`has_ans_*`)
+    and the unanswerable (`no_ans_*`) questions at the threshold, and the EM/F1 at the threshold that would have
+    been best on these questions (`best_exact`, `best_f1`, with `best_exact_threshold`, `best_f1_threshold`)."""
+    answerable = [bool(q.answers) for q in questions]
+    span_scores = [squad_scores(p.text, q.answers) for p, q in zip(predictions, questions)]  # answering with the span
+    null_scores = [squad_scores("", q.answers) for q in questions]  # answering ""
+    result = {}
+    for group, wanted in (("has_ans", True), ("no_ans", False)):
+        members = [i for i, a in enumerate(answerable) if a == wanted]
+        if members:
+            chosen = [null_scores[i] if predictions[i].null_margin > null_score_diff_threshold else span_scores[i]
+                      for i in members]
+            result[f"{group}_exact"] = 100.0 * sum(e for e, _ in chosen) / len(members)
+            result[f"{group}_f1"] = 100.0 * sum(f for _, f in chosen) / len(members)
+    # a threshold t answers "" where null_margin > t: raise t past each margin in turn, switching that question to
+    # its span (ties switch together); t below every margin answers "" everywhere
+    order = sorted(range(len(questions)), key=lambda i: predictions[i].null_margin)
+    for metric, k in (("exact", 0), ("f1", 1)):
+        total = sum(score[k] for score in null_scores)
+        best_total = total
+        best_threshold = min((p.null_margin for p in predictions if math.isfinite(p.null_margin)), default=0.0) - 1.0
+        for rank, i in enumerate(order):
+            total += span_scores[i][k] - null_scores[i][k]
+            last_of_tie = rank + 1 == len(order) or predictions[order[rank + 1]].null_margin > predictions[i].null_margin
+            if last_of_tie and total > best_total:
+                best_total, best_threshold = total, predictions[i].null_margin
+        result[f"best_{metric}"] = 100.0 * best_total / len(questions)
+        result[f"best_{metric}_threshold"] = best_threshold
+    return result
 
 
 def evaluate(model: SpanModel, questions: list[Question], windows: list[Window], pad_id: int, max_answer_len: int,
-             version_2: bool) -> dict[str, float]:
-    predictions = predict(model, questions, windows, pad_id, max_answer_len, version_2)
-    return squad_metrics(predictions, {q.qid: list(q.answers) for q in questions})
+             version_2: bool, null_score_diff_threshold: float = 0.0) -> dict[str, float]:
+    predictions = predict_spans(model, questions, windows, pad_id, max_answer_len)
+    answers = answers_of(predictions, questions, version_2, null_score_diff_threshold)
+    metrics = squad_metrics(answers, {q.qid: list(q.answers) for q in questions})
+    if version_2:
+        metrics.update(squad2_breakdown(predictions, questions, null_score_diff_threshold))
+    return metrics

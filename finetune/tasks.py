@@ -87,7 +87,8 @@ def build_qa(cfg: FinetuneConfig, backbone: UniLMModel, tokenizer: Tokenizer) ->
     return TaskSetup(
         module=module, head=module.head, train_size=len(train),
         make_batch=lambda indices, epoch: qa.collate([train[i] for i in indices], tokenizer.pad_id),
-        evaluate=lambda m: qa.evaluate(m, dev_questions, dev, tokenizer.pad_id, cfg.max_answer_len, version_2),
+        evaluate=lambda m: qa.evaluate(m, dev_questions, dev, tokenizer.pad_id, cfg.max_answer_len, version_2,
+                                       cfg.null_score_diff_threshold),
         primary_metric=_primary_metric(cfg, TASK_METRICS["qa"]),
         meta={"version_2": version_2, "windows": {"train": len(train), "dev": len(dev)}},
     )

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -172,8 +174,68 @@ def test_qa_windows_cover_every_context_token_when_the_stride_exceeds_the_window
         windows = qa.make_windows(questions, tokenizer, max_seq_len, doc_stride, max_query_len=16)
         for index, q in enumerate(questions):
             _, offsets = tokenizer.encode_with_offsets(q.context)
-            covered = {span for w in windows if w.question_index == index for span in w.offsets}
+            covered = {tuple(span) for w in windows if w.question_index == index for span in w.offsets.tolist()}
             assert covered == set(offsets), (max_seq_len, doc_stride, q.qid)
+
+
+def test_qa_span_starts_only_in_the_window_giving_it_most_context(samples_dir, backbone, tokenizer):
+    """BERT's rule for overlapping windows: each context word piece belongs to exactly one window, and a span may
+    only start where it belongs. A piece scoring highest near the edge of another window loses to the best span
+    its own window offers."""
+    questions, _ = qa.read_squad(samples_dir / "squad.json")
+    question = max(questions, key=lambda q: len(q.context))
+    windows = qa.make_windows([question], tokenizer, max_seq_len=48, doc_stride=12, max_query_len=8)
+    assert len(windows) >= 3
+    owners = np.zeros(len(windows[0].pieces.context_ids), dtype=int)
+    for window in windows:
+        owners[window.context_start: window.context_stop] += window.max_context(windows)
+    assert (owners == 1).all()
+    # piece j: in windows 0 and 1, owned by window 1; window 0 scores it 10 + 10, window 1 scores piece k 3 + 3
+    j = next(p for p in range(windows[1].context_start, windows[0].context_stop)
+             if windows[1].max_context(windows)[p - windows[1].context_start])
+    k = windows[1].context_stop - 1 if windows[1].max_context(windows)[-1] else j + 1
+    logits = torch.full((len(windows), max(len(w.input_ids) for w in windows)), -10.0)
+    logits[0, windows[0].len_a + j - windows[0].context_start] = 10.0
+    logits[1, windows[1].len_a + k - windows[1].context_start] = 3.0
+    model = qa.SpanModel(backbone)
+    model.span_logits = lambda ids, len_a, length: (logits[:, : ids.shape[1]], logits[:, : ids.shape[1]])
+    [prediction] = qa.predict_spans(model, [question], windows, tokenizer.pad_id, max_answer_len=30)
+    begin, end = windows[0].pieces.offsets[k]
+    assert prediction.text == question.context[begin:end] and k != j
+
+
+def test_squad2_threshold_and_the_official_breakdown():
+    """null_score_diff_threshold moves the line between span and "", and the breakdown reports EM/F1 over the
+    answerable and unanswerable questions and at the threshold that would have been best (worked by hand)."""
+    def question(qid, *answers):
+        return qa.Question(qid, "?", "Paris London Berlin France Rome", answers, 0 if answers else None)
+    questions = [question("q1", "Paris"), question("q2", "London"), question("q3"), question("q4")]
+    predictions = [qa.Prediction("Paris", -2.0), qa.Prediction("Berlin", 1.0), qa.Prediction("France", 3.0),
+                   qa.Prediction("Rome", -1.0)]
+    assert qa.answers_of(predictions, questions, version_2=True) == {"q1": "Paris", "q2": "", "q3": "", "q4": "Rome"}
+    assert qa.answers_of(predictions, questions, version_2=True, null_score_diff_threshold=-2.0)["q4"] == ""
+    assert qa.answers_of(predictions, questions, version_2=False)["q3"] == "France"
+    breakdown = qa.squad2_breakdown(predictions, questions)
+    assert (breakdown["has_ans_exact"], breakdown["no_ans_exact"]) == (50.0, 50.0)
+    # all "": q3, q4 right (2 of 4); from margin -2 on q1 answers Paris (3); from -1 q4 says Rome (2); ...
+    assert (breakdown["best_exact"], breakdown["best_exact_threshold"]) == (75.0, -2.0)
+    assert (breakdown["best_f1"], breakdown["best_f1_threshold"]) == (75.0, -2.0)
+    # a question no window offered a span for is "" at every threshold, and every figure stays finite
+    questions.append(question("q5"))
+    predictions.append(qa.Prediction("", math.inf))
+    assert qa.answers_of(predictions, questions, version_2=True, null_score_diff_threshold=1e9)["q5"] == ""
+    breakdown = qa.squad2_breakdown(predictions, questions)
+    assert (breakdown["best_exact"], breakdown["best_exact_threshold"]) == (80.0, -2.0)
+    assert all(math.isfinite(value) for value in breakdown.values())
+
+
+def test_a_sloppy_answer_start_takes_the_nearest_occurrence(tmp_path):
+    context = "In 1990 the firm was founded; it moved in 1990 to Paris."
+    squad = {"data": [{"paragraphs": [{"context": context, "qas": [
+        {"id": "q1", "question": "When did it move?", "answers": [{"text": "1990", "answer_start": 43}]}]}]}]}
+    (tmp_path / "sloppy.json").write_text(json.dumps(squad))
+    questions, _ = qa.read_squad(tmp_path / "sloppy.json")
+    assert questions[0].answer_start == context.rindex("1990") == 42
 
 
 def test_qa_answer_not_in_context_and_squad2_no_answer(tmp_path, backbone, tokenizer):
