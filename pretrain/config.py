@@ -127,7 +127,10 @@ class OptimConfig:
     weight_decay: float = 0.01
     """Decoupled weight decay; never applied to biases and LayerNorm weights."""
     warmup_steps: int = 40_000
-    """Linear warm-up steps, then linear decay to ``min_lr`` at ``train.max_steps`` (DeepSpeed WarmupDecayLR)."""
+    """Linear warm-up steps, then the ``schedule``'s decay to ``min_lr`` at ``train.max_steps``."""
+    schedule: str = "linear"
+    """Decay after the warm-up: ``linear`` (BERT, UniLM; DeepSpeed WarmupDecayLR) or ``cosine`` (GPT-1; DeepSpeed
+    WarmupCosineLR)."""
     min_lr: float = 0.0
     """Learning rate at step 0 and at the end of the decay."""
     grad_clip: float = 1.0
@@ -144,7 +147,9 @@ class OptimConfig:
         if self.weight_decay < 0 or self.grad_clip < 0:
             raise ValueError("optim.weight_decay and optim.grad_clip must be >= 0")
         if self.warmup_steps < 1:
-            raise ValueError(f"optim.warmup_steps must be >= 1 (DeepSpeed WarmupDecayLR), got {self.warmup_steps}")
+            raise ValueError(f"optim.warmup_steps must be >= 1 (DeepSpeed's warm-up), got {self.warmup_steps}")
+        if self.schedule not in ("linear", "cosine"):
+            raise ValueError(f"optim.schedule must be linear or cosine, got {self.schedule!r}")
 
 
 @dataclass(frozen=True)
@@ -230,7 +235,7 @@ class RunConfig:
         if self.optim.warmup_steps >= self.train.max_steps:
             raise ValueError(
                 f"optim.warmup_steps={self.optim.warmup_steps} must be < train.max_steps={self.train.max_steps} "
-                "(WarmupDecayLR decays over max_steps - warmup_steps)")
+                "(the schedule decays over max_steps - warmup_steps)")
 
     @property
     def checkpoint_dir(self) -> Path:

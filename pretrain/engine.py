@@ -37,7 +37,11 @@ from pretrain.kernels import retain_freed_memory
 INJECTED_TOP = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                 "gradient_clipping")
 INJECTED_OPTIMIZER = ("lr", "betas", "eps", "weight_decay")
-INJECTED_SCHEDULER = ("total_num_steps", "warmup_num_steps", "warmup_max_lr", "warmup_min_lr")
+INJECTED_SCHEDULER = ("total_num_steps", "warmup_num_steps", "warmup_max_lr", "warmup_min_lr", "warmup_min_ratio",
+                      "cos_min_ratio")
+SCHEDULERS = {"linear": "WarmupDecayLR", "cosine": "WarmupCosineLR"}
+"""DeepSpeed's scheduler for each `optim.schedule`: linear warm-up, then linear (BERT, UniLM) or cosine (GPT-1)
+decay to the minimum at the last step."""
 
 
 class RunStopped(RuntimeError):
@@ -160,12 +164,12 @@ def zero_stage(engine_json: dict[str, Any]) -> int:
 
 def engine_config(engine_json: dict[str, Any], plan: BatchPlan, grad_clip: float,
                   optimizer_params: dict[str, Any] | None, lr: float, min_lr: float, warmup_steps: int,
-                  total_steps: int, load_universal: bool = False) -> dict[str, Any]:
+                  total_steps: int, load_universal: bool = False, schedule: str = "linear") -> dict[str, Any]:
     """A copy of the DeepSpeed JSON with the values that come from a run config: batch sizes, clipping, the
     AdamW block's params (``optimizer_params=None`` drops the block for a client optimizer, such as torch's Adamax,
-    and lets ZeRO wrap it), the linear warm-up/decay schedule (DeepSpeed's WarmupDecayLR unless the JSON names
-    another scheduler), and ``load_universal`` when resuming from a universal checkpoint
-    (``pretrain.checkpoint.find_resume_point``)."""
+    and lets ZeRO wrap it), the warm-up/decay schedule (``SCHEDULERS[schedule]``, replacing the JSON's
+    WarmupDecayLR or WarmupCosineLR; another scheduler there is refused), and ``load_universal`` when resuming from
+    a universal checkpoint (``pretrain.checkpoint.find_resume_point``)."""
     engine = copy.deepcopy(engine_json)
     engine.update(plan.deepspeed_fields())
     engine["gradient_clipping"] = grad_clip
@@ -176,10 +180,18 @@ def engine_config(engine_json: dict[str, Any], plan: BatchPlan, grad_clip: float
     else:
         engine.setdefault("optimizer", {"type": "AdamW", "params": {}})
         engine["optimizer"].setdefault("params", {}).update(optimizer_params)
-    engine.setdefault("scheduler", {"type": "WarmupDecayLR", "params": {}})
-    engine["scheduler"].setdefault("params", {}).update(
-        total_num_steps=total_steps, warmup_num_steps=warmup_steps, warmup_max_lr=lr, warmup_min_lr=min_lr)
-    engine["scheduler"]["params"].setdefault("warmup_type", "linear")
+    scheduler = engine.setdefault("scheduler", {"type": SCHEDULERS[schedule], "params": {}})
+    if scheduler.get("type") not in SCHEDULERS.values():
+        raise ValueError(f"the DeepSpeed JSON names scheduler {scheduler.get('type')!r}; the schedule comes from the "
+                         f"run config (optim.schedule: {' or '.join(SCHEDULERS)}, {' or '.join(SCHEDULERS.values())})")
+    scheduler["type"] = SCHEDULERS[schedule]
+    params = scheduler.setdefault("params", {})
+    params.update(total_num_steps=total_steps, warmup_num_steps=warmup_steps)
+    if schedule == "cosine":  # WarmupCosineLR scales the optimizer's lr: from and down to min_lr / lr of it
+        params.update(warmup_min_ratio=min_lr / lr, cos_min_ratio=min_lr / lr)
+    else:
+        params.update(warmup_max_lr=lr, warmup_min_lr=min_lr)
+    params.setdefault("warmup_type", "linear")
     if load_universal:
         engine.setdefault("checkpoint", {})["load_universal"] = True
     return engine

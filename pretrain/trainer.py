@@ -4,7 +4,7 @@
 process) and reads as its steps: open the shards, resolve the model, find the resume point, build the engine,
 restore progress, build the loader, then `run_steps` (`train_step` each, a checkpoint every
 ``train.save_interval``). What it relies on DeepSpeed for: ZeRO 0-3, fp16 loss scaling / bf16, gradient
-accumulation and clipping, the optimizer (its AdamW block) and the WarmupDecayLR schedule, checkpoint files,
+accumulation and clipping, the optimizer (its AdamW block) and the warm-up/decay schedule, checkpoint files,
 the universal checkpoint converter, the CSV/TensorBoard monitor. What it shares with fine-tuning:
 ``pretrain.engine`` (process group, DeepSpeed JSON, parameter groups, RNG, the optimizer step) and
 ``pretrain.checkpoint`` (save, resume). What is its own: the data order (``pretrain.data``), batch planning
@@ -61,7 +61,7 @@ def build_deepspeed_config(cfg: RunConfig, plan: BatchPlan, engine_json: dict[st
         optimizer_params=dict(lr=cfg.optim.lr, betas=list(cfg.optim.betas), eps=cfg.optim.eps,
                               weight_decay=cfg.optim.weight_decay),
         lr=cfg.optim.lr, min_lr=cfg.optim.min_lr, warmup_steps=cfg.optim.warmup_steps,
-        total_steps=cfg.train.max_steps, load_universal=load_universal)
+        total_steps=cfg.train.max_steps, load_universal=load_universal, schedule=cfg.optim.schedule)
     monitor_dir = str(Path(cfg.out_dir) / "monitor")
     engine.setdefault("csv_monitor", {"enabled": True, "output_path": monitor_dir, "job_name": "train"})
     if _tensorboard_installed():

@@ -82,6 +82,41 @@ def test_deepspeed_json_gets_batch_optimizer_and_schedule_injected(tmp_path: Pat
         {"load_universal": True}
 
 
+def test_the_cosine_schedule_is_deepspeeds_and_decays_as_gpt_does(tmp_path: Path) -> None:
+    """optim.schedule: cosine (the gpt config) runs DeepSpeed's WarmupCosineLR: linear warm-up to lr, then
+    lr · (1 + cos(pi · progress)) / 2 down to min_lr; a scheduler the run config cannot drive is refused."""
+    import math
+
+    import torch
+    from deepspeed.runtime.lr_schedules import WarmupCosineLR
+
+    cfg = load_config(REPO_ROOT / "pretrain/configs/gpt.yaml", [f"out_dir={tmp_path}", "train.max_steps=100",
+                                                                "optim.warmup_steps=10", "optim.min_lr=2.5e-5"])
+    assert cfg.optim.schedule == "cosine"
+    engine_json = read_engine_json(cfg.deepspeed_config_path)
+    config = build_deepspeed_config(cfg, plan_batch(64, 8, 8), engine_json, load_universal=False)
+    assert config["scheduler"] == {"type": "WarmupCosineLR", "params": {
+        "total_num_steps": 100, "warmup_num_steps": 10, "warmup_min_ratio": 0.1, "cos_min_ratio": 0.1,
+        "warmup_type": "linear"}}
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=cfg.optim.lr)
+    scheduler = WarmupCosineLR(optimizer, **config["scheduler"]["params"])
+    lrs = []
+    for _ in range(100):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    low, peak = cfg.optim.min_lr, cfg.optim.lr
+    # DeepSpeed's scheduler applies step t's value at the optimizer step after it (its very first step runs at 0)
+    assert lrs[0] == 0.0 and lrs[1] == pytest.approx(low) and max(lrs) == pytest.approx(peak, rel=1e-3)
+    assert lrs[5] == pytest.approx(low + (peak - low) * 4 / 10, rel=1e-3)
+    assert lrs[55] == pytest.approx(low + (peak - low) * (1 + math.cos(math.pi * 45 / 90)) / 2, rel=1e-3)
+    assert lrs[99] == pytest.approx(low, rel=0.01)
+    with pytest.raises(ValueError, match="names scheduler 'OneCycle'; the schedule comes from the run config"):
+        build_deepspeed_config(cfg, plan_batch(64, 8, 8), {**engine_json, "scheduler": {"type": "OneCycle"}}, False)
+    with pytest.raises(ValueError, match="optim.schedule must be linear or cosine, got 'step'"):
+        load_config(REPO_ROOT / "pretrain/configs/gpt.yaml", ["optim.schedule=step"])
+
+
 def test_batch_sizes_in_the_deepspeed_json_are_refused(tmp_path: Path) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"train_batch_size": 32, "optimizer": {"type": "AdamW", "params": {"lr": 1}}}))
