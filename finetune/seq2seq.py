@@ -69,7 +69,7 @@ def encode_examples(records: list[dict], tokenizer: Tokenizer, max_src_len: int,
     targets = tokenizer.encode_batch([r["tgt"] for r in records])
     source_budget(max_positions, max_src_len, max_tgt_len)  # a target of max_tgt_len leaves the source room
     targets_cut = [t[:max_tgt_len] for t in targets]
-    room = [min(max_src_len, max_positions - 3 - len(t)) for t in targets_cut]
+    room = [source_budget(max_positions, max_src_len, len(t)) for t in targets_cut]
     counts = TruncationCounts(sum(len(s) > r for s, r in zip(sources, room)),
                               sum(len(t) > max_tgt_len for t in targets))
     examples = [Seq2SeqExample(s[:r], t) for s, r, t in zip(sources, room, targets_cut)]
