@@ -53,7 +53,8 @@ SUMMARY_FILE = "summary.json"
 def schedule(cfg: FinetuneConfig, train_size: int) -> tuple[int, int, int]:
     """(steps per epoch, total steps, warm-up steps). An epoch drops its last incomplete global batch."""
     if train_size < cfg.batch_size:
-        raise ValueError(f"{cfg.train}: {train_size} training items, fewer than one global batch of {cfg.batch_size}")
+        raise ValueError(f"{cfg.train}: {train_size} training items, fewer than one global batch of {cfg.batch_size}; "
+                         f"lower --batch-size to at most {train_size}")
     steps_per_epoch = train_size // cfg.batch_size
     total = cfg.epochs * steps_per_epoch
     if cfg.max_steps is not None:
@@ -145,14 +146,14 @@ def _fit_locked(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer, rank
     try:
         while progress.step < total_steps:
             epoch, index_in_epoch = divmod(progress.step, steps_per_epoch)
+            lr = engine.get_lr()[0]  # the rate this step applies (the scheduler moves on after it)
             step_loss = train_step(cfg, engine, task, plan, progress, epoch, index_in_epoch, rank, log)
             progress.step += 1
             progress.epoch_losses.append(step_loss)
             if log:
-                log.write(json.dumps({"step": progress.step, "epoch": epoch + 1, "loss": step_loss,
-                                      "lr": engine.get_lr()[0]}) + "\n")
+                log.write(json.dumps({"step": progress.step, "epoch": epoch + 1, "loss": step_loss, "lr": lr}) + "\n")
                 log.flush()
-                bar.update(progress.step, step_loss, engine.get_lr()[0])
+                bar.update(progress.step, step_loss, lr)
             stop = any_rank(bool(stop_requested))  # one rank signalled: all save and exit together
             epoch_done = progress.step % steps_per_epoch == 0 or progress.step == total_steps
             if epoch_done:

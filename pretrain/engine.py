@@ -213,6 +213,12 @@ def build_engine(model: torch.nn.Module, config: dict[str, Any], weight_decay: f
     groups = parameter_groups(model, weight_decay)
     optimizer = client_optimizer(groups) if client_optimizer is not None else None
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, optimizer=optimizer, config=config)
+    if engine.lr_scheduler is not None:
+        # DeepSpeed's schedulers start at iteration -1 and the engine steps them after each optimizer step, so step
+        # k would run at iteration k - 2's rate (the first two at the warm-up's start). From iteration 0, step k runs
+        # at k - 1's, as transformers' schedules do: the first at min_lr, the peak right after warmup_steps.
+        # A resumed run's load_checkpoint then sets the iteration it saved.
+        engine.lr_scheduler.step(0)
     return engine
 
 

@@ -31,6 +31,9 @@ def test_classify_run_exports_the_best_model_and_metrics(small_tasks, tiny_init,
     assert {"accuracy", "macro_f1", "mcc", "train_loss"} <= set(metrics["best"]) and "f1" not in metrics["best"]
     assert metrics["best"]["mcc"] == max(epoch["mcc"] for epoch in metrics["epochs"])
     assert summary["best"] == metrics["best"]
+    lrs = [json.loads(line)["lr"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    # the rate each step applied: 0 first, the peak after the warm-up, a last step above 0 before the decay's end
+    assert lrs[0] == 0.0 and max(lrs) == pytest.approx(1e-3) and 0 < lrs[-1] < lrs[-2]
     finetuned = load_finetuned(tmp_path)
     assert finetuned.task == "classify" and finetuned.meta["labels"] == sorted(
         {"business", "entertainment", "politics", "sports", "tech"})

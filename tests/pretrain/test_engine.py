@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from pretrain import engine
+from pretrain.config import REPO_ROOT
 
 
 def draws() -> tuple[torch.Tensor, np.ndarray, float]:
@@ -115,3 +117,38 @@ def test_shared_memory_names_are_unlinked_and_their_mappings_stay_valid(tmp_path
         view.close()
         other_view.close()
         shm.unlink(missing_ok=True)
+
+
+def test_each_step_runs_at_the_rate_transformers_schedules_give_it(one_rank_group, monkeypatch) -> None:
+    """A real DeepSpeed engine from `engine_config` + `build_engine`: the rate its optimizer applies at step k is
+    transformers' warm-up schedule at k - 1 (0 first, the peak right after the warm-up), not DeepSpeed's own start
+    a step later; the linear decay is transformers' too."""
+    from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
+
+    from pretrain.batch_plan import plan_batch
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    peak, warmup, total = 1e-3, 4, 12
+    engine_json = engine.read_engine_json(REPO_ROOT / "ds_configs/zero0_fp32_cpu.json")
+    for schedule, make in (("linear", get_linear_schedule_with_warmup), ("cosine", get_cosine_schedule_with_warmup)):
+        config = engine.engine_config(engine_json, plan_batch(1, 1, 1), 1.0, {"lr": peak}, peak, 0.0, warmup, total,
+                                      schedule=schedule)
+        ds_engine = engine.build_engine(torch.nn.Linear(2, 1), config, weight_decay=0.0)
+        applied = []
+        for _ in range(total):
+            applied.append(ds_engine.optimizer.param_groups[0]["lr"])
+            ds_engine.backward(ds_engine(torch.ones(1, 2)).sum())
+            ds_engine.step()
+        reference_optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=peak)
+        reference = make(reference_optimizer, warmup, total)
+        expected = []
+        for _ in range(total):
+            expected.append(reference_optimizer.param_groups[0]["lr"])
+            reference_optimizer.step()
+            reference.step()
+        assert applied[0] == 0.0 and applied[:warmup] == pytest.approx(expected[:warmup], abs=1e-12)
+        if schedule == "linear":
+            assert applied == pytest.approx(expected, rel=1e-6, abs=1e-12)
+        else:  # DeepSpeed's cosine decays one step ahead of transformers' and reaches min_lr (0 here) on the last step
+            assert applied[warmup] == pytest.approx(peak * (1 + math.cos(math.pi / (total - warmup))) / 2)
+            assert applied[warmup + 1:] == pytest.approx(expected[warmup + 2:] + [0.0], rel=1e-6, abs=1e-12)

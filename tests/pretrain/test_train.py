@@ -240,7 +240,7 @@ def test_nan_loss_stops_with_a_diagnostic_and_keeps_the_last_checkpoint(unilm_sh
                       "train.max_steps=8", "train.save_interval=2", "train.global_batch_size=8",
                       "optim.lr=1e30", "optim.warmup_steps=1"], nproc=1)
     assert process.returncode == 3, process.stderr[-3000:]
-    assert "[stop] non-finite loss nan at step 4" in process.stderr
+    assert "[stop] non-finite loss nan at step 3" in process.stderr  # step 2 applied lr 5e29
     assert "the last complete checkpoint (global_step2) is intact" in process.stderr
     assert (tmp_path / "checkpoints" / "latest").read_text() == "global_step2"
     assert metrics(tmp_path)[-1]["event"] == "nonfinite_loss"

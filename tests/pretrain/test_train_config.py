@@ -106,7 +106,7 @@ def test_the_cosine_schedule_is_deepspeeds_and_decays_as_gpt_does(tmp_path: Path
         optimizer.step()
         scheduler.step()
     low, peak = cfg.optim.min_lr, cfg.optim.lr
-    # DeepSpeed's scheduler applies step t's value at the optimizer step after it (its very first step runs at 0)
+    # the scheduler alone, as DeepSpeed starts it: its very first step runs at 0 (`build_engine` starts it a step on)
     assert lrs[0] == 0.0 and lrs[1] == pytest.approx(low) and max(lrs) == pytest.approx(peak, rel=1e-3)
     assert lrs[5] == pytest.approx(low + (peak - low) * 4 / 10, rel=1e-3)
     assert lrs[55] == pytest.approx(low + (peak - low) * (1 + math.cos(math.pi * 45 / 90)) / 2, rel=1e-3)
