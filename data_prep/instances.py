@@ -157,6 +157,10 @@ class Uniforms:
         """Uniform integer in [low, high)."""
         return low + int(self.next() * (high - low))  # next() < 1, so the result stays below high
 
+    def heads(self, count: int) -> int:
+        """How many of `count` fair coin flips come up heads: Binomial(count, 1/2)."""
+        return int(self.rng.binomial(count, 0.5))
+
 
 @dataclass(frozen=True)
 class Instance:
@@ -183,9 +187,10 @@ def _truncate_pair(a: list[int], b: list[int], max_tokens: int, rng: Uniforms) -
 
 
 def _trim(tokens: list[int], count: int, rng: Uniforms) -> list[int]:
+    """`tokens` less `count` of them, each from the front or the back on a coin flip (BERT's loop, in one draw)."""
     if count <= 0:
         return tokens
-    front = rng.integer(0, count + 1)
+    front = rng.heads(count)
     return tokens[front:len(tokens) - (count - front)]
 
 

@@ -275,6 +275,20 @@ def test_random_next_from_the_same_document_stays_away_from_a():
             assert 0 <= b_first - a_last <= 2  # the continuation (its first tokens may be truncated away)
 
 
+def test_pair_truncation_flips_a_coin_per_removed_token_as_bert_does():
+    """BERT's truncate_seq_pair removes each token from the front or the back on its own coin flip: of 60 tokens cut
+    from 100, the front's share is Binomial(60, 1/2) (sd 3.9), not any count from 0 to 60 alike (sd 17.6)."""
+    from data_prep.instances import Uniforms, _truncate_pair
+
+    rng = Uniforms(np.random.default_rng(0))
+    fronts = []
+    for _ in range(2000):
+        a, b = _truncate_pair(list(range(100)), [-1] * 10, 50, rng)
+        assert len(a) == 40 and b == [-1] * 10 and a == list(range(a[0], a[0] + 40))  # one contiguous piece of A
+        fronts.append(a[0])
+    assert np.mean(fronts) == pytest.approx(30, abs=0.5) and 3.4 < np.std(fronts) < 4.4
+
+
 def test_documents_alone_in_their_chunk_get_random_next_segments(samples_dir, vocab_file, tmp_path):
     texts = [json.loads(line)["text"] for line in open(samples_dir / "books.jsonl")][:10]
     novels = tmp_path / "novels.jsonl"  # two documents longer than --chunk-chars: each is alone in its chunk
