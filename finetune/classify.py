@@ -1,8 +1,9 @@
 """Sentence(-pair) classification, regression and multiple choice on the final [CLS]/[SOS] vector.
 
-Records (JSONL): `{"text", "text_b"?, "label"}` — string labels are classes (mapped to ids in sorted order
-and saved with the model), number labels mean regression (MSE; Pearson/Spearman). Multiple choice:
-`{"context", "choices": [...], "label": index}`.
+Records (`finetune.glue.read_records`: JSONL, TSV, CSV or parquet, GLUE's files): `{"text", "text_b"?, "label"}` —
+string and integer labels are classes (mapped to ids in sorted order, numbers by value, and saved with the model),
+labels written as floats mean regression (MSE; Pearson/Spearman), as in transformers' `run_glue`; `regression`
+true or false decides instead. Multiple choice: `{"context", "choices": [...], "label": index}`.
 
 Every example is one or more *views*, each packed as `[CLS] a [SEP] (b [SEP])` and encoded alone:
 - a single text or a pair (GPT-1 entailment `premise [SEP] hypothesis`): one view;
@@ -17,7 +18,9 @@ left-to-right mask, since the first one sees nothing. Then dropout → linear. G
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -39,17 +42,44 @@ class LabelSpace:
     multiple_choice: bool = False
 
     @classmethod
-    def from_records(cls, records: list[dict], where: str) -> "LabelSpace":
+    def from_records(cls, records: list[dict], where: str, regression: bool | None = None) -> "LabelSpace":
+        """The label space of training records: multiple choice when they have `choices`; else regression when
+        `regression` is true, or (None) when every label is a number and some is written as a float; else the
+        classes, sorted (numbers by value)."""
         if "choices" in records[0]:
             return cls(multiple_choice=True)
-        labels = [r.get("label") for r in records]
-        if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in labels):
+        for number, record in enumerate(records, 1):
+            label = record.get("label")
+            if not isinstance(label, (str, int, float)) or isinstance(label, bool) or label == "":
+                raise ValueError(f"{where}: record {number} has label {label!r}; every training record needs a "
+                                 "label: a string or an integer (a class) or a number (regression)")
+        labels = [r["label"] for r in records]
+        if regression is None:
+            regression = all(not isinstance(x, str) for x in labels) and any(isinstance(x, float) for x in labels)
+        if regression:
+            for number, label in enumerate(labels, 1):
+                _score(label, f"{where}: record {number}")
             return cls(regression=True)
-        if not all(isinstance(x, str) and x for x in labels):
-            bad = next(i for i, x in enumerate(labels, 1) if not (isinstance(x, str) and x))
-            raise ValueError(f"{where}: record {bad} has label {labels[bad - 1]!r}; labels must all be non-empty "
-                             "strings (classes) or all numbers (regression)")
-        return cls(classes=tuple(sorted(set(labels))))
+        return cls(classes=tuple(sorted({class_name(x) for x in labels}, key=_class_order)))
+
+    def hint(self, records: list[dict]) -> str | None:
+        """A note when numbers were read as classes (integers, or numbers written as strings): they might be
+        scores."""
+        if self.regression or self.multiple_choice:
+            return None
+        numbers = [c for c in self.classes if _is_number(c)]
+        if len(numbers) != len(self.classes):
+            return None
+        written = "strings" if any(isinstance(r["label"], str) for r in records) else "integers"
+        return (f"the labels are numbers written as {written}: read as {len(self.classes)} classes "
+                f"({', '.join(self.classes[:6])}{', ...' if len(self.classes) > 6 else ''}); set regression: true "
+                "to fit them as scores")
+
+    @classmethod
+    def of_model(cls, meta: dict) -> "LabelSpace":
+        """The label space a fine-tuned classifier was trained on (from its `finetune.json`)."""
+        return cls(classes=tuple(meta.get("labels") or ()), regression=bool(meta.get("regression")),
+                   multiple_choice=bool(meta.get("multiple_choice")))
 
     @property
     def num_outputs(self) -> int:
@@ -58,18 +88,49 @@ class LabelSpace:
     def label_id(self, record: dict, number: int, where: str) -> float | int:
         label = record.get("label")
         if self.regression:
-            if not isinstance(label, (int, float)) or isinstance(label, bool):
-                raise ValueError(f"{where}: record {number} has label {label!r}, expected a number (regression)")
-            return float(label)
+            return _score(label, f"{where}: record {number}")
         if self.multiple_choice:
             if not isinstance(label, int) or not 0 <= label < len(record["choices"]):
                 raise ValueError(f"{where}: record {number} has label {label!r}, expected a choice index "
                                  f"in [0, {len(record['choices'])})")
             return label
-        if label not in self.classes:
+        name = class_name(label) if isinstance(label, (str, int, float)) and not isinstance(label, bool) else None
+        if name not in self.classes:
             raise ValueError(f"{where}: record {number} has label {label!r}, unknown to the training labels "
                              f"{list(self.classes)}")
-        return self.classes.index(label)
+        return self.classes.index(name)
+
+    @property
+    def no_label(self) -> float | int:
+        """The label an example without one carries (never scored)."""
+        return math.nan if self.regression else -1
+
+
+def class_name(label: str | int | float) -> str:
+    """A class label as the class's name: strings as they are, numbers in their shortest form (1 and 1.0: "1")."""
+    if isinstance(label, str):
+        return label
+    return str(int(label)) if float(label).is_integer() else repr(float(label))
+
+
+def _is_number(text: str) -> bool:
+    try:
+        return math.isfinite(float(text))
+    except ValueError:
+        return False
+
+
+def _class_order(name: str) -> tuple:
+    return (0, float(name), name) if _is_number(name) else (1, 0.0, name)
+
+
+def _score(label: Any, where: str) -> float:
+    """A regression label: a number, or a number written as a string (a TSV's)."""
+    if isinstance(label, str) and _is_number(label):
+        return float(label)
+    if not isinstance(label, (int, float)) or isinstance(label, bool) or not math.isfinite(label):
+        raise ValueError(f"{where} has label {label!r}, expected a number (regression)")
+    return float(label)
 
 
 @dataclass(frozen=True)
@@ -92,7 +153,7 @@ def pack_views(tokenizer: Tokenizer, pairs: list[tuple[str, str | None]],
         cut = False
         while len(a) + (len(b) if b is not None else 0) > budget:
             cut = True
-            if b is not None and len(b) > len(a):
+            if b is not None and len(b) >= len(a):  # BERT's _truncate_seq_pair: the longer, b on a tie
                 b.pop()
             else:
                 a.pop()
@@ -104,8 +165,9 @@ def pack_views(tokenizer: Tokenizer, pairs: list[tuple[str, str | None]],
 
 
 def encode_examples(records: list[dict], tokenizer: Tokenizer, labels: LabelSpace, max_seq_len: int,
-                    similarity: bool, where: str) -> tuple[list[ClassifyExample], int]:
-    """Examples of classify records and how many views were truncated."""
+                    similarity: bool, where: str, labelled: bool = True) -> tuple[list[ClassifyExample], int]:
+    """Examples of classify records and how many views were truncated; `labelled` false: the records' labels are
+    not read (`LabelSpace.no_label`: test files)."""
     examples, truncated = [], 0
     num_choices = len(records[0]["choices"]) if labels.multiple_choice else None
     for number, record in enumerate(records, 1):
@@ -120,13 +182,16 @@ def encode_examples(records: list[dict], tokenizer: Tokenizer, labels: LabelSpac
             text, text_b = record.get("text"), record.get("text_b")
             if not isinstance(text, str) or not text.strip():
                 raise ValueError(f"{where}: record {number} has an empty or missing 'text'")
+            if text_b is not None and not isinstance(text_b, str):
+                raise ValueError(f"{where}: record {number} has a 'text_b' of type {type(text_b).__name__}; "
+                                 "it must be a string (or left out)")
             if similarity and text_b is None:
                 raise ValueError(f"{where}: record {number}: similarity needs 'text_b'")
             pairs = [(text, text_b), (text_b, text)] if similarity else [(text, text_b)]
         packed, len_a, cut = pack_views(tokenizer, pairs, max_seq_len)
         truncated += cut
-        examples.append(ClassifyExample(tuple(map(tuple, packed)), tuple(len_a),
-                                        labels.label_id(record, number, where)))
+        label = labels.label_id(record, number, where) if labelled else labels.no_label
+        examples.append(ClassifyExample(tuple(map(tuple, packed)), tuple(len_a), label))
     return examples, truncated
 
 
@@ -216,11 +281,14 @@ def predict(model: ClassifierModel, examples: list[ClassifyExample], pad_id: int
 
 def evaluate(model: ClassifierModel, examples: list[ClassifyExample], pad_id: int,
              positive: int | None = None) -> dict[str, float]:
-    """Dev scores of `examples`: correlations for regression, else accuracy, macro-F1, Matthews correlation and,
-    with a `positive` class id, that class's F1."""
-    predictions = predict(model, examples, pad_id)
-    gold = [e.label for e in examples]
-    if model.labels.regression:
+    """Dev scores of `examples` (`scores`)."""
+    return scores(predict(model, examples, pad_id), [e.label for e in examples], model.labels, positive)
+
+
+def scores(predictions: list, gold: list, labels: LabelSpace, positive: int | None = None) -> dict[str, float]:
+    """Correlations for regression, else accuracy, macro-F1, Matthews correlation and, with a `positive` class
+    id, that class's F1."""
+    if labels.regression:
         return regression_metrics(predictions, gold)
     return classification_metrics(predictions, gold, positive)
 

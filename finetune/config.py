@@ -75,7 +75,8 @@ class FinetuneConfig:
     warmup_ratio: float = 0.1
     """Share of the steps spent in linear warm-up, then linear decay to 0."""
     weight_decay: float = 0.01
-    """Decoupled weight decay, not on biases and LayerNorm weights."""
+    """Weight decay, not on biases and LayerNorm weights: decoupled under adamw (AdamW's); under adamax torch's
+    Adamax adds it to the gradient (an L2 penalty, as Adam's original weight decay)."""
     grad_clip: float = 1.0
     """Global gradient-norm clipping; 0 disables."""
     dropout: float = 0.1
@@ -129,6 +130,19 @@ class FinetuneConfig:
     correlation; GLUE's CoLA), f1 (F1 of `positive_label`; MRPC, QQP), regression pearson, spearman (STS-B); qa f1,
     exact_match; seq2seq rougeL, rouge1, rouge2, rougeLsum (summary-level, CNN/DM's), bleu (None: accuracy,
     pearson, f1, rougeL)."""
+    glue_task: str | None = None
+    """classify: read the files as GLUE task NAME ships them (cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte, wnli;
+    ax to predict) — GLUE's TSVs or Hugging Face `glue` exports — with its metric and, for stsb, regression
+    (`finetune.glue`); the field settings below are then not used."""
+    text_field: str = "text"
+    """classify: the column (JSON key) holding the first text of `.jsonl`, `.tsv`, `.csv` and `.parquet` files."""
+    text_b_field: str = "text_b"
+    """classify: the column holding the second text of a pair (rows without it are single texts)."""
+    label_field: str = "label"
+    """classify: the column holding the label."""
+    regression: bool | None = None
+    """classify: true fits the labels as scores (numbers, or numbers written as strings), false as classes; None:
+    labels written as floats are regression, integers and strings classes (transformers' run_glue rule)."""
     positive_label: str | None = None
     """classify: the class whose F1 is reported as `f1`; None: with two classes the second in sorted order ("1" of
     0/1, "true", "yes", "positive"), with more no `f1`."""
@@ -158,6 +172,10 @@ class FinetuneConfig:
         if self.metric is not None and self.metric not in TASK_METRICS[self.task]:
             raise ValueError(f"metric {self.metric!r} is not a {self.task} dev score; choose one of "
                              f"{', '.join(TASK_METRICS[self.task])}")
+        if self.glue_task is not None:
+            from .glue import GLUE_TASKS
+            if self.task != "classify" or self.glue_task not in GLUE_TASKS:
+                raise ValueError(f"glue_task={self.glue_task!r}: a classify setting, one of {', '.join(GLUE_TASKS)}")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 

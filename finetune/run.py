@@ -7,6 +7,7 @@ papers' settings and `finetune.config.FinetuneConfig` for every key.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -26,7 +27,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="config keys (YAML, flags, or --set KEY=VALUE):\n" + keys_help(FinetuneConfig))
     parser.add_argument("--task", choices=TASKS)
-    parser.add_argument("--train", help="JSONL (classify, seq2seq) or SQuAD JSON (qa)")
+    parser.add_argument("--train", help="classify: JSONL, TSV, CSV or parquet (GLUE's files: glue_task); seq2seq: "
+                                        "JSONL; qa: SQuAD JSON")
     parser.add_argument("--dev")
     parser.add_argument("--init", help="HF BERT directory, fine-tuning output or pre-training checkpoint")
     parser.add_argument("--out")
@@ -52,16 +54,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+class InputError(ValueError):
+    """A setting, model or data file the run cannot use, found before training starts: one line, no traceback."""
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     flags = {k: v for k, v in vars(args).items() if k not in ("config", "set", "local_rank", "force")}
-    cfg = load_config(args.config, flags, args.set)
-    check_run_output(cfg.out, [cfg.init, cfg.train, cfg.dev, cfg.vocab], args.force)
-    backbone, tokenizer = load_init(cfg.init, cfg.vocab)
-    seed_everything(cfg.seed)  # the same head (and, from scratch, backbone) initialisation on every rank
-    if cfg.from_scratch:
-        backbone = build_model(backbone.cfg)
-    task = build_task(cfg, backbone, tokenizer)
+    try:
+        cfg = load_config(args.config, flags, args.set)
+        check_run_output(cfg.out, [cfg.init, cfg.train, cfg.dev, cfg.vocab], args.force)
+        backbone, tokenizer = load_init(cfg.init, cfg.vocab)
+        seed_everything(cfg.seed)  # the same head (and, from scratch, backbone) initialisation on every rank
+        if cfg.from_scratch:
+            backbone = build_model(backbone.cfg)
+        task = build_task(cfg, backbone, tokenizer)
+    except ValueError as error:
+        raise InputError(str(error)) from error
+    except FileNotFoundError as error:
+        raise InputError(f"{error.filename or error}: no such file or directory") from error
     try:
         return fit(cfg, task, tokenizer)
     except RunStopped as error:  # a diagnosis (non-finite loss, checkpoint not written), not a crash: no traceback
@@ -83,5 +94,10 @@ def check_run_output(out: str, inputs: list[str | None], force: bool) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except InputError as error:
+        if os.environ.get("RANK", "0") == "0":  # every rank finds it: say it once
+            print(f"[finetune] {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
     close_distributed()

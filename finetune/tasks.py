@@ -15,6 +15,7 @@ from . import classify, qa, seq2seq
 from .config import TASK_METRICS, FinetuneConfig
 from .task_files import read_jsonl
 from .decode import DecodeConfig, decode_records, ignore_ids, score_predictions
+from .glue import read_records, record_format
 from .tokenizer import Tokenizer
 
 
@@ -39,13 +40,15 @@ def _limit(items: list, count: int | None) -> list:
     return items if count is None else items[:count]
 
 
-def _primary_metric(cfg: FinetuneConfig, available: tuple[str, ...]) -> str:
-    """`cfg.metric` when this task reports it, else the task's default (the first of `available`)."""
+def _primary_metric(cfg: FinetuneConfig, available: tuple[str, ...], default: str | None = None) -> str:
+    """`cfg.metric` when this task reports it, else `default` (a GLUE task's metric), else the first of
+    `available`."""
     if cfg.metric is None:
-        return available[0]
+        return default if default in available else available[0]
     if cfg.metric not in available:
         raise ValueError(f"metric={cfg.metric!r}: this {cfg.task} task reports {', '.join(available)} "
-                         f"(f1 needs two classes or positive_label; pearson and spearman need numeric labels)")
+                         "(f1 needs two classes or positive_label; pearson and spearman need regression: float "
+                         "labels or regression: true)")
     return cfg.metric
 
 
@@ -58,9 +61,14 @@ def _check_positions(backbone: UniLMModel, length: int, setting: str) -> None:
 
 def build_classify(cfg: FinetuneConfig, backbone: UniLMModel, tokenizer: Tokenizer) -> TaskSetup:
     _check_positions(backbone, cfg.max_seq_len, "max_seq_len")
-    train_records, dev_records = read_jsonl(cfg.train), _limit(read_jsonl(cfg.dev), cfg.eval_max_examples)
-    labels = classify.LabelSpace.from_records(train_records, cfg.train)
-    positive = classify.positive_class(labels, cfg.positive_label, cfg.train)
+    fmt = record_format(cfg.to_dict())
+    train_records = read_records(cfg.train, fmt)
+    dev_records = _limit(read_records(cfg.dev, fmt), cfg.eval_max_examples)
+    labels = classify.LabelSpace.from_records(train_records, cfg.train, fmt.regression)
+    hint = labels.hint(train_records)
+    if hint and (cfg.glue_task is None and cfg.regression is None):
+        print(f"[classify] {cfg.train}: {hint}", flush=True)
+    positive = classify.positive_class(labels, cfg.positive_label or fmt.positive_label, cfg.train)
     settings = (tokenizer, labels, cfg.max_seq_len, cfg.similarity)
     train, train_cut = classify.encode_examples(train_records, *settings, where=cfg.train)
     dev, dev_cut = classify.encode_examples(dev_records, *settings, where=cfg.dev)
@@ -70,7 +78,7 @@ def build_classify(cfg: FinetuneConfig, backbone: UniLMModel, tokenizer: Tokeniz
         make_batch=lambda indices, epoch: classify.collate([train[i] for i in indices], tokenizer.pad_id,
                                                            labels.regression),
         evaluate=lambda m: classify.evaluate(m, dev, tokenizer.pad_id, positive),
-        primary_metric=_primary_metric(cfg, classify.metrics_of(labels, positive)),
+        primary_metric=_primary_metric(cfg, classify.metrics_of(labels, positive), fmt.metric),
         meta={"labels": list(labels.classes), "positive_label": None if positive is None else labels.classes[positive],
               "regression": labels.regression, "multiple_choice": labels.multiple_choice, "truncated": {"train": train_cut, "dev": dev_cut}},
     )

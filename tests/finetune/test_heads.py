@@ -61,12 +61,14 @@ def test_pairs_are_truncated_longest_first_and_counted(tokenizer):
     assert packed[0].count(tokenizer.sep_id) == 2
 
 
-def test_unknown_dev_label_and_mixed_labels_are_refused(tokenizer):
+def test_unknown_dev_label_is_refused_and_mixed_labels_are_classes(tokenizer):
     labels = classify.LabelSpace.from_records(RECORDS, "train")
     with pytest.raises(ValueError, match=r"dev.jsonl: record 1 has label 'weather', unknown"):
         classify.encode_examples([{"text": "rain", "label": "weather"}], tokenizer, labels, 64, False, "dev.jsonl")
-    with pytest.raises(ValueError, match="must all be non-empty strings"):
-        classify.LabelSpace.from_records([{"text": "a", "label": "x"}, {"text": "b", "label": 1}], "train")
+    mixed = [{"text": "a", "label": "x"}, {"text": "b", "label": 1}, {"text": "c", "label": 2.5}]
+    assert classify.LabelSpace.from_records(mixed, "train").classes == ("1", "2.5", "x")
+    with pytest.raises(ValueError, match=r"train: record 1 has label 'x', expected a number \(regression\)"):
+        classify.LabelSpace.from_records(mixed, "train", regression=True)
 
 
 def test_similarity_sums_both_orders(backbone, tokenizer):

@@ -1,0 +1,164 @@
+"""Classification files in the layouts they are published in: where the texts and the label are, how labels read.
+
+`RecordFormat` says which columns hold the first text, the second, the label and the example's id, and
+`read_records` turns a `.jsonl`, `.tsv`, `.csv` or `.parquet` file into the records `finetune.classify` encodes:
+`{"text", "text_b"?, "label"?, "index"?}` (multiple-choice JSONL records pass through as they are).
+
+GLUE (`glue_task`): the TSV files of GLUE's download script, read with quoting off (GLUE's texts hold bare
+quotes; a row with the wrong number of fields, as a few of QQP's have, is skipped and counted, as BERT's
+processors skip them), CoLA's train/dev files without a header row included; or Hugging Face `glue` exports
+(`.parquet`, `.jsonl`) with their column names and integer labels, mapped to the label names of GLUE's TSVs (those
+its leaderboard takes), so both layouts train the same classes. A label of -1 (the test splits) is no label.
+Each task brings its metric (GLUE's: MCC for CoLA, F1 of "1" for MRPC and QQP, Pearson for STS-B, accuracy for the
+rest) and STS-B is regression.
+"""
+from __future__ import annotations
+
+import csv
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .task_files import read_jsonl
+
+INDEX_COLUMNS = ("index", "idx", "id")
+"""Where GLUE's TSVs (`index`, QQP's `id`) and Hugging Face exports (`idx`) keep an example's id."""
+
+
+@dataclass(frozen=True)
+class RecordFormat:
+    """The columns of a classification file (each: the names it may have, the first present wins) and how its
+    labels read."""
+
+    text: tuple[str, ...] = ("text",)
+    text_b: tuple[str, ...] = ("text_b",)
+    label: tuple[str, ...] = ("label",)
+    index: tuple[str, ...] = INDEX_COLUMNS
+    label_names: tuple[str, ...] = ()
+    """Integer labels are positions in this list (Hugging Face `ClassLabel` ids); empty: labels as written."""
+    headerless: tuple[str, ...] = ()
+    """Column names of a TSV that has no header row (GLUE's CoLA train/dev), recognised by its field count."""
+    regression: bool | None = None
+    """None: numbers written as floats are regression, integers and strings are classes (`LabelSpace`)."""
+    metric: str | None = None
+    positive_label: str | None = None
+
+
+def _pair(text: tuple[str, ...], text_b: tuple[str, ...], label: tuple[str, ...] = ("label",), **rest: Any) -> RecordFormat:
+    return RecordFormat(text=text, text_b=text_b, label=label, **rest)
+
+
+ZERO_ONE = ("0", "1")
+NLI = ("entailment", "neutral", "contradiction")
+GLUE_TASKS: dict[str, RecordFormat] = {
+    "cola": RecordFormat(text=("sentence",), text_b=(), label_names=ZERO_ONE, metric="mcc",
+                         headerless=("source", "label", "original_label", "sentence")),
+    "sst2": RecordFormat(text=("sentence",), text_b=(), label_names=ZERO_ONE, metric="accuracy"),
+    "mrpc": _pair(("#1 String", "sentence1"), ("#2 String", "sentence2"), ("Quality", "label"), label_names=ZERO_ONE,
+                  metric="f1", positive_label="1"),
+    "stsb": _pair(("sentence1",), ("sentence2",), ("score", "label"), regression=True, metric="pearson"),
+    "qqp": _pair(("question1",), ("question2",), ("is_duplicate", "label"), label_names=ZERO_ONE, metric="f1",
+                 positive_label="1"),
+    "mnli": _pair(("sentence1", "premise"), ("sentence2", "hypothesis"), ("gold_label", "label"), label_names=NLI,
+                  metric="accuracy"),
+    "qnli": _pair(("question",), ("sentence",), label_names=("entailment", "not_entailment"), metric="accuracy"),
+    "rte": _pair(("sentence1",), ("sentence2",), label_names=("entailment", "not_entailment"), metric="accuracy"),
+    "wnli": _pair(("sentence1",), ("sentence2",), label_names=ZERO_ONE, metric="accuracy"),
+    "ax": _pair(("sentence1", "premise"), ("sentence2", "hypothesis"), label_names=NLI, metric="mcc"),
+}
+"""GLUE's tasks: the columns of their TSVs and of Hugging Face `glue`, and the labels GLUE's TSVs (and its
+leaderboard) use. AX, the diagnostic set, is MNLI's format with test examples only (predicted by an MNLI model)."""
+
+
+def record_format(settings: Mapping[str, Any]) -> RecordFormat:
+    """The format a run's settings (`FinetuneConfig` keys, or a fine-tuned model's saved settings) name: a GLUE
+    task's, else `text_field`, `text_b_field`, `label_field` and `regression`."""
+    task = settings.get("glue_task")
+    if task is not None:
+        if task not in GLUE_TASKS:
+            raise ValueError(f"glue_task={task!r} is not a GLUE task; choose one of {', '.join(GLUE_TASKS)}")
+        return GLUE_TASKS[task]
+    return RecordFormat(text=(settings.get("text_field", "text"),), text_b=(settings.get("text_b_field", "text_b"),),
+                        label=(settings.get("label_field", "label"),), regression=settings.get("regression"))
+
+
+def read_rows(path: str | Path, headerless: tuple[str, ...] = ()) -> tuple[list[dict], list[int]]:
+    """The rows of a `.jsonl`/`.json` (one object per line), `.tsv`, `.csv` or `.parquet` file as dicts, and the
+    line numbers of the delimited rows skipped for a wrong number of fields. A TSV is read with quoting off
+    (GLUE's); a file whose first line has as many fields as `headerless` and none of its names is read with those."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix in (".tsv", ".csv"):
+        with open(path, encoding="utf-8", newline="") as f:
+            reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE) if suffix == ".tsv" else csv.reader(f)
+            lines = list(reader)
+        if not lines:
+            raise ValueError(f"{path}: no records")
+        header, first_row = lines[0], 1
+        if headerless and len(header) == len(headerless) and not set(header) & set(headerless):
+            header, first_row = list(headerless), 0
+        rows, skipped = [], []
+        for number, fields in enumerate(lines[first_row:], first_row + 1):
+            if len(fields) != len(header):
+                if fields:  # a blank line is no row
+                    skipped.append(number)
+                continue
+            rows.append(dict(zip(header, fields)))
+        if not rows:
+            raise ValueError(f"{path}: no records under its header row {header}")
+        return rows, skipped
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq  # `datasets` brings pyarrow
+
+        rows = pq.read_table(path).to_pylist()
+        if not rows:
+            raise ValueError(f"{path}: no records")
+        return rows, []
+    return read_jsonl(path), []
+
+
+def _column(columns: set[str], names: tuple[str, ...]) -> str | None:
+    return next((name for name in names if name in columns), None)
+
+
+def read_records(path: str | Path, fmt: RecordFormat, where: str | None = None) -> list[dict]:
+    """`path`'s examples as classify records `{"text", "text_b"?, "label"?, "index"?}`; multiple-choice records
+    (`choices`) as they are. A file without the text column is refused, naming its columns and the settings that
+    choose others. Rows skipped for a wrong number of fields are reported on stderr."""
+    where = where or str(path)
+    rows, skipped = read_rows(path, fmt.headerless)
+    if skipped:
+        print(f"[classify] {where}: skipped {len(skipped)} row(s) with a wrong number of fields (lines "
+              f"{', '.join(map(str, skipped[:5]))}{', ...' if len(skipped) > 5 else ''})", file=sys.stderr)
+    if "choices" in rows[0]:
+        return rows
+    columns = set().union(*rows)  # JSONL records may leave out an optional field
+    text = _column(columns, fmt.text)
+    if text is None:
+        raise ValueError(f"{where}: no {' or '.join(map(repr, fmt.text))} column (its columns: "
+                         f"{', '.join(sorted(columns))}); name the file's columns with text_field, text_b_field and "
+                         f"label_field, or set glue_task for a GLUE file")
+    text_b, label, index = (_column(columns, names) for names in (fmt.text_b, fmt.label, fmt.index))
+    records = []
+    for number, row in enumerate(rows, 1):
+        record = {"text": row.get(text)}
+        if text_b is not None and row.get(text_b) is not None:
+            record["text_b"] = row[text_b]
+        if label is not None and row.get(label) is not None:
+            value = row[label]
+            if fmt.label_names and isinstance(value, int) and not isinstance(value, bool):
+                if value == -1:  # Hugging Face's "no label" (test splits)
+                    value = None
+                elif not 0 <= value < len(fmt.label_names):
+                    raise ValueError(f"{where}: record {number} has label {value}, not a class id of "
+                                     f"{list(fmt.label_names)} (or -1: none)")
+                else:
+                    value = fmt.label_names[value]
+            if value is not None:
+                record["label"] = value
+        if index is not None and row.get(index) is not None:
+            record["index"] = row[index]
+        records.append(record)
+    return records
