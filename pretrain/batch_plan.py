@@ -74,8 +74,8 @@ def plan_batch(global_batch_size: int, micro_batch_size: int, data_parallel_size
     if global_batch_size % per_step == 0:
         return BatchPlan(global_batch_size, micro_batch_size, global_batch_size // per_step, data_parallel_size)
     pairs = feasible_pairs(global_batch_size, data_parallel_size)
-    lines = [f"global batch {global_batch_size} is not micro {micro_batch_size} × accumulation × "
-             f"{data_parallel_size} data-parallel ranks."]
+    lines = [f"global batch {global_batch_size} does not split into micro-batches of {micro_batch_size} on "
+             f"{data_parallel_size} data-parallel ranks (global = micro × accumulation × ranks)."]
     if pairs:
         lines.append(f"Feasible (micro, accumulation) pairs for {global_batch_size} on {data_parallel_size} ranks: "
                      + ", ".join(f"({m}, {a})" for m, a in pairs)
@@ -94,7 +94,7 @@ def plan_batch(global_batch_size: int, micro_batch_size: int, data_parallel_size
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m pretrain.batch_plan", description=__doc__.splitlines()[0])
     parser.add_argument("--global-batch", type=int, default=330)
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--micro-batch", type=int, default=1)

@@ -503,6 +503,8 @@ def changed_settings(saved: dict[str, Any], current: dict[str, Any], prefix: str
     changes = []
     for key in sorted(set(saved) | set(current)):
         old, new = saved.get(key), current.get(key)
+        if isinstance(new, tuple):  # a config's tuple comes back from the marker's JSON as a list
+            new = list(new)
         if key in WHEN_TO_STOP or old == new:
             continue
         if isinstance(old, dict) and isinstance(new, dict):

@@ -433,8 +433,10 @@ def keys_help(cls: type, prefix: str = "") -> str:
             default = repr(f.default_factory())
         else:
             default = "required"
-        doc = docs.get(f.name, "").replace("``", "`")
-        first = re.split(r"(?<=\.)\s", doc, maxsplit=1)[0]
+        doc = " ".join(docs.get(f.name, "").replace("``", "`").split())
+        # sentences end at ". " before a capital (not after "e.g."); what null means is kept with the first
+        sentences = re.split(r"(?<!e\.g\.)(?<!i\.e\.)(?<=\.)\s+(?=[A-Z`(])", doc)
+        first = " ".join([sentences[0]] + [s for s in sentences[1:] if s.startswith(("Null:", "None:"))])
         lines.append(f"  {prefix}{f.name} ({str(f.type).replace(' ', '')}, {default}): {first}")
     return "\n".join(lines)
 

@@ -50,6 +50,12 @@ class RunStopped(RuntimeError):
     exit_code = 1
 
 
+class SetupError(RunStopped):
+    """A setting, shard set, initial model or checkpoint the run cannot use, found before the first step: said in
+    one line (the message names the file or key and the fix), exit code 2 as for a bad config."""
+    exit_code = 2
+
+
 class NonFiniteLossError(RunStopped):
     """A NaN/inf loss or gradient (fp32/bf16): the run stops without saving, leaving the last checkpoint intact."""
     exit_code = 3

@@ -71,7 +71,7 @@ def shard_vocabulary(checkpoint: str | Path, shards: str | Path | None = None) -
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m pretrain.export", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="checkpoints directory (uses latest) or one global_stepN directory")
     parser.add_argument("out", help="output Hugging Face directory")
     parser.add_argument("--architecture", choices=list(HF_ARCHITECTURES),

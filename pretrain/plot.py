@@ -42,11 +42,16 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m pretrain.plot", description=__doc__.splitlines()[0])
     parser.add_argument("run", help="run directory with metrics.jsonl")
     parser.add_argument("--out", default=None, help="PNG path (default RUN/loss.png)")
     args = parser.parse_args(argv)
-    print(plot_run(args.run, args.out))
+    if not (Path(args.run) / "metrics.jsonl").is_file():
+        parser.error(f"{args.run}: no metrics.jsonl (not a run directory, or a run that has not logged a step yet)")
+    try:
+        print(plot_run(args.run, args.out))
+    except ValueError as error:
+        parser.error(str(error))
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ from pretrain.batch_plan import InfeasibleBatchError, plan_batch
 from pretrain.checkpoint import code_version
 from pretrain.config import REPO_ROOT, RunConfig, load_config
 from pretrain.hf import hf_model_config, hf_weight_files
-from pretrain.trainer import resolve_model_config
+from pretrain.trainer import model_for_shards, resolve_model_config
 
 CHECKPOINT_BYTES_PER_PARAMETER = 20  # fp32 weights + Adam moments (12) + low-precision copy / slack + safetensors fp32 (4)
 SSH_TIMEOUT_S = 120
@@ -198,6 +198,11 @@ def preflight(config: str, overrides: list[str], hostfile: str | None, local_ran
     except InfeasibleBatchError as error:
         problems.append(str(error))
     local = probe(cfg)
+    if "shards_error" not in local and "init_from_error" not in local:  # those are reported per host below
+        try:
+            model_for_shards(cfg, ShardDataset(cfg.data.shards))
+        except (ValueError, OSError) as error:
+            problems.append(str(error))
     try:
         checkpoint_size = checkpoint_bytes(cfg)
     except (OSError, ValueError):  # an unreadable model.init_from: each host's probe names it
@@ -236,7 +241,7 @@ def preflight(config: str, overrides: list[str], hostfile: str | None, local_ran
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m pretrain.preflight", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True)
     parser.add_argument("--hostfile", default=None, help="DeepSpeed hostfile (default: this machine only)")
     parser.add_argument("--local-ranks", type=int, default=1,
@@ -249,7 +254,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.local_ranks < 1:
         parser.error(f"--local-ranks must be >= 1, got {args.local_ranks}")
-    problems = preflight(args.config, args.overrides, args.hostfile, args.local_ranks)
+    try:
+        problems = preflight(args.config, args.overrides, args.hostfile, args.local_ranks)
+    except (ValueError, OSError) as error:  # the config itself (a missing file, a misspelt key, a bad value)
+        print(f"[preflight] PROBLEM: {args.config}: {error}", file=sys.stderr)
+        return 2
     for problem in problems:
         print(f"[preflight] PROBLEM: {problem}", file=sys.stderr)
     print("[preflight] ready" if not problems else f"[preflight] {len(problems)} problem(s)")

@@ -24,7 +24,8 @@ from pretrain.trainer import train  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="UniLM / BERT / GPT pre-training on DeepSpeed",
+    parser = argparse.ArgumentParser(prog="python -m pretrain.train",
+                                     description="UniLM / BERT / GPT pre-training on DeepSpeed",
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="config keys (YAML, or KEY=VALUE after --config; model.overrides.* takes "
                                             "any pretrain.model.ModelConfig field):\n" + keys_help(RunConfig))
@@ -36,7 +37,8 @@ def main(argv: list[str] | None = None) -> None:
         cfg = load_config(args.config, args.overrides)
     except (ValueError, OSError) as error:  # a bad setting: one line from the first rank, not a traceback per rank
         if os.environ.get("RANK", "0") == "0":
-            print(f"[config] {error}", file=sys.stderr, flush=True)
+            source = args.config + (" + overrides" if args.overrides else "")
+            print(f"[config] {source}: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
     try:
         train(cfg)

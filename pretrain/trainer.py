@@ -32,7 +32,7 @@ from pretrain.batch_plan import BatchPlan, plan_batch
 from pretrain.config import RunConfig
 from pretrain.accelerator import accelerator_name, collective_device, matmul_peak_tflops
 from pretrain.data import PretrainLoader, SampleOrder, collate, sample_objectives, to_device
-from pretrain.engine import (NonFiniteLossError, build_engine, engine_config, init_distributed,
+from pretrain.engine import (NonFiniteLossError, SetupError, build_engine, engine_config, init_distributed,
                              nonfinite_gradient_norm, optimizer_step, precision, read_engine_json,
                              seed_everything, zero_stage)
 from pretrain.hf import hf_model_config, load_hf_bert
@@ -318,19 +318,19 @@ def train(cfg: RunConfig) -> dict[str, Any]:
 
 def _train_locked(cfg: RunConfig, rank: int, world_size: int, started: float) -> dict[str, Any]:
     """``train`` once this process group holds the run lock of ``cfg.out_dir``: its steps, in order."""
-    # Fail before building anything if the batch cannot be split over this world size.
-    plan = plan_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
-    dataset = open_shards(cfg, rank)
-    model_cfg = resolve_model_config(cfg)
-    check_trainable(dataset, model_cfg, cfg.data.shards)
-    check_vocabulary_fits(dataset, model_cfg)
-    if cfg.model.init_from and cfg.model.check_init_vocab:
-        check_init_vocabulary(dataset, cfg.model.init_from, report=print if rank == 0 else lambda _: None)
-    identity = dict(shard_identity(dataset), model_config=dataclasses.asdict(model_cfg), seed=cfg.train.seed)
-    engine_json = read_engine_json(cfg.deepspeed_config_path)
-    resume = ckpt.find_resume_point(cfg.checkpoint_dir, cfg.train.resume, identity, world_size,
-                                    zero_stage(engine_json), report=print if rank == 0 else None)
-    fast_paths = fast_path_settings(cfg, engine_json, model_cfg)
+    # Fail before building anything if the batch cannot be split, the shards, the initial model or the checkpoint
+    # to resume do not fit this run: one line naming what and the fix (`SetupError`), not a traceback per rank.
+    try:
+        plan = plan_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
+        dataset = open_shards(cfg, rank)
+        model_cfg = model_for_shards(cfg, dataset, rank)
+        identity = dict(shard_identity(dataset), model_config=dataclasses.asdict(model_cfg), seed=cfg.train.seed)
+        engine_json = read_engine_json(cfg.deepspeed_config_path)
+        resume = ckpt.find_resume_point(cfg.checkpoint_dir, cfg.train.resume, identity, world_size,
+                                        zero_stage(engine_json), report=print if rank == 0 else None)
+        fast_paths = fast_path_settings(cfg, engine_json, model_cfg)
+    except (ValueError, OSError) as error:
+        raise SetupError(str(error)) from error
     if rank == 0:
         print("[fast paths] " + ", ".join(f"train.{name}={'on' if on else 'off'}" for name, on in fast_paths.items())
               + " (null settings resolved for this run's device, precision and model)", flush=True)
@@ -369,6 +369,17 @@ def open_shards(cfg: RunConfig, rank: int) -> ShardDataset:
         print(f"[data] verified {len(dataset.manifest['shards'])} shard(s) against the manifest hashes in "
               f"{time.monotonic() - verify_started:.1f}s", flush=True)
     return dataset
+
+
+def model_for_shards(cfg: RunConfig, dataset: ShardDataset, rank: int = 0) -> ModelConfig:
+    """The model config this run trains, once the shards fit it: a recipe the model can train, a vocabulary its
+    embeddings hold, and (from ``model.init_from``) that model's vocabulary and casing. Preflight runs it too."""
+    model_cfg = resolve_model_config(cfg)
+    check_trainable(dataset, model_cfg, cfg.data.shards)
+    check_vocabulary_fits(dataset, model_cfg)
+    if cfg.model.init_from and cfg.model.check_init_vocab:
+        check_init_vocabulary(dataset, cfg.model.init_from, report=print if rank == 0 else lambda _: None)
+    return model_cfg
 
 
 def check_vocabulary_fits(dataset: ShardDataset, model_cfg: ModelConfig) -> None:

@@ -103,7 +103,7 @@ def test_rebuilt_shards_are_named_as_such() -> None:
 
 def test_a_resumed_run_names_the_settings_it_changed() -> None:
     saved = {"optim": {"lr": 1e-4, "betas": [0.9, 0.999]}, "train": {"max_steps": 40, "exit_at_step": 10}}
-    now = {"optim": {"lr": 1e-2, "betas": [0.9, 0.999]}, "train": {"max_steps": 50, "exit_at_step": None}}
+    now = {"optim": {"lr": 1e-2, "betas": (0.9, 0.999)}, "train": {"max_steps": 50, "exit_at_step": None}}
     assert ckpt.changed_settings(saved, now) == ["optim.lr: 0.0001 -> 0.01", "train.max_steps: 40 -> 50"]
     reports = []
     resume = ckpt.ResumePoint(Path("c"), "global_step40", "global_step40", {"step": 40, "run_config": saved})
@@ -111,6 +111,8 @@ def test_a_resumed_run_names_the_settings_it_changed() -> None:
     assert reports == ["[resume] settings changed since global_step40, the run continues with the new ones from "
                        "step 40: optim.lr: 0.0001 -> 0.01; train.max_steps: 40 -> 50"]
     ckpt.report_changed_settings(resume, saved, reports.append)
+    # the run config in memory holds tuples where the checkpoint's JSON has lists: the same setting
+    ckpt.report_changed_settings(resume, dict(saved, optim={"lr": 1e-4, "betas": (0.9, 0.999)}), reports.append)
     ckpt.report_changed_settings(None, now, reports.append)
     assert len(reports) == 1
 

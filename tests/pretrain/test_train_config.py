@@ -61,8 +61,30 @@ def test_a_bad_setting_is_one_line_not_a_traceback(capsys) -> None:
     with pytest.raises(SystemExit) as stopped:
         main(["--config", str(REPO_ROOT / "pretrain/configs/tiny.yaml"), "train.max_step=5"])
     assert stopped.value.code == 2
-    assert capsys.readouterr().err == ("[config] unknown config key(s): train.max_step (did you mean "
-                                       "train.max_steps?)\n")
+    assert capsys.readouterr().err == (f"[config] {REPO_ROOT / 'pretrain/configs/tiny.yaml'} + overrides: unknown "
+                                       "config key(s): train.max_step (did you mean train.max_steps?)\n")
+
+
+def test_preflight_names_a_bad_config_in_one_line_and_checks_the_vocabulary_before_launch(unilm_shards, tmp_path,
+                                                                                          capsys) -> None:
+    """A bad config stops preflight with one line naming the file; shards whose vocabulary the model cannot hold
+    are a problem there, not a traceback per rank once launched."""
+    from pretrain.preflight import main
+
+    typo = tmp_path / "typo.yaml"
+    typo.write_text((REPO_ROOT / "pretrain/configs/tiny.yaml").read_text().replace("micro_batch_size",
+                                                                                     "micro_batch_sise"))
+    assert main(["--config", str(typo)]) == 2
+    assert capsys.readouterr().err.startswith(f"[preflight] PROBLEM: {typo}: unknown config key(s): "
+                                              "train.micro_batch_sise (did you mean train.micro_batch_size?)")
+    assert main(["--config", str(tmp_path / "none.yaml")]) == 2
+    assert "none.yaml" in capsys.readouterr().err
+    common = ["--config", str(REPO_ROOT / "pretrain/configs/tiny.yaml"), f"data.shards={unilm_shards}",
+              f"out_dir={tmp_path / 'run'}"]
+    assert main(common + ["model.overrides.vocab_size=100"]) == 1
+    size = json.loads((unilm_shards / "manifest.json").read_text())["vocab"]["size"]
+    assert (f"[preflight] PROBLEM: the shards' vocabulary has {size} tokens but model.vocab_size is 100; set "
+            f"model.overrides.vocab_size={size}") in capsys.readouterr().err
 
 
 def test_deepspeed_json_gets_batch_optimizer_and_schedule_injected(tmp_path: Path) -> None:
