@@ -149,7 +149,8 @@ bench-train: $(STAMP)  ## loader vs model throughput, data-wait share, per-rank 
 FT_OUT                ?= demo_out/finetune
 FT_PRETRAINED         ?= $(RUN)/checkpoints
 FT_VOCAB              ?= $(VOCAB)
-FT_PRETRAIN_OVERRIDES ?= train.max_steps=600 optim.warmup_steps=30
+FT_PRETRAIN_STEPS     ?= 600
+FT_PRETRAIN_OVERRIDES ?= train.max_steps=$(FT_PRETRAIN_STEPS) optim.warmup_steps=30
 
 finetune-data: sample-corpus  ## BBC News, Rotten Tomatoes, SQuAD samples -> task files in data/finetune
 	$(PY) -m finetune.task_files --samples $(SAMPLES) --out data/finetune
@@ -158,10 +159,14 @@ finetune-demo: finetune-data  ## fine-tune pre-trained vs from-scratch tiny mode
 	@test -f $(FT_PRETRAINED)/latest || { echo "[finetune-demo] no checkpoint in $(FT_PRETRAINED): pre-training one"; \
 	  { test -e $(VOCAB) || $(MAKE) vocab; } && { test -e $(SHARDS)/manifest.json || $(MAKE) shards; } && \
 	  $(MAKE) pretrain OVERRIDES="$(FT_PRETRAIN_OVERRIDES)"; }
-	$(PY) -m tools.finetune_demo --pretrained $(FT_PRETRAINED) --vocab $(FT_VOCAB) --data data/finetune --out $(FT_OUT)
+	$(PY) -m tools.finetune_demo --pretrained $(FT_PRETRAINED) --vocab $(FT_VOCAB) --data data/finetune --out $(FT_OUT) \
+	  --expect-steps $(FT_PRETRAIN_STEPS)
 
 bench-decode: sample-corpus  ## beam-5 decoding of 64-token targets: KV cache vs --no-cache (same outputs, speed-up)
 	$(PY) -m tools.bench_decode --out bench_out/decode.json
 
-clean:  ## remove built data and outputs (keeps .venv and the registry cache)
-	rm -rf data/vocab data/shards demo_out bench_out ablation_out
+ABLATION_RESULTS := REPORT.md results.json table.md loss-bert.png loss-unilm.png
+clean:  ## remove built data and outputs (keeps .venv, the registry cache and ablation_out's published results)
+	rm -rf data/vocab data/shards demo_out bench_out
+	@if [ -d ablation_out ]; then find ablation_out -mindepth 1 -maxdepth 1 \
+	  $(foreach f,$(ABLATION_RESULTS),! -name '$(f)') -exec rm -rf {} +; fi

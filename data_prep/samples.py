@@ -136,7 +136,7 @@ def fetch(out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m data_prep.samples", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("data/samples"), help="output folder (default data/samples)")
     fetch(parser.parse_args(argv).out)
 

@@ -50,6 +50,9 @@ class LabelSpace:
             return cls(multiple_choice=True)
         for number, record in enumerate(records, 1):
             label = record.get("label")
+            if label is None:
+                raise ValueError(f"{where}: record {number} has no label; every training record needs one (set "
+                                 "label_field to the file's label column, or glue_task for a GLUE file)")
             if not isinstance(label, (str, int, float)) or isinstance(label, bool) or label == "":
                 raise ValueError(f"{where}: record {number} has label {label!r}; every training record needs a "
                                  "label: a string or an integer (a class) or a number (regression)")

@@ -386,7 +386,8 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
 
 def main(argv: list[str] | None = None) -> None:
 
-    parser = argparse.ArgumentParser(description="UniLM seq2seq decoding (greedy / beam search with a KV cache)")
+    parser = argparse.ArgumentParser(prog="python -m finetune.decode",
+                                     description="UniLM seq2seq decoding (greedy / beam search with a KV cache)")
     parser.add_argument("--model", required=True, help="a fine-tuning output directory (or an HF BERT directory)")
     parser.add_argument("--input", required=True, help="JSONL with `src` (and optionally `tgt` references)")
     parser.add_argument("--output", required=True)
@@ -413,7 +414,10 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, FileExistsError) as error:
         parser.error(str(error))
 
-    finetuned = load_finetuned(args.model, expect_task="seq2seq")
+    try:
+        finetuned = load_finetuned(args.model, expect_task="seq2seq")
+    except (ValueError, OSError) as error:
+        parser.error(f"--model {args.model}: {error}")
     device = torch.device(args.device) if args.device else default_device()
     finetuned.model.to(device)
     max_tgt_len = args.max_tgt_len or finetuned.run_settings.get("max_tgt_len", 64)
@@ -428,7 +432,10 @@ def main(argv: list[str] | None = None) -> None:
                                     args.max_src_len or finetuned.run_settings.get("max_src_len", 448), max_tgt_len)
     except ValueError as error:
         parser.error(f"--max-tgt-len: {error}")
-    records = read_jsonl(args.input)
+    try:
+        records = read_jsonl(args.input)
+    except (ValueError, OSError) as error:
+        parser.error(f"--input {args.input}: {error.strerror if isinstance(error, OSError) else error}")
     began = time.perf_counter()
     predictions, truncated = decode_records(finetuned.model, finetuned.tokenizer, records, config, max_src_len,
                                             args.batch_size, progress=True)

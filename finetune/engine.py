@@ -180,6 +180,10 @@ def _fit_locked(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer, rank
                "wall_s_this_launch": time.perf_counter() - started, **task.meta}
     if rank == 0:
         write_file_atomically(out / SUMMARY_FILE, lambda tmp: tmp.write_text(json.dumps(summary, indent=1) + "\n"))
+        if summary["finished"] and progress.best is not None:
+            best = progress.best
+            print(f"[finetune] done: best epoch {best['epoch']}, {task.primary_metric} "
+                  f"{best[task.primary_metric]:.4g}; its model is {out} (finetune.json, summary.json)", flush=True)
     return summary
 
 

@@ -91,7 +91,7 @@ def read_rows(path: str | Path, headerless: tuple[str, ...] = ()) -> tuple[list[
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix in (".tsv", ".csv"):
-        with open(path, encoding="utf-8", newline="") as f:
+        with open(path, encoding="utf-8-sig", newline="") as f:  # a byte-order mark (MRPC's header has one) is no name
             reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE) if suffix == ".tsv" else csv.reader(f)
             lines = list(reader)
         if not lines:

@@ -38,7 +38,8 @@ def format_prediction(value: int | float, labels: classify.LabelSpace) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description="Predict with a fine-tuned classifier; score a labelled input. "
+    parser = argparse.ArgumentParser(prog="python -m finetune.predict",
+                                     description="Predict with a fine-tuned classifier; score a labelled input. "
                                                  "Writes index<TAB>prediction lines (GLUE's submission format).",
                                      epilog="Input formats and GLUE's layouts: docs/finetuning.md")
     parser.add_argument("--model", required=True, help="a classify fine-tuning output directory")
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         check_output(args.output, [args.input, args.model], force=args.force)
         finetuned = load_finetuned(args.model, expect_task="classify")
-    except (ValueError, FileExistsError) as error:
+    except (ValueError, OSError) as error:
         parser.error(str(error))
     settings = dict(finetuned.run_settings)
     if args.glue_task is not None:

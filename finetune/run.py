@@ -24,7 +24,8 @@ from .tasks import build_task
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = argparse.ArgumentParser(prog="python -m finetune.run",
+                                     description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="config keys (YAML, flags, or --set KEY=VALUE):\n" + keys_help(FinetuneConfig))
     parser.add_argument("--task", choices=TASKS)
     parser.add_argument("--train", help="classify: JSONL, TSV, CSV or parquet (GLUE's files: glue_task); seq2seq: "

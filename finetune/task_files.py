@@ -145,7 +145,7 @@ def convert_samples(samples_dir: str | Path, out_dir: str | Path, dev_fraction: 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m finetune.task_files", description=__doc__.split("\n")[0])
     parser.add_argument("--samples", default="data/samples", help="folder written by `make sample-corpus`")
     parser.add_argument("--out", default="data/finetune")
     parser.add_argument("--dev-fraction", type=float, default=0.1)

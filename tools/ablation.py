@@ -527,7 +527,7 @@ def verdict(records: list[dict]) -> str:
 
 # -------------------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(prog="python -m tools.ablation", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="ablation_out", help="output directory (default ablation_out)")
     parser.add_argument("--samples", default="data/samples", help="sample corpora (default data/samples)")

@@ -30,7 +30,7 @@ from finetune.model_io import load_finetuned
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.bench_decode", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="data/samples/minilm", help="fine-tuning output or HF BERT directory")
     parser.add_argument("--samples", default="data/samples")
     parser.add_argument("--sources", type=int, default=2, help="articles decoded in one batch")

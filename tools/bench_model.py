@@ -298,7 +298,7 @@ def report(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.bench_model", description=__doc__.splitlines()[0])
     parser.add_argument("--gpu", action="store_true",
                         help="on CUDA: bf16 and fp16, ours eager / with each fast path / both vs transformers "
                              "(`measure_gpu`; defaults then unilm-large, batch 32 x 512, 77 masked positions, 10 steps)")

@@ -195,7 +195,7 @@ def measure(shards: str = DEFAULT_SHARDS, out: Path = Path("bench_out/train"), p
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.bench_train", description=__doc__.splitlines()[0])
     parser.add_argument("--shards", default=DEFAULT_SHARDS)
     parser.add_argument("--out", default="bench_out/train")
     parser.add_argument("--presets", nargs="+", default=["tiny", "bert-base"])

@@ -367,7 +367,7 @@ def _fmt(value: float | None) -> str:
 
 # -------------------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(prog="python -m tools.demo", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="demo_out", help="output directory (default demo_out)")
     parser.add_argument("--samples", default="data/samples", help="sample corpora (default data/samples)")

@@ -74,6 +74,18 @@ def model_identity(path: str) -> dict:
             "sha256": marker["sha256"].get(ckpt.WEIGHTS, marker.get("save_id"))}
 
 
+def short_pretraining_note(identity: dict, expected_steps: int | None) -> str | None:
+    """What to say when the checkpoint compared has fewer pre-training steps than the comparison is meant for
+    (a short `make pretrain` run left in the run directory): its table says little about pre-training."""
+    step = identity.get("step")
+    if expected_steps is None or step is None or step >= expected_steps:
+        return None
+    return (f"this checkpoint has {step} pre-training steps, the comparison is meant for {expected_steps}: the "
+            f"table below says little about pre-training. Continue that run first (make pretrain "
+            f"OVERRIDES=\"train.max_steps={expected_steps} optim.warmup_steps=30\"), or point FT_PRETRAINED at "
+            "another run's checkpoints")
+
+
 def model_name(identity: dict) -> str:
     """The checkpoint or model directory a ``model_identity`` names."""
     return identity.get("checkpoint") or identity.get("model") or "an unrecorded model"
@@ -125,13 +137,15 @@ def table(results: dict[tuple[str, str], list[dict]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.finetune_demo", description=__doc__.split("\n")[0])
     parser.add_argument("--pretrained", required=True, help="pre-training checkpoint dir or HF BERT export")
     parser.add_argument("--vocab", help="vocab.txt (needed with a checkpoint)")
     parser.add_argument("--data", default="data/finetune", help="`python -m finetune.task_files` output")
     parser.add_argument("--out", default="demo_out/finetune")
     parser.add_argument("--epochs", type=int, help="override the demo configs' epochs")
     parser.add_argument("--headlines", type=int, default=8, help="dev articles to write beam-5 headlines for")
+    parser.add_argument("--expect-steps", type=int, default=None,
+                        help="pre-training steps the comparison is meant for: a checkpoint of fewer is warned about")
     parser.add_argument("--seeds", type=int, nargs="+", default=list(DEFAULT_SEEDS),
                         help="fine-tuning seeds; each pairs a pre-trained and a from-scratch run (default: 42 43 44)")
     args = parser.parse_args(argv)
@@ -139,6 +153,9 @@ def main(argv: list[str] | None = None) -> dict:
     identity = model_identity(args.pretrained)
     print(f"[demo] pre-trained model: {model_name(identity)}"
           + (f" (step {identity['step']})" if identity.get("step") else ""), flush=True)
+    short = short_pretraining_note(identity, args.expect_steps)
+    if short:
+        print(f"[demo] WARNING: {short}", flush=True)
     forget_runs_of_another_model(Path(args.out), identity)
     results = {(task, init): [finetune_once(task, init, seed, args) for seed in args.seeds]
                for task in TASKS for init in INITS}
@@ -151,6 +168,8 @@ def main(argv: list[str] | None = None) -> dict:
     samples = [json.loads(line) for line in (out / "headline_samples.jsonl").read_text().splitlines()]
 
     text = table(results)
+    if short:
+        text = f"**Warning:** {short}.\n\n{text}"
     if len(args.seeds) > 1:
         text += (f"\n\nBest dev epoch of each run; mean ± standard deviation over seeds {', '.join(map(str, args.seeds))}"
                  " (a seed fixes the data order, dropout and the new head's initialisation for both inits).")
@@ -164,6 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
                for (task, init), runs in results.items()}
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print("\n" + text + "\n", flush=True)
+    print(f"[demo] table: {out / 'table.md'}; best dev scores per run: {out / 'summary.json'}", flush=True)
     return summary
 
 

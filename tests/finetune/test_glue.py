@@ -35,7 +35,7 @@ def test_glue_tsvs_and_hugging_face_exports_read_as_the_same_examples(small_task
 
     # GLUE's TSVs: CoLA train/dev have no header row; MRPC's own column names; MNLI's parses and annotator labels
     write_tsv(tmp_path / "cola.tsv", None, [["gj04", y, "", t] for y, t in zip(binary, first)])
-    write_tsv(tmp_path / "mrpc.tsv", ["Quality", "#1 ID", "#2 ID", "#1 String", "#2 String"],
+    write_tsv(tmp_path / "mrpc.tsv", ["\ufeffQuality", "#1 ID", "#2 ID", "#1 String", "#2 String"],  # a BOM, as MRPC's
               [[y, 10 + i, 20 + i, a, b] for i, (y, a, b) in enumerate(zip(binary, first, second))])
     write_tsv(tmp_path / "mnli.tsv", ["index", "promptID", "pairID", "genre", "sentence1_binary_parse",
                                       "sentence2_binary_parse", "sentence1_parse", "sentence2_parse", "sentence1",
@@ -115,7 +115,7 @@ def test_integers_and_strings_are_classes_and_floats_are_regression(capsys):
     assert space(ints, "f").label_id({"label": 10}, 1, "f") == 3 and space(ints, "f").label_id({"label": "10"}, 1, "f") == 3
     with pytest.raises(ValueError, match="f: record 2 has label True; every training record needs a label"):
         space([{"text": "x", "label": 1}, {"text": "x", "label": True}], "f")
-    with pytest.raises(ValueError, match="f: record 1 has label None"):
+    with pytest.raises(ValueError, match="f: record 1 has no label; every training record needs one"):
         space([{"text": "x"}], "f")
     with pytest.raises(ValueError, match=r"f: record 2 has label 'high', expected a number \(regression\)"):
         space([{"text": "x", "label": "1.5"}, {"text": "x", "label": "high"}], "f", regression=True)
