@@ -1,12 +1,20 @@
-"""Predict with a fine-tuned classifier: `python -m finetune.predict --model OUT --input FILE --output PRED.tsv`.
+"""Predict with a fine-tuned classifier or extractive QA model: `python -m finetune.predict --model OUT --input FILE
+--output PRED`.
 
-FILE is read as the model's training files were (the `glue_task`, columns and label rule saved with the model;
-`--glue-task` reads another GLUE layout, e.g. AX's with an MNLI model). PRED.tsv holds one line per example under
-the header `index<TAB>prediction`, GLUE's submission format: the file's own ids (its `index`, `idx` or `id`
-column) or else 0, 1, ...; class names (for GLUE files, the labels GLUE's TSVs use), scores for regression,
-choice indices for multiple choice. When every example has a label, the fine-tuning dev scores of the
-predictions go to PRED.metrics.json too, so a second dev set (MNLI mismatched) is scored the same way. The output
-is written beside its name and renamed into place, or not at all. Seq2seq models decode with `finetune.decode`.
+Classification: FILE is read as the model's training files were (the `glue_task`, columns and label rule saved
+with the model; `--glue-task` reads another GLUE layout, e.g. AX's with an MNLI model). PRED holds one line per
+example under the header `index<TAB>prediction`, GLUE's submission format: the file's own ids (its `index`, `idx`
+or `id` column) or else 0, 1, ...; class names (for GLUE files, the labels GLUE's TSVs use), scores for
+regression, choice indices for multiple choice.
+
+Extractive QA: FILE is a SQuAD JSON file (its questions may come without answers); PRED is `{question id: answer}`
+as BERT's run_squad writes `predictions.json` and the official evaluation scripts read it ("" = no answer, SQuAD
+2.0), and for SQuAD 2.0 `PRED.null_odds.json` beside it, each question's [CLS] score minus its best span's (the
+evaluation's `--na-prob-file`), with the fine-tuning run's windows and `null_score_diff_threshold`.
+
+When every example has a label (every question its answers), the fine-tuning dev scores of the predictions go to
+`PRED.metrics.json` too, so a second dev set (MNLI mismatched) is scored the same way. Outputs are written beside
+their names and renamed into place, or not at all. Seq2seq models decode with `finetune.decode`.
 """
 from __future__ import annotations
 
@@ -20,15 +28,15 @@ import torch
 from pretrain.accelerator import default_device
 from pretrain.outputs import check_output, write_file_atomically
 
-from . import classify
+from . import classify, qa
 from .glue import GLUE_TASKS, read_records, record_format
-from .model_io import load_finetuned
+from .model_io import Finetuned, load_finetuned
 
 
-def metrics_path(output: str | Path) -> Path:
-    """`pred.tsv` → `pred.metrics.json` (beside the output)."""
+def beside(output: str | Path, ending: str) -> Path:
+    """A file beside `output` named after it: `pred.tsv`, `.metrics.json` → `pred.metrics.json`."""
     output = Path(output)
-    return output.with_name(output.name.removesuffix(output.suffix) + ".metrics.json")
+    return output.with_name(output.name.removesuffix(output.suffix) + ending)
 
 
 def format_prediction(value: int | float, labels: classify.LabelSpace) -> str:
@@ -39,16 +47,18 @@ def format_prediction(value: int | float, labels: classify.LabelSpace) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m finetune.predict",
-                                     description="Predict with a fine-tuned classifier; score a labelled input. "
-                                                 "Writes index<TAB>prediction lines (GLUE's submission format).",
+                                     description="Predict with a fine-tuned classifier (GLUE's submission format) or "
+                                                 "extractive QA model (SQuAD predictions.json); score a labelled input.",
                                      epilog="Input formats and GLUE's layouts: docs/finetuning.md")
-    parser.add_argument("--model", required=True, help="a classify fine-tuning output directory")
-    parser.add_argument("--input", required=True, help="examples: .jsonl, .tsv, .csv or .parquet, as in training")
-    parser.add_argument("--output", required=True, help="predictions, index<TAB>prediction per line (GLUE's format)")
+    parser.add_argument("--model", required=True, help="a classify or qa fine-tuning output directory")
+    parser.add_argument("--input", required=True,
+                        help="classify: .jsonl, .tsv, .csv or .parquet, as in training; qa: SQuAD JSON")
+    parser.add_argument("--output", required=True,
+                        help="classify: index<TAB>prediction per line (GLUE's format); qa: {id: answer} JSON")
     parser.add_argument("--glue-task", choices=sorted(GLUE_TASKS), default=None,
-                        help="read --input as this GLUE task's files (default: as the model's training files)")
+                        help="classify: read --input as this GLUE task's files (default: as the model's training files)")
     parser.add_argument("--max-seq-len", type=int, default=None, help="default: the fine-tuning run's")
-    parser.add_argument("--batch-size", type=int, default=64, help="examples per forward pass (default 64)")
+    parser.add_argument("--batch-size", type=int, default=64, help="inputs per forward pass (default 64)")
     parser.add_argument("--device", default=None,
                         help="torch device (default: this process's GPU when there is one, else cpu)")
     parser.add_argument("--force", action="store_true", help="replace an existing non-empty --output")
@@ -57,28 +67,46 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("need --batch-size >= 1 and --max-seq-len >= 3")
     try:
         check_output(args.output, [args.input, args.model], force=args.force)
-        finetuned = load_finetuned(args.model, expect_task="classify")
+        finetuned = load_finetuned(args.model)
     except (ValueError, OSError) as error:
         parser.error(str(error))
+    if finetuned.task not in ("classify", "qa"):
+        parser.error(f"--model {args.model} was fine-tuned for {finetuned.task!r}: finetune.predict runs classify and "
+                     "qa models (seq2seq: finetune.decode)")
+    if args.glue_task is not None and finetuned.task != "classify":
+        parser.error("--glue-task goes with a classify model")
     settings = dict(finetuned.run_settings)
-    if args.glue_task is not None:
-        settings["glue_task"] = args.glue_task
-    labels = classify.LabelSpace.of_model(finetuned.meta)
     max_seq_len = args.max_seq_len or settings.get("max_seq_len", 128)
     if max_seq_len > finetuned.model.cfg.max_position_embeddings:
         parser.error(f"--max-seq-len {max_seq_len} exceeds the model's {finetuned.model.cfg.max_position_embeddings} "
                      "positions")
+    device = torch.device(args.device) if args.device else default_device()
+    run = predict_classify if finetuned.task == "classify" else predict_qa
     try:
-        records = read_records(args.input, record_format(settings))
-        labelled = all("label" in r for r in records)
-        examples, truncated = classify.encode_examples(records, finetuned.tokenizer, labels, max_seq_len,
-                                                       bool(settings.get("similarity")), where=args.input,
-                                                       labelled=labelled)
+        result, labelled = run(args, finetuned, settings, max_seq_len, device)
     except (ValueError, FileNotFoundError) as error:
         parser.error(str(error))
+    if labelled:
+        scores_file = beside(args.output, ".metrics.json")
+        write_file_atomically(scores_file, lambda tmp: tmp.write_text(json.dumps(result, indent=2) + "\n"))
+        print("[predict] " + "  ".join(f"{k} {v:.4f}" for k, v in result.items()) + f" → {scores_file}")
+    return result
+
+
+def predict_classify(args: argparse.Namespace, finetuned: Finetuned, settings: dict, max_seq_len: int,
+                     device: torch.device) -> tuple[dict, bool]:
+    """Write the classifier's predictions for `args.input`; (its scores, True) when every example is labelled."""
+    if args.glue_task is not None:
+        settings = dict(settings, glue_task=args.glue_task)
+    labels = classify.LabelSpace.of_model(finetuned.meta)
+    records = read_records(args.input, record_format(settings))
+    labelled = all("label" in r for r in records)
+    examples, truncated = classify.encode_examples(records, finetuned.tokenizer, labels, max_seq_len,
+                                                   bool(settings.get("similarity")), where=args.input,
+                                                   labelled=labelled)
     model = classify.ClassifierModel(finetuned.model, labels, dropout=0.0)
     model.head.load_state_dict(finetuned.head_state)
-    model.to(torch.device(args.device) if args.device else default_device())
+    model.to(device)
     began = time.perf_counter()
     predictions = classify.predict(model, examples, finetuned.tokenizer.pad_id, args.batch_size)
     seconds = time.perf_counter() - began
@@ -87,18 +115,44 @@ def main(argv: list[str] | None = None) -> dict:
     write_file_atomically(args.output, lambda tmp: tmp.write_text("\n".join(lines) + "\n", encoding="utf-8"))
     print(f"[predict] {len(records)} examples in {seconds:.1f}s ({truncated} inputs cut to {max_seq_len} word "
           f"pieces) → {args.output}", flush=True)
-    result: dict = {"predictions": len(predictions)}
-    if labelled:
-        positive_label = finetuned.meta.get("positive_label")
-        positive = labels.classes.index(positive_label) if positive_label in labels.classes else None
-        result = classify.scores(predictions, [e.label for e in examples], labels, positive)
-        write_file_atomically(metrics_path(args.output),
-                              lambda tmp: tmp.write_text(json.dumps(result, indent=2) + "\n"))
-        print("[predict] " + "  ".join(f"{k} {v:.4f}" for k, v in result.items()) + f" → {metrics_path(args.output)}")
-    else:
-        unlabelled = sum("label" not in r for r in records)
-        print(f"[predict] {unlabelled} of {len(records)} examples have no label: not scored")
-    return result
+    if not labelled:
+        print(f"[predict] {sum('label' not in r for r in records)} of {len(records)} examples have no label: "
+              "not scored")
+        return {"predictions": len(predictions)}, False
+    positive_label = finetuned.meta.get("positive_label")
+    positive = labels.classes.index(positive_label) if positive_label in labels.classes else None
+    return classify.scores(predictions, [e.label for e in examples], labels, positive), True
+
+
+def predict_qa(args: argparse.Namespace, finetuned: Finetuned, settings: dict, max_seq_len: int,
+               device: torch.device) -> tuple[dict, bool]:
+    """Write the span model's answers for `args.input` (and SQuAD 2.0's null odds); (its scores, True) when
+    every question has its answers."""
+    questions, version_2 = qa.read_squad(args.input, labelled=False)
+    windows = qa.make_windows(questions, finetuned.tokenizer, max_seq_len, settings.get("doc_stride", 128),
+                              settings.get("max_query_len", 64))
+    model = qa.SpanModel(finetuned.model)
+    model.head.load_state_dict(finetuned.head_state)
+    model.to(device)
+    began = time.perf_counter()
+    predictions = qa.predict_spans(model, questions, windows, finetuned.tokenizer.pad_id,
+                                   settings.get("max_answer_len", 30), args.batch_size)
+    seconds = time.perf_counter() - began
+    threshold = settings.get("null_score_diff_threshold", 0.0)
+    answers = qa.answers_of(predictions, questions, version_2, threshold)
+    write_file_atomically(args.output, lambda tmp: tmp.write_text(json.dumps(answers, indent=1, ensure_ascii=False)
+                                                                   + "\n", encoding="utf-8"))
+    odds_file = beside(args.output, ".null_odds.json")
+    if version_2:
+        odds = {q.qid: p.null_margin for q, p in zip(questions, predictions)}  # inf: no span offered
+        write_file_atomically(odds_file, lambda tmp: tmp.write_text(json.dumps(odds, indent=1) + "\n"))
+    print(f"[predict] {len(questions)} questions ({len(windows)} windows) in {seconds:.1f}s → {args.output}"
+          + (f" and {odds_file}" if version_2 else ""), flush=True)
+    if not all(q.labelled for q in questions):
+        print(f"[predict] {sum(not q.labelled for q in questions)} of {len(questions)} questions have no answers: "
+              "not scored")
+        return {"predictions": len(questions)}, False
+    return qa.scores(predictions, questions, version_2, threshold), True
 
 
 if __name__ == "__main__":

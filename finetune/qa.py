@@ -42,12 +42,16 @@ class Question:
     """Gold answer texts (empty for an unanswerable question)."""
     answer_start: int | None
     """Character offset of the first gold answer (training target), None when unanswerable."""
+    labelled: bool = True
+    """Whether the file gives its answers (or marks it unanswerable); only `read_squad(..., labelled=False)` reads
+    questions without."""
 
 
-def read_squad(path: str | Path) -> tuple[list[Question], bool]:
+def read_squad(path: str | Path, labelled: bool = True) -> tuple[list[Question], bool]:
     """Questions of a SQuAD JSON file and whether it is SQuAD 2.0 (has `is_impossible` questions).
 
-    A gold answer whose text is not in its context fails with the question id.
+    A gold answer whose text is not in its context fails with the question id; so does a question with no answers
+    that is not marked unanswerable, unless `labelled` is false (a file to predict, not to train or score on).
     """
     data = json.loads(Path(path).read_text(encoding="utf-8"))
     if not isinstance(data, dict) or "data" not in data:
@@ -68,10 +72,10 @@ def read_squad(path: str | Path) -> tuple[list[Question], bool]:
                         if not found:
                             raise ValueError(f"{path}: question {qa['id']}: answer {text!r} is not in its context")
                         start = min(found, key=lambda i: abs(i - start))
-                elif not impossible:
+                elif not impossible and labelled:
                     raise ValueError(f"{path}: question {qa['id']} has no answers and is not marked is_impossible")
-                questions.append(Question(qa["id"], qa["question"], context,
-                                          tuple(a["text"] for a in answers), start))
+                questions.append(Question(qa["id"], qa["question"], context, tuple(a["text"] for a in answers),
+                                          start, labelled=bool(answers) or impossible))
     if not questions:
         raise ValueError(f"{path}: no questions")
     return questions, version_2
@@ -298,6 +302,12 @@ def squad2_breakdown(predictions: list[Prediction], questions: list[Question],
 def evaluate(model: SpanModel, questions: list[Question], windows: list[Window], pad_id: int, max_answer_len: int,
              version_2: bool, null_score_diff_threshold: float = 0.0) -> dict[str, float]:
     predictions = predict_spans(model, questions, windows, pad_id, max_answer_len)
+    return scores(predictions, questions, version_2, null_score_diff_threshold)
+
+
+def scores(predictions: list[Prediction], questions: list[Question], version_2: bool,
+           null_score_diff_threshold: float = 0.0) -> dict[str, float]:
+    """The official evaluation's EM/F1 of `predictions` (and, for SQuAD 2.0, its breakdown)."""
     answers = answers_of(predictions, questions, version_2, null_score_diff_threshold)
     metrics = squad_metrics(answers, {q.qid: list(q.answers) for q in questions})
     if version_2:

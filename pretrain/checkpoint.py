@@ -482,15 +482,22 @@ def check_compatible(saved: dict[str, Any], current: dict[str, Any], where: str)
     if saved.get("manifest_hash") not in (None, current.get("manifest_hash")):
         raise CheckpointMismatchError(
             f"{where} was trained on another build of its shards (manifest sha256 "
-            f"{str(saved.get('manifest_hash'))[:12]}…, these shards' {str(current.get('manifest_hash'))[:12]}…): they "
-            "were rebuilt (another seed, input or setting) or replaced since, which is another data stream; point "
-            "data.shards at the shards it was trained on, or start a new run (another out_dir or "
-            "train.resume=never)")
+            f"{str(saved.get('manifest_hash'))[:12]}…, these shards' {str(current.get('manifest_hash'))[:12]}…"
+            f"{_shards_named(saved, current)}): they were rebuilt (another seed, input or setting) or replaced since, "
+            "which is another data stream; point data.shards at the shards it was trained on, or start a new run "
+            "(another out_dir or train.resume=never)")
     for name in ("vocab_hash", "seed"):
         if saved.get(name) != current.get(name):
             raise CheckpointMismatchError(
                 f"{where} was trained with {name}={saved.get(name)!r}, this run has {name}={current.get(name)!r}; "
                 "refusing to resume (use another out_dir or train.resume=never)")
+
+
+def _shards_named(saved: dict[str, Any], current: dict[str, Any]) -> str:
+    """"; trained on DIR, these are DIR" where the checkpoint's run config and this run name their shards."""
+    then = (saved.get("run_config") or {}).get("data", {}).get("shards")
+    now = current.get("shards")
+    return f"; trained on {then}, these are {now}" if then and now else ""
 
 
 WHEN_TO_STOP = ("exit_at_step", "exit_after_minutes", "resume", "save_interval", "keep_last", "verify")

@@ -80,7 +80,7 @@ def _tensorboard_installed() -> bool:
 def shard_identity(dataset: ShardDataset) -> dict[str, Any]:
     """What ties a checkpoint to its data: the manifest file's hash and the vocab hash it records."""
     return {"manifest_hash": sha256_file(Path(dataset.directory) / MANIFEST_NAME),
-            "vocab_hash": dataset.manifest["vocab"].get("sha256")}
+            "vocab_hash": dataset.manifest["vocab"].get("sha256"), "shards": str(dataset.directory)}
 
 
 # ---------------------------------------------------------------------------------------------- metrics

@@ -272,3 +272,43 @@ def test_a_run_that_stopped_before_its_first_checkpoint_can_be_rerun_without_for
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(OutputExistsError, match="pass --force"):
         check_run_output(str(tmp_path), [], force=False)
+
+
+def test_predict_writes_squad_predictions_and_scores_them_as_fine_tuning_did(small_tasks, tiny_init, tmp_path):
+    """`finetune.predict` on a QA model: run_squad's predictions.json ({id: answer}), scored as the run's dev
+    evaluation scored them; a SQuAD 2.0 file also gets the null odds; a file without answers is predicted, not
+    scored."""
+    from finetune import predict
+
+    squad = small_tasks["squad"]
+    out = tmp_path / "run"
+    summary = run.main(["--task", "qa", "--train", str(squad), "--dev", str(squad), "--init", str(tiny_init), "--out",
+                        str(out), "--max-seq-len", "96", "--set", "doc_stride=48", "--batch-size", "4",
+                        "--micro-batch-size", "2", "--epochs", "1", "--lr", "1e-3"])
+    scores = predict.main(["--model", str(out), "--input", str(squad), "--output", str(tmp_path / "pred.json")])
+    assert scores == pytest.approx({k: summary["best"][k] for k in ("exact_match", "f1")})
+    answers = json.loads((tmp_path / "pred.json").read_text())
+    data = json.loads(squad.read_text())
+    ids = [q["id"] for article in data["data"] for paragraph in article["paragraphs"] for q in paragraph["qas"]]
+    assert list(answers) == ids and all(isinstance(a, str) and a for a in answers.values())
+    assert not (tmp_path / "pred.null_odds.json").exists()
+
+    for article in data["data"]:  # the same questions as SQuAD 2.0, the first one unanswerable
+        for paragraph in article["paragraphs"]:
+            for q in paragraph["qas"]:
+                q["is_impossible"] = q["id"] == ids[0]
+                q["answers"] = [] if q["is_impossible"] else q["answers"]
+    (tmp_path / "v2.json").write_text(json.dumps(data))
+    scores = predict.main(["--model", str(out), "--input", str(tmp_path / "v2.json"), "--output",
+                           str(tmp_path / "v2_pred.json")])
+    odds = json.loads((tmp_path / "v2_pred.null_odds.json").read_text())
+    assert list(odds) == ids and {"has_ans_f1", "no_ans_exact", "best_f1_threshold"} <= set(scores)
+    for article in data["data"]:  # no answers at all: predicted, not scored
+        for paragraph in article["paragraphs"]:
+            for q in paragraph["qas"]:
+                q.pop("answers"), q.pop("is_impossible")
+    (tmp_path / "test.json").write_text(json.dumps(data))
+    assert predict.main(["--model", str(out), "--input", str(tmp_path / "test.json"), "--output",
+                         str(tmp_path / "test_pred.json")]) == {"predictions": len(ids)}
+    assert json.loads((tmp_path / "test_pred.json").read_text()) == answers
+    assert not (tmp_path / "test_pred.metrics.json").exists()

@@ -99,6 +99,10 @@ def test_rebuilt_shards_are_named_as_such() -> None:
                                                           r"dddddddddddd…, these shards' eeeeeeeeeeee…\): they were "
                                                           r"rebuilt .*point data.shards at the shards"):
         ckpt.check_compatible(saved, dict(saved, manifest_hash="e" * 64), "ckpt")
+    saved["run_config"] = {"data": {"shards": "/data/shards/unilm-512"}}
+    with pytest.raises(ckpt.CheckpointMismatchError, match=r"eeeeeeeeeeee…; trained on /data/shards/unilm-512, these "
+                                                          r"are data/shards/unilm-128\): they were rebuilt"):
+        ckpt.check_compatible(saved, dict(saved, manifest_hash="e" * 64, shards="data/shards/unilm-128"), "ckpt")
 
 
 def test_a_resumed_run_names_the_settings_it_changed() -> None:
