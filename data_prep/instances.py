@@ -177,12 +177,12 @@ def _truncate_pair(a: list[int], b: list[int], max_tokens: int, rng: Uniforms) -
     excess = len(a) + len(b) - max_tokens
     if excess <= 0:
         return a, b
-    # remove from the longer until equal, then alternately: closed form of the one-token-at-a-time loop
-    diff = abs(len(a) - len(b))
-    first = min(excess, diff)
+    # remove from the longer until equal, then alternately, B first (BERT's loop cuts B on a tie): closed form of
+    # the one-token-at-a-time loop
+    first = min(excess, abs(len(a) - len(b)))
     rest = excess - first
-    cut_long, cut_short = first + (rest + 1) // 2, rest // 2
-    cut_a, cut_b = (cut_long, cut_short) if len(a) >= len(b) else (cut_short, cut_long)
+    cut_a = (first if len(a) > len(b) else 0) + rest // 2
+    cut_b = (first if len(b) > len(a) else 0) + (rest + 1) // 2
     return _trim(a, cut_a, rng), _trim(b, cut_b, rng)
 
 

@@ -15,6 +15,7 @@ rest) and STS-B is regression.
 from __future__ import annotations
 
 import csv
+import math
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -44,29 +45,32 @@ class RecordFormat:
     """None: numbers written as floats are regression, integers and strings are classes (`LabelSpace`)."""
     metric: str | None = None
     positive_label: str | None = None
+    glue: bool = False
+    """A GLUE task's files: a label of -1 is no label (Hugging Face's test splits)."""
 
 
-def _pair(text: tuple[str, ...], text_b: tuple[str, ...], label: tuple[str, ...] = ("label",), **rest: Any) -> RecordFormat:
-    return RecordFormat(text=text, text_b=text_b, label=label, **rest)
+def _glue(text: tuple[str, ...], text_b: tuple[str, ...], label: tuple[str, ...] = ("label",),
+          **rest: Any) -> RecordFormat:
+    return RecordFormat(text=text, text_b=text_b, label=label, glue=True, **rest)
 
 
 ZERO_ONE = ("0", "1")
 NLI = ("entailment", "neutral", "contradiction")
 GLUE_TASKS: dict[str, RecordFormat] = {
-    "cola": RecordFormat(text=("sentence",), text_b=(), label_names=ZERO_ONE, metric="mcc",
-                         headerless=("source", "label", "original_label", "sentence")),
-    "sst2": RecordFormat(text=("sentence",), text_b=(), label_names=ZERO_ONE, metric="accuracy"),
-    "mrpc": _pair(("#1 String", "sentence1"), ("#2 String", "sentence2"), ("Quality", "label"), label_names=ZERO_ONE,
+    "cola": _glue(("sentence",), (), label_names=ZERO_ONE, metric="mcc",
+                  headerless=("source", "label", "original_label", "sentence")),
+    "sst2": _glue(("sentence",), (), label_names=ZERO_ONE, metric="accuracy"),
+    "mrpc": _glue(("#1 String", "sentence1"), ("#2 String", "sentence2"), ("Quality", "label"), label_names=ZERO_ONE,
                   metric="f1", positive_label="1"),
-    "stsb": _pair(("sentence1",), ("sentence2",), ("score", "label"), regression=True, metric="pearson"),
-    "qqp": _pair(("question1",), ("question2",), ("is_duplicate", "label"), label_names=ZERO_ONE, metric="f1",
+    "stsb": _glue(("sentence1",), ("sentence2",), ("score", "label"), regression=True, metric="pearson"),
+    "qqp": _glue(("question1",), ("question2",), ("is_duplicate", "label"), label_names=ZERO_ONE, metric="f1",
                  positive_label="1"),
-    "mnli": _pair(("sentence1", "premise"), ("sentence2", "hypothesis"), ("gold_label", "label"), label_names=NLI,
+    "mnli": _glue(("sentence1", "premise"), ("sentence2", "hypothesis"), ("gold_label", "label"), label_names=NLI,
                   metric="accuracy"),
-    "qnli": _pair(("question",), ("sentence",), label_names=("entailment", "not_entailment"), metric="accuracy"),
-    "rte": _pair(("sentence1",), ("sentence2",), label_names=("entailment", "not_entailment"), metric="accuracy"),
-    "wnli": _pair(("sentence1",), ("sentence2",), label_names=ZERO_ONE, metric="accuracy"),
-    "ax": _pair(("sentence1", "premise"), ("sentence2", "hypothesis"), label_names=NLI, metric="mcc"),
+    "qnli": _glue(("question",), ("sentence",), label_names=("entailment", "not_entailment"), metric="accuracy"),
+    "rte": _glue(("sentence1",), ("sentence2",), label_names=("entailment", "not_entailment"), metric="accuracy"),
+    "wnli": _glue(("sentence1",), ("sentence2",), label_names=ZERO_ONE, metric="accuracy"),
+    "ax": _glue(("sentence1", "premise"), ("sentence2", "hypothesis"), label_names=NLI, metric="mcc"),
 }
 """GLUE's tasks: the columns of their TSVs and of Hugging Face `glue`, and the labels GLUE's TSVs (and its
 leaderboard) use. AX, the diagnostic set, is MNLI's format with test examples only (predicted by an MNLI model)."""
@@ -91,9 +95,13 @@ def read_rows(path: str | Path, headerless: tuple[str, ...] = ()) -> tuple[list[
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix in (".tsv", ".csv"):
-        with open(path, encoding="utf-8-sig", newline="") as f:  # a byte-order mark (MRPC's header has one) is no name
-            reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE) if suffix == ".tsv" else csv.reader(f)
-            lines = list(reader)
+        try:
+            with open(path, encoding="utf-8-sig", newline="") as f:  # a byte-order mark (MRPC's header has one)
+                reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE) if suffix == ".tsv" else csv.reader(f)
+                lines = list(reader)
+        except UnicodeDecodeError as error:
+            raise ValueError(f"{path}: not UTF-8 text (byte {error.object[error.start]:#04x} at offset {error.start}); "
+                             "re-encode the file as UTF-8") from None
         if not lines:
             raise ValueError(f"{path}: no records")
         header, first_row = lines[0], 1
@@ -119,6 +127,18 @@ def read_rows(path: str | Path, headerless: tuple[str, ...] = ()) -> tuple[list[
     return read_jsonl(path), []
 
 
+def typed(text: str) -> str | int | float:
+    """A label read from a delimited file as what it is written as: an integer ("1"), a float ("3.800", a score),
+    else the text ("entailment"), as pandas types the column transformers' run_glue reads."""
+    for kind in (int, float):
+        try:
+            value = kind(text)
+        except ValueError:
+            continue
+        return value if math.isfinite(value) else text
+    return text
+
+
 def _column(columns: set[str], names: tuple[str, ...]) -> str | None:
     return next((name for name in names if name in columns), None)
 
@@ -134,6 +154,7 @@ def read_records(path: str | Path, fmt: RecordFormat, where: str | None = None) 
               f"{', '.join(map(str, skipped[:5]))}{', ...' if len(skipped) > 5 else ''})", file=sys.stderr)
     if "choices" in rows[0]:
         return rows
+    delimited = Path(path).suffix.lower() in (".tsv", ".csv")
     columns = set().union(*rows)  # JSONL records may leave out an optional field
     text = _column(columns, fmt.text)
     if text is None:
@@ -147,15 +168,14 @@ def read_records(path: str | Path, fmt: RecordFormat, where: str | None = None) 
         if text_b is not None and row.get(text_b) is not None:
             record["text_b"] = row[text_b]
         if label is not None and row.get(label) is not None:
-            value = row[label]
-            if fmt.label_names and isinstance(value, int) and not isinstance(value, bool):
-                if value == -1:  # Hugging Face's "no label" (test splits)
-                    value = None
-                elif not 0 <= value < len(fmt.label_names):
+            value = typed(row[label]) if delimited else row[label]
+            if fmt.glue and value == -1:  # Hugging Face's "no label" (its test splits; STS-B's is -1.0)
+                value = None
+            elif fmt.label_names and isinstance(value, int) and not isinstance(value, bool):
+                if not 0 <= value < len(fmt.label_names):
                     raise ValueError(f"{where}: record {number} has label {value}, not a class id of "
                                      f"{list(fmt.label_names)} (or -1: none)")
-                else:
-                    value = fmt.label_names[value]
+                value = fmt.label_names[value]
             if value is not None:
                 record["label"] = value
         if index is not None and row.get(index) is not None:

@@ -48,7 +48,7 @@ def format_prediction(value: int | float, labels: classify.LabelSpace) -> str:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m finetune.predict",
                                      description="Predict with a fine-tuned classifier (GLUE's submission format) or "
-                                                 "extractive QA model (SQuAD predictions.json); score a labelled input.",
+                                                 "extractive QA model (SQuAD predictions.json); score labelled input.",
                                      epilog="Input formats and GLUE's layouts: docs/finetuning.md")
     parser.add_argument("--model", required=True, help="a classify or qa fine-tuning output directory")
     parser.add_argument("--input", required=True,
@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--output", required=True,
                         help="classify: index<TAB>prediction per line (GLUE's format); qa: {id: answer} JSON")
     parser.add_argument("--glue-task", choices=sorted(GLUE_TASKS), default=None,
-                        help="classify: read --input as this GLUE task's files (default: as the model's training files)")
+                        help="classify: read --input as this GLUE task's files (default: as the model's training "
+                             "files)")
     parser.add_argument("--max-seq-len", type=int, default=None, help="default: the fine-tuning run's")
     parser.add_argument("--batch-size", type=int, default=64, help="inputs per forward pass (default 64)")
     parser.add_argument("--device", default=None,
@@ -128,7 +129,9 @@ def predict_qa(args: argparse.Namespace, finetuned: Finetuned, settings: dict, m
                device: torch.device) -> tuple[dict, bool]:
     """Write the span model's answers for `args.input` (and SQuAD 2.0's null odds); (its scores, True) when
     every question has its answers."""
-    questions, version_2 = qa.read_squad(args.input, labelled=False)
+    questions, _ = qa.read_squad(args.input, labelled=False)
+    # SQuAD 2.0 or 1.1 is the model's: a 2.0 model may answer "" to bare questions, a 1.1 model always answers a span
+    version_2 = bool(finetuned.meta.get("version_2"))
     windows = qa.make_windows(questions, finetuned.tokenizer, max_seq_len, settings.get("doc_stride", 128),
                               settings.get("max_query_len", 64))
     model = qa.SpanModel(finetuned.model)

@@ -97,8 +97,8 @@ def check_run_output(out: str, inputs: list[str | None], force: bool) -> None:
 if __name__ == "__main__":
     try:
         main()
-    except InputError as error:
-        if os.environ.get("RANK", "0") == "0":  # every rank finds it: say it once
-            print(f"[finetune] {error}", file=sys.stderr, flush=True)
+    except InputError as error:  # each rank says what it found (a file missing on one node's disk, say)
+        rank = os.environ.get("RANK", "0")
+        print(f"[finetune]{'' if rank == '0' else f' rank {rank}:'} {error}", file=sys.stderr, flush=True)
         sys.exit(2)
     close_distributed()

@@ -152,7 +152,12 @@ def first_error(error: Any) -> Any:
 # ----------------------------------------------------------------------------------------- DeepSpeed JSON
 def read_engine_json(path: Path) -> dict[str, Any]:
     """The DeepSpeed JSON at ``path``, refused if it sets a value that the run config injects."""
-    engine = json.loads(Path(path).read_text())
+    try:
+        engine = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not valid JSON ({error})") from None
+    if not isinstance(engine, dict):
+        raise ValueError(f"{path}: a DeepSpeed config is a JSON object, this holds a {type(engine).__name__}")
     clashes = [k for k in INJECTED_TOP if k in engine]
     clashes += [f"optimizer.params.{k}" for k in INJECTED_OPTIMIZER
                 if k in engine.get("optimizer", {}).get("params", {})]

@@ -255,9 +255,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.local_ranks < 1:
         parser.error(f"--local-ranks must be >= 1, got {args.local_ranks}")
     try:
-        problems = preflight(args.config, args.overrides, args.hostfile, args.local_ranks)
+        load_config(args.config, args.overrides)
     except (ValueError, OSError) as error:  # the config itself (a missing file, a misspelt key, a bad value)
         print(f"[preflight] PROBLEM: {args.config}: {error}", file=sys.stderr)
+        return 2
+    try:
+        problems = preflight(args.config, args.overrides, args.hostfile, args.local_ranks)
+    except (ValueError, OSError) as error:  # the hostfile, say
+        print(f"[preflight] PROBLEM: {error}", file=sys.stderr)
         return 2
     for problem in problems:
         print(f"[preflight] PROBLEM: {problem}", file=sys.stderr)

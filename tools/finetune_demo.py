@@ -81,9 +81,8 @@ def short_pretraining_note(identity: dict, expected_steps: int | None) -> str | 
     if expected_steps is None or step is None or step >= expected_steps:
         return None
     return (f"this checkpoint has {step} pre-training steps, the comparison is meant for {expected_steps}: the "
-            f"table below says little about pre-training. Continue that run first (make pretrain "
-            f"OVERRIDES=\"train.max_steps={expected_steps} optim.warmup_steps=30\"), or point FT_PRETRAINED at "
-            "another run's checkpoints")
+            f"table below says little about pre-training. Continue that run to {expected_steps} steps first "
+            f"(train.max_steps={expected_steps}), or point FT_PRETRAINED at another run's checkpoints")
 
 
 def model_name(identity: dict) -> str:

@@ -287,6 +287,13 @@ def test_pair_truncation_flips_a_coin_per_removed_token_as_bert_does():
         assert len(a) == 40 and b == [-1] * 10 and a == list(range(a[0], a[0] + 40))  # one contiguous piece of A
         fronts.append(a[0])
     assert np.mean(fronts) == pytest.approx(30, abs=0.5) and 3.4 < np.std(fronts) < 4.4
+    for len_a, len_b, limit in [(5, 3, 5), (3, 3, 5), (40, 40, 61), (3, 9, 7), (100, 1, 20), (7, 6, 12)]:
+        a, b = list(range(len_a)), list(range(len_b))
+        bert_a, bert_b = list(a), list(b)
+        while len(bert_a) + len(bert_b) > limit:  # BERT's loop: the longer loses a token, B on a tie
+            (bert_a if len(bert_a) > len(bert_b) else bert_b).pop()
+        cut_a, cut_b = _truncate_pair(a, b, limit, rng)
+        assert (len(cut_a), len(cut_b)) == (len(bert_a), len(bert_b)), (len_a, len_b, limit)
 
 
 def test_documents_alone_in_their_chunk_get_random_next_segments(samples_dir, vocab_file, tmp_path):

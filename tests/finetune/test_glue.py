@@ -178,3 +178,24 @@ def test_a_glue_run_then_predict_writes_the_submission_format_and_scores_as_fine
     with pytest.raises(SystemExit):
         predict.main(["--model", str(out), "--input", str(tmp_path / "test.tsv"), "--output",
                       str(tmp_path / "SST-2.tsv")])  # exists: needs --force
+
+
+def test_delimited_labels_read_as_written_and_hugging_face_csv_exports_map_to_glue_names(tmp_path):
+    """TSV/CSV hold only text: `1` reads as an integer, `3.800` as a float (regression), as pandas types run_glue's
+    CSVs; a Hugging Face GLUE export saved as CSV maps its integer labels to GLUE's names, -1 (STS-B: -1.0) is no
+    label; a file that is not UTF-8 is named."""
+    write_tsv(tmp_path / "scores.tsv", ["text", "label"], [["a", "3.800"], ["b", "1"], ["c", "0.5"]])
+    records = read_records(tmp_path / "scores.tsv", record_format({}))
+    assert [r["label"] for r in records] == [3.8, 1, 0.5]
+    assert classify.LabelSpace.from_records(records, "scores.tsv").regression
+    (tmp_path / "mnli.csv").write_text("premise,hypothesis,label,idx\nA man,A person,0,0\nA dog,A cat,2,1\n"
+                                       "Rain,Sun,-1,2\n")
+    assert read_records(tmp_path / "mnli.csv", GLUE_TASKS["mnli"]) == [
+        {"text": "A man", "text_b": "A person", "label": "entailment", "index": "0"},
+        {"text": "A dog", "text_b": "A cat", "label": "contradiction", "index": "1"},
+        {"text": "Rain", "text_b": "Sun", "index": "2"}]
+    (tmp_path / "stsb.csv").write_text("sentence1,sentence2,label,idx\nA,B,-1.0,0\n")
+    assert read_records(tmp_path / "stsb.csv", GLUE_TASKS["stsb"]) == [{"text": "A", "text_b": "B", "index": "0"}]
+    (tmp_path / "latin1.tsv").write_bytes("text\tlabel\ncaf\xe9\tpos\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1.tsv: not UTF-8 text \(byte 0xe9 at offset 14\)"):
+        read_records(tmp_path / "latin1.tsv", record_format({}))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -276,22 +277,38 @@ def test_a_run_that_stopped_before_its_first_checkpoint_can_be_rerun_without_for
 
 def test_predict_writes_squad_predictions_and_scores_them_as_fine_tuning_did(small_tasks, tiny_init, tmp_path):
     """`finetune.predict` on a QA model: run_squad's predictions.json ({id: answer}), scored as the run's dev
-    evaluation scored them; a SQuAD 2.0 file also gets the null odds; a file without answers is predicted, not
-    scored."""
+    evaluation scored them; a model fine-tuned on SQuAD 2.0 also writes the null odds; a file without answers is
+    predicted, not scored."""
     from finetune import predict
 
+    def fine_tune(data: Path, out: Path) -> dict:
+        return run.main(["--task", "qa", "--train", str(data), "--dev", str(data), "--init", str(tiny_init), "--out",
+                         str(out), "--max-seq-len", "96", "--set", "doc_stride=48", "--batch-size", "4",
+                         "--micro-batch-size", "2", "--epochs", "1", "--lr", "1e-3"])
+
+    def without_answers(data: dict, path: Path) -> Path:
+        bare = json.loads(json.dumps(data))
+        for article in bare["data"]:
+            for paragraph in article["paragraphs"]:
+                for q in paragraph["qas"]:
+                    q.pop("answers", None), q.pop("is_impossible", None)
+        path.write_text(json.dumps(bare))
+        return path
+
     squad = small_tasks["squad"]
-    out = tmp_path / "run"
-    summary = run.main(["--task", "qa", "--train", str(squad), "--dev", str(squad), "--init", str(tiny_init), "--out",
-                        str(out), "--max-seq-len", "96", "--set", "doc_stride=48", "--batch-size", "4",
-                        "--micro-batch-size", "2", "--epochs", "1", "--lr", "1e-3"])
-    scores = predict.main(["--model", str(out), "--input", str(squad), "--output", str(tmp_path / "pred.json")])
+    summary = fine_tune(squad, tmp_path / "v1")
+    scores = predict.main(["--model", str(tmp_path / "v1"), "--input", str(squad), "--output", str(tmp_path / "p.json")])
     assert scores == pytest.approx({k: summary["best"][k] for k in ("exact_match", "f1")})
-    answers = json.loads((tmp_path / "pred.json").read_text())
+    answers = json.loads((tmp_path / "p.json").read_text())
     data = json.loads(squad.read_text())
     ids = [q["id"] for article in data["data"] for paragraph in article["paragraphs"] for q in paragraph["qas"]]
     assert list(answers) == ids and all(isinstance(a, str) and a for a in answers.values())
-    assert not (tmp_path / "pred.null_odds.json").exists()
+    assert not (tmp_path / "p.null_odds.json").exists()
+    bare = without_answers(data, tmp_path / "bare.json")
+    assert predict.main(["--model", str(tmp_path / "v1"), "--input", str(bare), "--output",
+                         str(tmp_path / "bare_p.json")]) == {"predictions": len(ids)}
+    assert json.loads((tmp_path / "bare_p.json").read_text()) == answers
+    assert not (tmp_path / "bare_p.metrics.json").exists()
 
     for article in data["data"]:  # the same questions as SQuAD 2.0, the first one unanswerable
         for paragraph in article["paragraphs"]:
@@ -299,16 +316,14 @@ def test_predict_writes_squad_predictions_and_scores_them_as_fine_tuning_did(sma
                 q["is_impossible"] = q["id"] == ids[0]
                 q["answers"] = [] if q["is_impossible"] else q["answers"]
     (tmp_path / "v2.json").write_text(json.dumps(data))
-    scores = predict.main(["--model", str(out), "--input", str(tmp_path / "v2.json"), "--output",
-                           str(tmp_path / "v2_pred.json")])
-    odds = json.loads((tmp_path / "v2_pred.null_odds.json").read_text())
-    assert list(odds) == ids and {"has_ans_f1", "no_ans_exact", "best_f1_threshold"} <= set(scores)
-    for article in data["data"]:  # no answers at all: predicted, not scored
-        for paragraph in article["paragraphs"]:
-            for q in paragraph["qas"]:
-                q.pop("answers"), q.pop("is_impossible")
-    (tmp_path / "test.json").write_text(json.dumps(data))
-    assert predict.main(["--model", str(out), "--input", str(tmp_path / "test.json"), "--output",
-                         str(tmp_path / "test_pred.json")]) == {"predictions": len(ids)}
-    assert json.loads((tmp_path / "test_pred.json").read_text()) == answers
-    assert not (tmp_path / "test_pred.metrics.json").exists()
+    summary = fine_tune(tmp_path / "v2.json", tmp_path / "v2")
+    scores = predict.main(["--model", str(tmp_path / "v2"), "--input", str(tmp_path / "v2.json"), "--output",
+                           str(tmp_path / "v2_p.json")])
+    assert scores == pytest.approx({k: summary["best"][k] for k in scores})
+    assert {"has_ans_f1", "no_ans_exact", "best_f1_threshold"} <= set(scores)
+    assert list(json.loads((tmp_path / "v2_p.null_odds.json").read_text())) == ids
+    # bare questions carry no is_impossible: SQuAD 2.0 is still the model's, so it may answer "" and gives odds
+    predict.main(["--model", str(tmp_path / "v2"), "--input", str(without_answers(data, tmp_path / "bare2.json")),
+                  "--output", str(tmp_path / "bare2_p.json")])
+    assert json.loads((tmp_path / "bare2_p.json").read_text()) == json.loads((tmp_path / "v2_p.json").read_text())
+    assert (tmp_path / "bare2_p.null_odds.json").exists()

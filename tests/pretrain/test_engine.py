@@ -152,3 +152,13 @@ def test_each_step_runs_at_the_rate_transformers_schedules_give_it(one_rank_grou
         else:  # DeepSpeed's cosine decays one step ahead of transformers' and reaches min_lr (0 here) on the last step
             assert applied[warmup] == pytest.approx(peak * (1 + math.cos(math.pi / (total - warmup))) / 2)
             assert applied[warmup + 1:] == pytest.approx(expected[warmup + 2:] + [0.0], rel=1e-6, abs=1e-12)
+
+
+def test_a_broken_deepspeed_json_is_named(tmp_path: Path) -> None:
+    broken = tmp_path / "ds.json"
+    broken.write_text('{"zero_optimization": {stage: 2}}')
+    with pytest.raises(ValueError, match=r"ds.json: not valid JSON \(Expecting property name"):
+        engine.read_engine_json(broken)
+    broken.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="ds.json: a DeepSpeed config is a JSON object, this holds a list"):
+        engine.read_engine_json(broken)

@@ -81,7 +81,7 @@ def test_a_checkpoint_shorter_than_the_comparison_is_warned_about() -> None:
 
     note = short_pretraining_note({"checkpoint": "runs/tiny/checkpoints/global_step40", "step": 40}, 600)
     assert note.startswith("this checkpoint has 40 pre-training steps, the comparison is meant for 600")
-    assert 'OVERRIDES="train.max_steps=600 optim.warmup_steps=30"' in note
+    assert "Continue that run to 600 steps first (train.max_steps=600)" in note
     assert short_pretraining_note({"checkpoint": "c", "step": 600}, 600) is None
     assert short_pretraining_note({"model": "hf_out"}, 600) is None  # a model directory: no step to compare
     assert short_pretraining_note({"checkpoint": "c", "step": 40}, None) is None
