@@ -68,10 +68,7 @@ class LabelSpace:
     def hint(self, records: list[dict]) -> str | None:
         """A note when numbers were read as classes (integers, or numbers written as strings): they might be
         scores."""
-        if self.regression or self.multiple_choice:
-            return None
-        numbers = [c for c in self.classes if _is_number(c)]
-        if len(numbers) != len(self.classes):
+        if self.regression or self.multiple_choice or not all(map(_is_number, self.classes)):
             return None
         written = "strings" if any(isinstance(r["label"], str) for r in records) else "integers"
         return (f"the labels are numbers written as {written}: read as {len(self.classes)} classes "

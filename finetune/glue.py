@@ -143,11 +143,11 @@ def _column(columns: set[str], names: tuple[str, ...]) -> str | None:
     return next((name for name in names if name in columns), None)
 
 
-def read_records(path: str | Path, fmt: RecordFormat, where: str | None = None) -> list[dict]:
+def read_records(path: str | Path, fmt: RecordFormat) -> list[dict]:
     """`path`'s examples as classify records `{"text", "text_b"?, "label"?, "index"?}`; multiple-choice records
     (`choices`) as they are. A file without the text column is refused, naming its columns and the settings that
     choose others. Rows skipped for a wrong number of fields are reported on stderr."""
-    where = where or str(path)
+    where = str(path)
     rows, skipped = read_rows(path, fmt.headerless)
     if skipped:
         print(f"[classify] {where}: skipped {len(skipped)} row(s) with a wrong number of fields (lines "
