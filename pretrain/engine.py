@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 import os
 import random
 import socket
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -217,13 +219,30 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[s
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+_DEPRECATED_BY_DEEPSPEED = r"`torch\.distributed\.all_gather_into_tensor` is deprecated"
+
+
+def _scheduler_not_started(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Attempting to get learning rate from scheduler before it has started")
+
+
 def build_engine(model: torch.nn.Module, config: dict[str, Any], weight_decay: float,
                  client_optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None = None) -> Any:
     """``deepspeed.initialize`` on ``model`` with `parameter_groups`; ``client_optimizer(groups)`` replaces the
     JSON's optimizer block when given."""
     groups = parameter_groups(model, weight_decay)
     optimizer = client_optimizer(groups) if client_optimizer is not None else None
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, optimizer=optimizer, config=config)
+    # Two messages no user can act on, once per rank: DeepSpeed's schedulers ask for their rate in their constructor,
+    # before the start below ("Attempting to get learning rate from scheduler before it has started"), and its ZeRO
+    # collectives call torch's deprecated all_gather_into_tensor (a FutureWarning per rank on torch >= 2.13).
+    warnings.filterwarnings("ignore", message=_DEPRECATED_BY_DEEPSPEED, category=FutureWarning)
+    deepspeed_logger = logging.getLogger("DeepSpeed")
+    deepspeed_logger.addFilter(_scheduler_not_started)
+    try:
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, optimizer=optimizer,
+                                               config=config)
+    finally:
+        deepspeed_logger.removeFilter(_scheduler_not_started)
     if engine.lr_scheduler is not None:
         # DeepSpeed's schedulers start at iteration -1 and the engine steps them after each optimizer step, so step
         # k would run at iteration k - 2's rate (the first two at the warm-up's start). From iteration 0, step k runs
