@@ -14,7 +14,8 @@ from pretrain.masks import (
 )
 from data_prep.shard_format import Sample, ShardDataset
 from pretrain.data import collate
-from pretrain.model import IGNORE_INDEX, PretrainOutput, build_model, preset
+from pretrain.kernels import CPU_LINEAR_VARIABLE
+from pretrain.model import IGNORE_INDEX, PretrainOutput, build_model, preset, training_flops
 
 OBJECTIVES = (BIDIRECTIONAL, LEFT_TO_RIGHT, RIGHT_TO_LEFT, SEQ2SEQ)
 NAMES = {BIDIRECTIONAL: "bidirectional_mlm", LEFT_TO_RIGHT: "left_to_right", RIGHT_TO_LEFT: "right_to_left",
@@ -227,6 +228,33 @@ def test_nsp_only_on_bidirectional_samples_with_a_label():
         assert model(**ignored).loss == base
         no_nsp = model(**dict(batch, is_random_next=torch.full((5,), -1)))
     assert "nsp" not in no_nsp.objective_losses
+
+
+@pytest.mark.parametrize("causal_lm", [False, True])
+def test_training_flops_are_torchs_count_of_a_forward_and_backward(causal_lm, monkeypatch):
+    """MFU's numerator, `training_flops`, against torch's FLOP counter over a real training forward + backward (dropout
+    on) of full-length samples of every objective: no padding or unused masked slot, the work it leaves out on
+    purpose. torch's Linear, whose GEMMs the counter sees (it does not see oneDNN's); the one small matmul it adds
+    is the per-objective loss report's."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    monkeypatch.setenv(CPU_LINEAR_VARIABLE, "torch")
+    cfg = dataclasses.replace(preset("tiny"), causal_lm=causal_lm)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    samples, seq_len, per_sample = 4, 32, 5
+    g = torch.Generator().manual_seed(0)
+    masked_positions = torch.stack([torch.randperm(seq_len - 2, generator=g)[:per_sample] + 1 for _ in range(samples)])
+    batch = dict(input_ids=torch.randint(5, cfg.vocab_size, (samples, seq_len), generator=g),
+                 objective=torch.tensor(OBJECTIVES), len_a=torch.tensor([12, seq_len, seq_len, 20]),
+                 length=torch.full((samples,), seq_len), is_random_next=torch.tensor([1, -1, -1, -1]),
+                 masked_positions=masked_positions,
+                 masked_labels=torch.randint(5, cfg.vocab_size, (samples, per_sample), generator=g))
+    with FlopCounterMode(display=False) as counter:
+        model(**batch).loss.backward()
+    predictions = samples * (seq_len - 1) if causal_lm else samples * per_sample
+    expected = training_flops(cfg, samples * seq_len, samples * seq_len**2, predictions, samples)
+    assert counter.get_total_flops() == pytest.approx(expected, rel=1e-3)
 
 
 @pytest.mark.parametrize("causal_lm", [False, True])
