@@ -219,9 +219,6 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[s
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-_DEPRECATED_BY_DEEPSPEED = r"`torch\.distributed\.all_gather_into_tensor` is deprecated"
-
-
 def _scheduler_not_started(record: logging.LogRecord) -> bool:
     return not record.getMessage().startswith("Attempting to get learning rate from scheduler before it has started")
 
@@ -232,10 +229,11 @@ def build_engine(model: torch.nn.Module, config: dict[str, Any], weight_decay: f
     JSON's optimizer block when given."""
     groups = parameter_groups(model, weight_decay)
     optimizer = client_optimizer(groups) if client_optimizer is not None else None
-    # Two messages no user can act on, once per rank: DeepSpeed's schedulers ask for their rate in their constructor,
+    # Messages no user can act on, once per rank: DeepSpeed's schedulers ask for their rate in their constructor,
     # before the start below ("Attempting to get learning rate from scheduler before it has started"), and its ZeRO
-    # collectives call torch's deprecated all_gather_into_tensor (a FutureWarning per rank on torch >= 2.13).
-    warnings.filterwarnings("ignore", message=_DEPRECATED_BY_DEEPSPEED, category=FutureWarning)
+    # stages call collectives torch deprecates (all_gather_into_tensor, reduce_scatter_tensor: a FutureWarning per
+    # rank and collective on torch >= 2.13, which torch's c10d logger wrapper reports as its own line).
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.c10d_logger")
     deepspeed_logger = logging.getLogger("DeepSpeed")
     deepspeed_logger.addFilter(_scheduler_not_started)
     try:
