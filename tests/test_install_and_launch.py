@@ -12,8 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import tomllib
 from packaging.requirements import Requirement
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser from PyPI, which the dev extra installs there
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 TWO_GPUS = "GPU 0: NVIDIA H200 (UUID: GPU-0)\nGPU 1: NVIDIA H200 (UUID: GPU-1)\n"
