@@ -31,6 +31,7 @@ from pretrain.outputs import check_output, write_file_atomically
 from . import classify, qa
 from .glue import GLUE_TASKS, read_records, record_format
 from .model_io import Finetuned, load_finetuned
+from .tasks import check_positions
 
 
 def beside(output: str | Path, ending: str) -> Path:
@@ -78,9 +79,10 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--glue-task goes with a classify model")
     settings = dict(finetuned.run_settings)
     max_seq_len = args.max_seq_len or settings.get("max_seq_len", 128)
-    if max_seq_len > finetuned.model.cfg.max_position_embeddings:
-        parser.error(f"--max-seq-len {max_seq_len} exceeds the model's {finetuned.model.cfg.max_position_embeddings} "
-                     "positions")
+    try:
+        check_positions(finetuned.model, max_seq_len, "--max-seq-len")
+    except ValueError as error:
+        parser.error(str(error))
     device = torch.device(args.device) if args.device else default_device()
     run = predict_classify if finetuned.task == "classify" else predict_qa
     try:
@@ -120,8 +122,7 @@ def predict_classify(args: argparse.Namespace, finetuned: Finetuned, settings: d
         print(f"[predict] {sum('label' not in r for r in records)} of {len(records)} examples have no label: "
               "not scored")
         return {"predictions": len(predictions)}, False
-    positive_label = finetuned.meta.get("positive_label")
-    positive = labels.classes.index(positive_label) if positive_label in labels.classes else None
+    positive = classify.positive_class(labels, finetuned.meta.get("positive_label"), args.model)
     return classify.scores(predictions, [e.label for e in examples], labels, positive), True
 
 

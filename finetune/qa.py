@@ -128,8 +128,7 @@ class Window:
             return np.where(inside, np.minimum(left, right) + 0.01 * (window.context_stop - window.context_start),
                             -np.inf)
         positions = np.arange(self.context_start, self.context_stop)
-        best = np.max([score(w, positions) for w in windows], axis=0)
-        first_best = np.argmax([score(w, positions) == best for w in windows], axis=0)
+        first_best = np.argmax([score(w, positions) for w in windows], axis=0)  # the first of equal maxima
         return np.asarray([windows[i] is self for i in first_best], dtype=bool)
 
 

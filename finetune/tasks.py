@@ -52,7 +52,7 @@ def _primary_metric(cfg: FinetuneConfig, available: tuple[str, ...], default: st
     return cfg.metric
 
 
-def _check_positions(backbone: UniLMModel, length: int, setting: str) -> None:
+def check_positions(backbone: UniLMModel, length: int, setting: str) -> None:
     """An input of `length` tokens needs as many rows in the model's position table."""
     if length > backbone.cfg.max_position_embeddings:
         raise ValueError(f"{setting} = {length} exceeds the model's {backbone.cfg.max_position_embeddings} "
@@ -60,7 +60,7 @@ def _check_positions(backbone: UniLMModel, length: int, setting: str) -> None:
 
 
 def build_classify(cfg: FinetuneConfig, backbone: UniLMModel, tokenizer: Tokenizer) -> TaskSetup:
-    _check_positions(backbone, cfg.max_seq_len, "max_seq_len")
+    check_positions(backbone, cfg.max_seq_len, "max_seq_len")
     fmt = record_format(cfg.to_dict())
     train_records = read_records(cfg.train, fmt)
     dev_records = _limit(read_records(cfg.dev, fmt), cfg.eval_max_examples)
@@ -85,7 +85,7 @@ def build_classify(cfg: FinetuneConfig, backbone: UniLMModel, tokenizer: Tokeniz
 
 
 def build_qa(cfg: FinetuneConfig, backbone: UniLMModel, tokenizer: Tokenizer) -> TaskSetup:
-    _check_positions(backbone, cfg.max_seq_len, "max_seq_len")
+    check_positions(backbone, cfg.max_seq_len, "max_seq_len")
     train_questions, _ = qa.read_squad(cfg.train)
     dev_questions, version_2 = qa.read_squad(cfg.dev)
     dev_questions = _limit(dev_questions, cfg.eval_max_examples)

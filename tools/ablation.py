@@ -103,7 +103,7 @@ def classify_test_metrics(model_dir: Path, test_file: Path) -> dict[str, float]:
     from finetune.model_io import load_finetuned
 
     finetuned = load_finetuned(model_dir, expect_task="classify")
-    labels = classify.LabelSpace(classes=tuple(finetuned.meta["labels"]))
+    labels = classify.LabelSpace.of_model(finetuned.meta)
     module = classify.ClassifierModel(finetuned.model, labels, dropout=0.0)
     module.head.load_state_dict(finetuned.head_state)
     settings = finetuned.run_settings
