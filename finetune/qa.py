@@ -258,13 +258,6 @@ def answers_of(predictions: list[Prediction], questions: list[Question], version
             for q, p in zip(questions, predictions)}
 
 
-def predict(model: SpanModel, questions: list[Question], windows: list[Window], pad_id: int,
-            max_answer_len: int, version_2: bool, null_score_diff_threshold: float = 0.0) -> dict[str, str]:
-    """Predicted answer text per question id ("" = no answer, SQuAD 2.0 only)."""
-    return answers_of(predict_spans(model, questions, windows, pad_id, max_answer_len), questions, version_2,
-                      null_score_diff_threshold)
-
-
 def squad2_breakdown(predictions: list[Prediction], questions: list[Question],
                      null_score_diff_threshold: float = 0.0) -> dict[str, float]:
     """The official SQuAD 2.0 evaluation's further figures, in percent: EM/F1 over the answerable (`has_ans_*`)
