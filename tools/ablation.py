@@ -152,6 +152,7 @@ class Ablation(Stages):
         self.seeds = list(args.seeds)
         self.finetune_steps = args.finetune_steps
         self.test_limit = args.test_limit
+        self.keep_checkpoints = args.keep_checkpoints
         self.data = self.out / "data"
         self.init_dir = self.out / "bert-init"
         self.pretrain_inputs = [str(self.samples / "wiki/enwiki-excerpt.xml.bz2"), str(self.samples / "books.jsonl"),
@@ -258,10 +259,22 @@ class Ablation(Stages):
                     started = time.monotonic()
                     self.in_process("finetune.run", self.finetune_argv(arm, task, seed))
                     self.say(f"  {task} seed {seed}: {duration(time.monotonic() - started)}")
+                if not self.keep_checkpoints:
+                    self.drop_resume_state(out)
                 metrics = json.loads(metrics_file.read_text())
                 runs[f"{task}-seed{seed}"] = {"best_dev": metrics["best"], "evaluations": len(metrics["epochs"]),
                                               "steps": metrics["steps"], "run_wall_s": metrics["wall_s_this_launch"]}
         return runs
+
+    def drop_resume_state(self, run_dir: Path) -> None:
+        """Delete a finished fine-tuning run's `checkpoints/`: its resume state (optimizer moments, full model
+        states), about 80 % of the run's disk. The run directory keeps the exported best model, which the test stage
+        scores; a finished run is never resumed (a rerun skips it, `--from` starts it afresh)."""
+        checkpoints = run_dir / "checkpoints"
+        if checkpoints.is_dir():
+            size = sum(f.stat().st_size for f in checkpoints.rglob("*") if f.is_file())
+            shutil.rmtree(checkpoints)
+            self.say(f"  removed {checkpoints} ({size / 2**20:.0f} MiB of resume state; --keep-checkpoints keeps it)")
 
     def finished(self, arm: str, task: str, seed: int) -> bool:
         metrics_file = self.run_dir(arm, task, seed) / "summary.json"
@@ -539,6 +552,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=list(DEFAULT_SEEDS),
                         help="fine-tuning seeds, the same for every arm (default 42 43 44)")
     parser.add_argument("--from", dest="redo_from", help="redo this stage and all later ones")
+    parser.add_argument("--keep-checkpoints", action="store_true",
+                        help="keep each finished fine-tuning run's resume checkpoints (default: delete them, keeping "
+                             "its exported model; they are about 80 %% of a run's disk)")
     args = parser.parse_args(argv)
     driver_environment()
     ablation = Ablation(args)

@@ -21,7 +21,7 @@ from tools import ablation
 
 def make_ablation(out: Path, samples_dir: Path, **extra) -> ablation.Ablation:
     args = dict(out=str(out), samples=str(samples_dir), bert=None, steps=3, finetune_steps=2, seeds=[42, 43],
-                test_limit=4) | extra
+                test_limit=4, keep_checkpoints=False) | extra
     return ablation.Ablation(argparse.Namespace(**args))
 
 
@@ -102,6 +102,9 @@ def test_the_driver_runs_every_stage_on_a_few_steps_and_skips_them_on_a_rerun(sa
         marker = json.loads((out / f"pretrain-{recipe}" / "checkpoints" / "global_step2" / "complete.json").read_text())
         assert marker["world_size"] == 2
     assert "loss_seq2seq" in metrics[0]  # the unilm recipe trains the seq2seq objective, the bert one does not
+    runs = sorted((out / "finetune").iterdir())  # finished: the exported model stays, the resume state is gone
+    assert len(runs) == 12 and first.stdout.count("MiB of resume state") == 12
+    assert all((run / "model.safetensors").is_file() and not (run / "checkpoints").exists() for run in runs)
     report = (out / "REPORT.md").read_text()
     assert "| BBC headline | rougeL |" in report and "Quick check: only the first 4 test examples" in report
     again = subprocess.run(argv, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)
