@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,9 @@ from pretrain.model import UniLMModel
 
 from .metrics import classification_metrics, regression_metrics
 from .tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from .model_io import Finetuned
 
 
 @dataclass(frozen=True)
@@ -221,6 +224,14 @@ class ClassifierModel(nn.Module):
         self.head = nn.Linear(backbone.cfg.hidden_size, labels.num_outputs)
         nn.init.normal_(self.head.weight, std=backbone.cfg.initializer_range)
         nn.init.zeros_(self.head.bias)
+
+    @classmethod
+    def from_finetuned(cls, finetuned: Finetuned) -> ClassifierModel:
+        """The classifier a fine-tuning run saved (`model_io.load_finetuned`): its backbone, label space and
+        trained head, no dropout."""
+        model = cls(finetuned.model, LabelSpace.of_model(finetuned.meta), dropout=0.0)
+        model.head.load_state_dict(finetuned.head_state)
+        return model
 
     @property
     def causal(self) -> bool:

@@ -319,8 +319,8 @@ def ignore_ids(tokenizer: Tokenizer, spec: str, where: str) -> frozenset[int]:
     """The ids of the word pieces `spec` names, separated by | as UniLM's `--forbid_ignore_word` writes them
     ("." or ".|[X_SEP]"; "" for none); each must be one entry of the vocabulary."""
     tokens = [token for token in spec.split("|") if token]
-    ids = {token: tokenizer.vocab.tokens.index(token) for token in tokens if token in tokenizer.vocab.tokens}
-    unknown = [token for token in tokens if token not in ids]
+    ids = {token: tokenizer.encoder.token_to_id(token) for token in tokens}
+    unknown = [token for token, i in ids.items() if i is None]
     if unknown:
         raise ValueError(f"{where}: {unknown} not in the vocabulary {tokenizer.vocab_path} (each must be one of its "
                          "word pieces, such as '.')")
@@ -375,7 +375,7 @@ def metrics_path(output: str | Path) -> Path:
     return output.with_name(output.name.removesuffix(".jsonl") + ".metrics.json")
 
 
-def _int_at_least(minimum: int) -> Callable[[str], int]:
+def int_at_least(minimum: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         value = int(text)
         if value < minimum:
@@ -397,14 +397,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--min-tgt-len", type=int, default=1, help="shortest target in word pieces (default 1)")
     parser.add_argument("--max-src-len", type=int, default=None, help="default: the fine-tuning run's, else 448")
     parser.add_argument("--length-penalty", type=float, default=0.0, help="GNMT alpha (default 0: none)")
-    parser.add_argument("--no-repeat-ngram", type=_int_at_least(0), default=3, metavar="N",
+    parser.add_argument("--no-repeat-ngram", type=int_at_least(0), default=3, metavar="N",
                         help="forbid repeating an n-gram of N word pieces (3: trigram blocking, the paper's; "
                              "1: no word piece twice, for headlines; 0: off)")
     parser.add_argument("--no-repeat-ignore", default=NO_REPEAT_IGNORE, metavar="TOKENS",
                         help="word pieces the blocking exempts, separated by | (default '.', UniLM's: nothing is "
                              "blocked after one, and it is never blocked; '' for none)")
     parser.add_argument("--no-cache", action="store_true", help="recompute everything each step (proves the cache)")
-    parser.add_argument("--batch-size", type=_int_at_least(1), default=8, help="sources decoded together (>= 1)")
+    parser.add_argument("--batch-size", type=int_at_least(1), default=8, help="sources decoded together (>= 1)")
     parser.add_argument("--device", default=None,
                         help="torch device to decode on (default: this process's GPU when there is one, else cpu)")
     parser.add_argument("--force", action="store_true", help="replace an existing non-empty --output")

@@ -29,6 +29,7 @@ from pretrain.accelerator import default_device
 from pretrain.outputs import check_output, write_file_atomically
 
 from . import classify, qa
+from .decode import int_at_least
 from .glue import GLUE_TASKS, read_records, record_format
 from .model_io import Finetuned, load_finetuned
 from .tasks import check_positions
@@ -59,14 +60,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--glue-task", choices=sorted(GLUE_TASKS), default=None,
                         help="classify: read --input as this GLUE task's files (default: as the model's training "
                              "files)")
-    parser.add_argument("--max-seq-len", type=int, default=None, help="default: the fine-tuning run's")
-    parser.add_argument("--batch-size", type=int, default=64, help="inputs per forward pass (default 64)")
+    parser.add_argument("--max-seq-len", type=int_at_least(3), default=None, help="default: the fine-tuning run's")
+    parser.add_argument("--batch-size", type=int_at_least(1), default=64, help="inputs per forward pass (default 64)")
     parser.add_argument("--device", default=None,
                         help="torch device (default: this process's GPU when there is one, else cpu)")
     parser.add_argument("--force", action="store_true", help="replace an existing non-empty --output")
     args = parser.parse_args(argv)
-    if args.batch_size < 1 or (args.max_seq_len is not None and args.max_seq_len < 3):
-        parser.error("need --batch-size >= 1 and --max-seq-len >= 3")
     try:
         check_output(args.output, [args.input, args.model], force=args.force)
         finetuned = load_finetuned(args.model)
@@ -101,15 +100,13 @@ def predict_classify(args: argparse.Namespace, finetuned: Finetuned, settings: d
     """Write the classifier's predictions for `args.input`; (its scores, True) when every example is labelled."""
     if args.glue_task is not None:
         settings = dict(settings, glue_task=args.glue_task)
-    labels = classify.LabelSpace.of_model(finetuned.meta)
+    model = classify.ClassifierModel.from_finetuned(finetuned).to(device)
+    labels = model.labels
     records = read_records(args.input, record_format(settings))
     labelled = all("label" in r for r in records)
     examples, truncated = classify.encode_examples(records, finetuned.tokenizer, labels, max_seq_len,
                                                    bool(settings.get("similarity")), where=args.input,
                                                    labelled=labelled)
-    model = classify.ClassifierModel(finetuned.model, labels, dropout=0.0)
-    model.head.load_state_dict(finetuned.head_state)
-    model.to(device)
     began = time.perf_counter()
     predictions = classify.predict(model, examples, finetuned.tokenizer.pad_id, args.batch_size)
     seconds = time.perf_counter() - began

@@ -80,7 +80,7 @@ def _tensorboard_installed() -> bool:
 def shard_identity(dataset: ShardDataset) -> dict[str, Any]:
     """What ties a checkpoint to its data: the manifest file's hash and the vocab hash it records."""
     return {"manifest_hash": sha256_file(Path(dataset.directory) / MANIFEST_NAME),
-            "vocab_hash": dataset.manifest["vocab"].get("sha256"), "shards": str(dataset.directory)}
+            "vocab_hash": dataset.manifest["vocab"].get("sha256")}
 
 
 # ---------------------------------------------------------------------------------------------- metrics
@@ -326,7 +326,9 @@ def _train_locked(cfg: RunConfig, rank: int, world_size: int, started: float) ->
         model_cfg = model_for_shards(cfg, dataset, rank)
         identity = dict(shard_identity(dataset), model_config=dataclasses.asdict(model_cfg), seed=cfg.train.seed)
         engine_json = read_engine_json(cfg.deepspeed_config_path)
-        resume = ckpt.find_resume_point(cfg.checkpoint_dir, cfg.train.resume, identity, world_size,
+        # a mismatch message names these shards by path (a marker has its own in its run config, not in identity)
+        resume = ckpt.find_resume_point(cfg.checkpoint_dir, cfg.train.resume,
+                                        dict(identity, shards=str(dataset.directory)), world_size,
                                         zero_stage(engine_json), report=print if rank == 0 else None)
         fast_paths = fast_path_settings(cfg, engine_json, model_cfg)
     except (ValueError, OSError) as error:

@@ -103,11 +103,9 @@ def classify_test_metrics(model_dir: Path, test_file: Path) -> dict[str, float]:
     from finetune.model_io import load_finetuned
 
     finetuned = load_finetuned(model_dir, expect_task="classify")
-    labels = classify.LabelSpace.of_model(finetuned.meta)
-    module = classify.ClassifierModel(finetuned.model, labels, dropout=0.0)
-    module.head.load_state_dict(finetuned.head_state)
+    module = classify.ClassifierModel.from_finetuned(finetuned)
     settings = finetuned.run_settings
-    examples, _ = classify.encode_examples(read_jsonl(test_file), finetuned.tokenizer, labels,
+    examples, _ = classify.encode_examples(read_jsonl(test_file), finetuned.tokenizer, module.labels,
                                            settings["max_seq_len"], settings["similarity"], where=str(test_file))
     return classify.evaluate(module.eval(), examples, finetuned.tokenizer.pad_id)
 
@@ -254,14 +252,13 @@ class Ablation(Stages):
         for task in TASKS:
             for seed in self.seeds:
                 out = self.run_dir(arm, task, seed)
-                metrics_file = out / "summary.json"
-                if not (metrics_file.is_file() and json.loads(metrics_file.read_text()).get("finished")):
+                if not self.finished(arm, task, seed):
                     started = time.monotonic()
                     self.in_process("finetune.run", self.finetune_argv(arm, task, seed))
                     self.say(f"  {task} seed {seed}: {duration(time.monotonic() - started)}")
-                if not self.keep_checkpoints:
+                if self.finished(arm, task, seed) and not self.keep_checkpoints:
                     self.drop_resume_state(out)
-                metrics = json.loads(metrics_file.read_text())
+                metrics = json.loads((out / "summary.json").read_text())
                 runs[f"{task}-seed{seed}"] = {"best_dev": metrics["best"], "evaluations": len(metrics["epochs"]),
                                               "steps": metrics["steps"], "run_wall_s": metrics["wall_s_this_launch"]}
         return runs

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune import decode, run
+from finetune import decode, predict, run
 from finetune.task_files import write_jsonl
 from finetune.model_io import load_finetuned, save_finetuned
 from finetune.tokenizer import load_tokenizer
@@ -36,6 +36,17 @@ def test_decode_refuses_a_count_below_its_minimum_and_writes_nothing(tiny_init, 
     output = tmp_path / "out.jsonl"
     with pytest.raises(SystemExit) as exit_info:
         decode.main(decode_args(tiny_init, sources, output, option, value))
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 2 and option in error and f"must be >= {minimum}, got {value}" in error
+    assert not output.exists()
+
+
+@pytest.mark.parametrize("option, value, minimum", [("--batch-size", "0", 1), ("--max-seq-len", "2", 3)])
+def test_predict_refuses_a_count_below_its_minimum_and_writes_nothing(tiny_init, sources, tmp_path, option, value,
+                                                                      minimum, capsys):
+    output = tmp_path / "predictions.tsv"
+    with pytest.raises(SystemExit) as exit_info:
+        predict.main(["--model", str(tiny_init), "--input", str(sources), "--output", str(output), option, value])
     error = capsys.readouterr().err
     assert exit_info.value.code == 2 and option in error and f"must be >= {minimum}, got {value}" in error
     assert not output.exists()

@@ -216,6 +216,19 @@ def test_mismatched_resume_is_refused_naming_the_field(runs: dict) -> None:
     assert "Traceback" not in process.stderr
 
 
+def test_resuming_on_another_build_of_the_shards_is_refused_naming_both(runs: dict, unilm_shards: Path,
+                                                                        tmp_path: Path) -> None:
+    rebuilt = tmp_path / "rebuilt"  # the same samples, another manifest file: another build as far as a run can tell
+    shutil.copytree(unilm_shards, rebuilt)
+    manifest = rebuilt / "manifest.json"
+    manifest.write_text(json.dumps(json.loads(manifest.read_text()), indent=4) + "\n")
+    process = launch([f"data.shards={rebuilt}", *runs["common"][1:], f"out_dir={runs['full']}"], nproc=1)
+    assert process.returncode == 2 and "another build of its shards" in process.stderr, process.stderr[-2000:]
+    assert f"trained on {unilm_shards}, these are {rebuilt})" in process.stderr
+    marker = json.loads((runs["full"] / "checkpoints" / "global_step24" / "complete.json").read_text())
+    assert marker["run_config"]["data"]["shards"] == str(unilm_shards) and "shards" not in marker
+
+
 def test_export_writes_a_hugging_face_bert(runs: dict, tmp_path: Path) -> None:
     from transformers import BertForPreTraining
 
