@@ -46,20 +46,23 @@ def bind_local_device() -> torch.device:
     """Make device ``LOCAL_RANK`` this process's current device; returns it (``cpu`` on a CPU accelerator).
 
     Without it every rank of a node would start on GPU 0: NCCL would hang or fail, and CUDA RNG states and
-    pinned copies would belong to the wrong device. A process whose launcher made one device visible to it alone
-    (``CUDA_VISIBLE_DEVICES`` naming one device, as ``srun --gpus-per-task=1`` does) takes that device."""
+    pinned copies would belong to the wrong device. DeepSpeed itself places local rank N on device N (its process
+    group, engine and ZeRO-3 partitioning read ``LOCAL_RANK``), so a rank whose launcher hid the other GPUs from it
+    (a per-rank ``CUDA_VISIBLE_DEVICES``, as ``srun --gpus-per-task=1`` sets) is refused here, before any of them
+    fails with "invalid device ordinal"."""
     from deepspeed.accelerator import get_accelerator
     accelerator = get_accelerator()
     if accelerator.device_name() == "cpu":
         return torch.device("cpu")
-    index = local_rank()
-    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    if index >= accelerator.device_count() and accelerator.device_count() == 1 and len(visible) == 1:
-        index = 0
-    if index >= accelerator.device_count():
-        raise RuntimeError(f"local rank {index} has no {accelerator.device_name()} device: this machine shows "
-                           f"{accelerator.device_count()}; launch at most that many ranks per machine "
-                           "(hostfile slots=N or --num_gpus N)")
+    index, count = local_rank(), accelerator.device_count()
+    if index >= count:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        shown = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+        raise RuntimeError(f"local rank {index} has no {accelerator.device_name()} device: this process sees {count}"
+                           f"{shown}. DeepSpeed puts local rank N on device N, so every rank must see all of its "
+                           "machine's GPUs: launch at most that many ranks per machine (hostfile slots=N or "
+                           "--num_gpus N) and do not give each rank its own CUDA_VISIBLE_DEVICES (under SLURM: "
+                           "hostfiles/slurm.sbatch, or srun --gpu-bind=none)")
     accelerator.set_device(index)
     return torch.device(accelerator.device_name(index))
 

@@ -107,21 +107,25 @@ class OneVisibleGpu:
         self.bound.append(index)
 
 
-def test_a_rank_that_sees_one_gpu_of_its_own_binds_it_and_extra_ranks_are_refused(
+def test_a_rank_binds_the_device_of_its_local_rank_and_one_without_it_is_refused_naming_the_fix(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import deepspeed.accelerator
 
     gpu = OneVisibleGpu()
     monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: gpu)
-    monkeypatch.setenv("LOCAL_RANK", "3")
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # srun --gpus-per-task=1: this rank's own GPU
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "0")
     assert accelerator.bind_local_device() == torch.device("cuda:0") and gpu.bound == [0]
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # a machine with one GPU and more ranks than GPUs
-    with pytest.raises(RuntimeError, match="local rank 3 has no cuda device: this machine shows 1"):
+    monkeypatch.setenv("LOCAL_RANK", "3")  # a machine with one GPU and more ranks than GPUs
+    with pytest.raises(RuntimeError, match=r"local rank 3 has no cuda device: this process sees 1\. DeepSpeed puts "
+                                           r"local rank N on device N.*--num_gpus N"):
         accelerator.bind_local_device()
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    with pytest.raises(RuntimeError, match="local rank 3 has no cuda device"):
+    # srun --gpus-per-task=1 shows each rank its own GPU alone; DeepSpeed would still use device LOCAL_RANK
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    with pytest.raises(RuntimeError, match=r"sees 1 \(CUDA_VISIBLE_DEVICES=3\).*do not give each rank its own "
+                                           r"CUDA_VISIBLE_DEVICES \(under SLURM: hostfiles/slurm\.sbatch"):
         accelerator.bind_local_device()
+    assert gpu.bound == [0]  # nothing bound by a refused rank
 
 
 def test_on_the_cpu_accelerator_binding_is_a_no_op_and_collectives_use_cpu_tensors(one_rank_group) -> None:
