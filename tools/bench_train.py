@@ -10,8 +10,10 @@
    and 4·P + 12·P/N (ZeRO-2), and 16·P/N plus the 20 MB parameter-prefetch bucket (ZeRO-3; parameters smaller
    than DeepSpeed's persistence threshold also stay whole on every rank, well under 0.1 % here).
 
-Writes ``OUT/bench_train.json`` and ``OUT/bench_train.md``. GPU numbers (BERT-large / UniLM-large seq 128 / 512,
-fp16 / bf16, MFU) come from the same script on a GPU machine with ``--presets bert-large unilm-large``.
+All three run on CPU ranks (gloo), a GPU machine included: they measure the loader, the engine's
+data wait and ZeRO's partitioning, which do not depend on the device, and two ranks need no second GPU.
+Writes ``OUT/bench_train.json`` and ``OUT/bench_train.md``. The GPU figures (the full training step on one GPU,
+`train_step_throughput`, beside the model step) are ``python -m tools.bench_all --only gpu`` (``make gpu-speed``).
 """
 from __future__ import annotations
 
@@ -36,6 +38,8 @@ from tools.stages import stream
 
 DEFAULT_SHARDS = "data/shards/unilm-128"
 BUCKET = 10_000_000  # elements per ZeRO communication bucket in the memory measurement
+CPU_RANKS = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+"""The environment of the 2-rank runs: CPU ranks on gloo, one thread each, on any machine."""
 
 
 def loader_samples_per_s(shards: str, micro: int, steps: int = 30) -> float:
@@ -79,7 +83,9 @@ def data_wait_share(shards: str, out: Path) -> dict[str, float]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
                "pretrain.train", "--config", "pretrain/configs/tiny.yaml", f"data.shards={shards}",
                f"out_dir={run_dir}", "train.max_steps=30", "train.save_interval=1000", "train.resume=never"]
-    subprocess.run(command, cwd=REPO_ROOT, check=True, capture_output=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, env=dict(os.environ, **CPU_RANKS))
+    if done.returncode:
+        raise RuntimeError(f"the 2-rank data-wait run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
     wait, total = sum(r["data_wait_s"] for r in records), sum(r["step_time_s"] for r in records)
     return {"data_wait_share": wait / total, "step_time_s": total / len(records),
@@ -164,7 +170,7 @@ def zero_memory(preset_name: str, out: Path) -> list[dict[str, float]]:
                    "--result", str(result)]
         for attempt in (1, 2):  # once more on failure: on a shared machine a 2-rank launch can lose its rendezvous
             done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True,
-                                  env=dict(os.environ, OMP_NUM_THREADS="1"))
+                                  env=dict(os.environ, **CPU_RANKS))
             if done.returncode == 0:
                 break
             print(f"[bench-train] ZeRO-{stage} memory run failed (attempt {attempt}):\n{done.stderr[-3000:]}",
