@@ -29,12 +29,14 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as torch_dist
 
 from pretrain import checkpoint as ckpt
+from pretrain.accelerator import collective_device
 from pretrain.batch_plan import BatchPlan, plan_batch
 from pretrain.data import to_device
-from pretrain.engine import (NonFiniteLossError, any_rank, build_engine, engine_config, gather_objects,
-                             init_distributed, mean_over_ranks, nonfinite_gradient_norm, optimizer_step,
+from pretrain.engine import (NonFiniteLossError, build_engine, engine_config, gather_objects,
+                             init_distributed, nonfinite_gradient_norm, optimizer_step,
                              read_engine_json, zero_stage)
 from pretrain.outputs import write_file_atomically
 from pretrain.trainer import StepBar, StopRequest, prepare_metrics_file
@@ -147,14 +149,14 @@ def _fit_locked(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer, rank
         while progress.step < total_steps:
             epoch, index_in_epoch = divmod(progress.step, steps_per_epoch)
             lr = engine.get_lr()[0]  # the rate this step applies (the scheduler moves on after it)
-            step_loss = train_step(cfg, engine, task, plan, progress, epoch, index_in_epoch, rank, log)
+            step_loss, stop = train_step(cfg, engine, task, plan, progress, epoch, index_in_epoch, rank, log,
+                                         bool(stop_requested))  # one rank signalled: all save and exit together
             progress.step += 1
             progress.epoch_losses.append(step_loss)
             if log:
                 log.write(json.dumps({"step": progress.step, "epoch": epoch + 1, "loss": step_loss, "lr": lr}) + "\n")
                 log.flush()
                 bar.update(progress.step, step_loss, lr)
-            stop = any_rank(bool(stop_requested))  # one rank signalled: all save and exit together
             epoch_done = progress.step % steps_per_epoch == 0 or progress.step == total_steps
             if epoch_done:
                 end_epoch(cfg, engine, task, tokenizer, progress, epoch, total_steps, rank, out)
@@ -198,11 +200,23 @@ def restore_progress(engine: Any, resume: ckpt.ResumePoint | None, seed: int, ra
     return Progress(state["step"], state["history"], state["best"], state["epoch_losses"], resume.saved)
 
 
+def reduce_step(losses: list[torch.Tensor], accumulation_steps: int, stop: bool) -> dict[str, Any]:
+    """This rank's micro-batch losses (device tensors) and stop request, reduced over ranks in one all-reduce with one
+    transfer to the host, the step's only wait for the device: ``loss`` (the mean over ranks of each rank's mean;
+    NaN/inf when any rank's loss is), ``stop`` (whether any rank asked to) and ``local_losses`` (this rank's)."""
+    local = torch.stack([loss.detach().to(torch.float64) for loss in losses])
+    totals = torch.cat([(local.sum() / accumulation_steps).view(1), local.new_tensor([float(stop)])])
+    totals = totals.to(collective_device())
+    torch_dist.all_reduce(totals)
+    loss_sum, stops, *mine = torch.cat([totals, local.to(totals.device)]).tolist()
+    return {"loss": loss_sum / torch_dist.get_world_size(), "stop": stops > 0, "local_losses": mine}
+
+
 def train_step(cfg: FinetuneConfig, engine: Any, task: TaskSetup, plan: BatchPlan, progress: Progress, epoch: int,
-               index_in_epoch: int, rank: int, log: Any) -> float:
-    """One optimizer step on this rank's slice of the step's global batch; returns the step's loss, the mean over
-    ranks (what one rank holding the whole batch would report). A NaN/inf loss on any rank (before the update) or
-    gradient (after it) raises `NonFiniteLossError`."""
+               index_in_epoch: int, rank: int, log: Any, stop: bool) -> tuple[float, bool]:
+    """One optimizer step on this rank's slice of the step's global batch. Returns the step's loss, the mean over
+    ranks (what one rank holding the whole batch would report), and whether any rank asked to ``stop``. A NaN/inf
+    loss on any rank (before the update) or gradient (after it) raises `NonFiniteLossError`."""
     order = np.random.default_rng([cfg.seed, epoch]).permutation(task.train_size)
     global_batch = order[index_in_epoch * cfg.batch_size: (index_in_epoch + 1) * cfg.batch_size]
     per_rank = plan.samples_per_rank
@@ -211,7 +225,8 @@ def train_step(cfg: FinetuneConfig, engine: Any, task: TaskSetup, plan: BatchPla
     for begin in range(0, per_rank, cfg.micro_batch_size):
         batch = task.make_batch(mine[begin: begin + cfg.micro_batch_size], epoch)
         micro_batches.append(to_device(batch, engine.device))
-    losses: list[float] = []
+    losses: list[torch.Tensor] = []
+    summary: dict[str, Any] = {}
 
     def stop_if_nonfinite(what: str, stopped: str) -> None:
         message = (f"{what} at step {progress.step + 1} (epoch {epoch + 1}); stopped {stopped}; "
@@ -223,15 +238,17 @@ def train_step(cfg: FinetuneConfig, engine: Any, task: TaskSetup, plan: BatchPla
         raise NonFiniteLossError(message)
 
     def before_update() -> None:
-        if any_rank(not all(math.isfinite(loss) for loss in losses)):
-            stop_if_nonfinite(f"non-finite loss (this rank's micro-batches: {losses})", "before the optimizer step")
+        summary.update(reduce_step(losses, plan.gradient_accumulation_steps, stop))
+        if not math.isfinite(summary["loss"]):
+            stop_if_nonfinite(f"non-finite loss (this rank's micro-batches: {summary['local_losses']})",
+                              "before the optimizer step")
 
     optimizer_step(engine, micro_batches, loss_of=lambda loss: loss,
-                   observe=lambda batch, loss: losses.append(loss.item()), before_update=before_update)
+                   observe=lambda batch, loss: losses.append(loss.detach()), before_update=before_update)
     bad_norm = nonfinite_gradient_norm(engine)
     if bad_norm is not None:
         stop_if_nonfinite(f"non-finite gradient norm {bad_norm}", "without saving this step")
-    return mean_over_ranks(sum(loss / plan.gradient_accumulation_steps for loss in losses))
+    return summary["loss"], summary["stop"]
 
 
 def end_epoch(cfg: FinetuneConfig, engine: Any, task: TaskSetup, tokenizer: Tokenizer, progress: Progress, epoch: int,

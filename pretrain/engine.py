@@ -339,18 +339,6 @@ def optimizer_step(engine: Any, micro_batches: Sequence[dict[str, torch.Tensor]]
         engine.step()
 
 
-def mean_over_ranks(value: float) -> float:
-    """The mean of ``value`` over all ranks (a collective)."""
-    tensor = torch.tensor([value], dtype=torch.float64, device=collective_device())
-    torch_dist.all_reduce(tensor)
-    return tensor.item() / torch_dist.get_world_size()
-
-
-def any_rank(flag: bool) -> bool:
-    """Whether ``flag`` is set on any rank (a collective)."""
-    return mean_over_ranks(float(flag)) > 0
-
-
 def nonfinite_gradient_norm(engine: Any) -> float | None:
     """The global gradient norm of the step just taken when it is NaN/inf under fp32/bf16, else None.
 

@@ -3,6 +3,7 @@ slices, the HF export + summary.json, exact resume after a stop, `finetune.decod
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -327,3 +328,22 @@ def test_predict_writes_squad_predictions_and_scores_them_as_fine_tuning_did(sma
                   "--output", str(tmp_path / "bare2_p.json")])
     assert json.loads((tmp_path / "bare2_p.json").read_text()) == json.loads((tmp_path / "v2_p.json").read_text())
     assert (tmp_path / "bare2_p.null_odds.json").exists()
+
+
+def test_a_nan_loss_stops_before_the_update_naming_the_step_and_keeping_the_last_checkpoint(
+        small_tasks, tiny_init, tmp_path, capsys):
+    args = classify_args(small_tasks, tiny_init, tmp_path, "--epochs", "20", "--set", "save_interval=2")
+    args[args.index("--lr") + 1] = "1e30"  # the first update at a large rate makes every later loss NaN
+    with pytest.raises(SystemExit) as stopped:
+        run.main(args)
+    assert stopped.value.code == 3
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    step = records[-1]["step"]
+    assert records[-1]["event"] == "nonfinite" and [r["step"] for r in records[:-1]] == list(range(1, step))
+    assert all(math.isfinite(r["loss"]) for r in records[:-1])
+    kept = f"global_step{step - 1 - (step - 1) % 2}"  # the last save_interval checkpoint before the NaN step
+    err = capsys.readouterr().err
+    assert f"[stop] non-finite loss (this rank's micro-batches: [nan, nan]) at step {step} (epoch " in err
+    assert f"the last complete checkpoint ({kept}) in {tmp_path / 'checkpoints'} is intact" in err
+    assert (tmp_path / "checkpoints" / "latest").read_text() == kept
+    assert not (tmp_path / "summary.json").exists() or not json.loads((tmp_path / "summary.json").read_text())["finished"]
