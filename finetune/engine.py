@@ -150,7 +150,7 @@ def _fit_locked(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer, rank
             epoch, index_in_epoch = divmod(progress.step, steps_per_epoch)
             lr = engine.get_lr()[0]  # the rate this step applies (the scheduler moves on after it)
             step_loss, stop = train_step(cfg, engine, task, plan, progress, epoch, index_in_epoch, rank, log,
-                                         bool(stop_requested))  # one rank signalled: all save and exit together
+                                         stop_requested)  # one rank signalled: all save and exit together
             progress.step += 1
             progress.epoch_losses.append(step_loss)
             if log:
@@ -213,10 +213,11 @@ def reduce_step(losses: list[torch.Tensor], accumulation_steps: int, stop: bool)
 
 
 def train_step(cfg: FinetuneConfig, engine: Any, task: TaskSetup, plan: BatchPlan, progress: Progress, epoch: int,
-               index_in_epoch: int, rank: int, log: Any, stop: bool) -> tuple[float, bool]:
+               index_in_epoch: int, rank: int, log: Any, stop_requested: StopRequest) -> tuple[float, bool]:
     """One optimizer step on this rank's slice of the step's global batch. Returns the step's loss, the mean over
-    ranks (what one rank holding the whole batch would report), and whether any rank asked to ``stop``. A NaN/inf
-    loss on any rank (before the update) or gradient (after it) raises `NonFiniteLossError`."""
+    ranks (what one rank holding the whole batch would report), and whether any rank's ``stop_requested`` was set
+    by the end of its backward passes. A NaN/inf loss on any rank (before the update) or gradient (after it)
+    raises `NonFiniteLossError`."""
     order = np.random.default_rng([cfg.seed, epoch]).permutation(task.train_size)
     global_batch = order[index_in_epoch * cfg.batch_size: (index_in_epoch + 1) * cfg.batch_size]
     per_rank = plan.samples_per_rank
@@ -238,7 +239,7 @@ def train_step(cfg: FinetuneConfig, engine: Any, task: TaskSetup, plan: BatchPla
         raise NonFiniteLossError(message)
 
     def before_update() -> None:
-        summary.update(reduce_step(losses, plan.gradient_accumulation_steps, stop))
+        summary.update(reduce_step(losses, plan.gradient_accumulation_steps, bool(stop_requested)))
         if not math.isfinite(summary["loss"]):
             stop_if_nonfinite(f"non-finite loss (this rank's micro-batches: {summary['local_losses']})",
                               "before the optimizer step")

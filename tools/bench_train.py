@@ -10,8 +10,8 @@
    and 4·P + 12·P/N (ZeRO-2), and 16·P/N plus the 20 MB parameter-prefetch bucket (ZeRO-3; parameters smaller
    than DeepSpeed's persistence threshold also stay whole on every rank, well under 0.1 % here).
 
-All three run on CPU ranks (gloo), a GPU machine included: they measure the loader, the engine's
-data wait and ZeRO's partitioning, which do not depend on the device, and two ranks need no second GPU.
+All three run on the CPU, the 2-rank ones on CPU ranks (gloo), a GPU machine included: two ranks then need no
+second GPU, and the rows compare across machines.
 Writes ``OUT/bench_train.json`` and ``OUT/bench_train.md``. The GPU figures (the full training step on one GPU,
 `train_step_throughput`, beside the model step) are ``python -m tools.bench_all --only gpu`` (``make gpu-speed``).
 """
