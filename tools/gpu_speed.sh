@@ -11,6 +11,8 @@
 #
 #   tools/gpu_speed.sh [OUT=bench_out/gpu_speed] [bench|tests|suite|all (= bench and tests)]
 #
+# Where torch sees no CUDA GPU it exits 2 and writes nothing (the CPU figures are `make bench`).
+#
 # OUT receives the reports alone (machine.txt, bench.log, results.md, results.json, gpu_partial.json -- what is
 # measured so far, rewritten after each part --, gpu_model.json, the test logs); what the benchmark builds and runs
 # (shards, training runs, their logs) goes to GPU_SPEED_WORK (default OUT/work). Every part streams its output into
@@ -27,6 +29,10 @@ WHAT=${2:-all}
 case $WHAT in bench|tests|suite|all) ;; *) echo "usage: $0 [OUT] [bench|tests|suite|all], not '$WHAT'" >&2; exit 2;; esac
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || command -v python3 || echo python )}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if ! "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
+  echo "$0: needs a CUDA GPU, and torch sees none here ($("$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)')); the CPU figures are make bench" >&2
+  exit 2
+fi
 mkdir -p "$OUT"
 { nvidia-smi || true; "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'; } \
   > "$OUT/machine.txt" 2>&1

@@ -102,3 +102,18 @@ def test_the_gpu_section_keeps_the_parts_that_ran_when_one_fails(tmp_path: Path,
     assert partial_after[0]["model"] == model and partial_after[0]["train"] == {}  # written after each part
     final = json.loads((tmp_path / "gpu_partial.json").read_text())
     assert final["train"]["bf16"] == {"512": {"samples_per_s": 400.0}, "128": {"samples_per_s": 1500.0}}
+
+
+def test_gpu_speed_refuses_a_machine_without_a_cuda_gpu_and_writes_nothing(tmp_path: Path) -> None:
+    import os
+    import subprocess
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU")
+    script = Path(__file__).resolve().parents[2] / "tools" / "gpu_speed.sh"
+    done = subprocess.run([str(script), str(tmp_path / "out"), "bench"], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHON=sys.executable), timeout=120)
+    assert done.returncode == 2 and "needs a CUDA GPU, and torch sees none here (torch " in done.stderr
+    assert "the CPU figures are make bench" in done.stderr and not (tmp_path / "out").exists()
