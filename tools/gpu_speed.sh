@@ -29,13 +29,13 @@ WHAT=${2:-all}
 case $WHAT in bench|tests|suite|all) ;; *) echo "usage: $0 [OUT] [bench|tests|suite|all], not '$WHAT'" >&2; exit 2;; esac
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || command -v python3 || echo python )}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-if ! "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
-  echo "$0: needs a CUDA GPU, and torch sees none here ($("$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)')); the CPU figures are make bench" >&2
+if ! TORCH=$("$PY" -c 'import sys, torch; print("torch", torch.__version__, "cuda", torch.version.cuda)
+sys.exit(not torch.cuda.is_available())'); then
+  echo "$0: needs a CUDA GPU, and torch sees none here ($TORCH); the CPU figures are make bench" >&2
   exit 2
 fi
 mkdir -p "$OUT"
-{ nvidia-smi || true; "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'; } \
-  > "$OUT/machine.txt" 2>&1
+{ nvidia-smi || true; echo "$TORCH"; } > "$OUT/machine.txt" 2>&1
 status=0
 if [[ $WHAT == bench || $WHAT == all ]]; then
   "$PY" -m tools.bench_all --only gpu --out "$OUT" --work "${GPU_SPEED_WORK:-$OUT/work}" 2>&1 \
