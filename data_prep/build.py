@@ -52,8 +52,8 @@ from data_prep.sources import (ALL_FILES, ROWS_PER_DOCUMENT, SUPPORTED, TEXT_FIE
                                RepairedText, Skipped, Unit, Wikitext, check_input, directory_files, document_text,
                                folder_split, input_units, is_plain_folder, read_documents, read_unit)
 from data_prep.text import clean_document, split_sentences
-from data_prep.vocab import (Vocab, VocabError, load_encoder, load_vocab, resolve_casing, resolve_vocab_source,
-                             train_vocab)
+from data_prep.vocab import (HF_TOKENIZER_CONFIG, Vocab, VocabError, load_encoder, load_vocab, resolve_casing,
+                             resolve_vocab_source, train_vocab)
 
 PARTS_DIR = "parts"
 SKIP_EXAMPLES = 3
@@ -603,11 +603,12 @@ def check_output(out: Path, vocab: Vocab, overwrite: bool) -> None:
 
 def prepare_staging(staging: Path, cfg: BuildConfig, num_builders: int) -> None:
     """Empty the staging directory of everything but the vocab; with several builders, parts of this very
-    build stay (another builder wrote them) and only what ``finalize`` writes goes."""
+    build (same settings, same ``--num-builders``) stay (another builder wrote them) and only what ``finalize``
+    writes goes."""
     parts = staging / PARTS_DIR
     if parts.is_dir():
-        ours = all(json.loads(b.read_text())["fingerprint"] == cfg.fingerprint
-                   for b in parts.glob("builder-*.json"))
+        records = [json.loads(b.read_text()) for b in parts.glob("builder-*.json")]
+        ours = all(r["fingerprint"] == cfg.fingerprint and r["num_builders"] == num_builders for r in records)
         if num_builders == 1 or not ours:
             shutil.rmtree(parts)
     if staging.is_dir():
@@ -737,6 +738,9 @@ def _finalize(out: Path) -> dict:
 
     ends = np.cumsum([len(p) for p in opened], dtype=np.int64)
     total = int(ends[-1]) if len(ends) else 0
+    if total == 0 and not stats.read and not stats.skipped:
+        raise ShardError(f"no samples from {list(cfg.inputs)}: they hold no text (empty or whitespace-only files?); "
+                         "check the inputs")
     if total == 0:
         examples = "; ".join(f"{reason}: {where[0]}" for reason, where in sorted(stats.skip_examples.items()) if where)
         raise ShardError(f"no samples from {list(cfg.inputs)}: {stats.read} documents read, "
@@ -850,17 +854,22 @@ def random_next_warning(manifest: dict) -> str | None:
             "sentences, each alone in its file?)")
 
 
-def unk_warning(manifest: dict, vocab_name: str) -> str | None:
-    """A warning when more than 0.5 % of the word pieces are [UNK], naming the vocab and its casing."""
+def unk_warning(manifest: dict, vocab_name: str, casing_from: str | None = None) -> str | None:
+    """A warning when more than 0.5 % of the word pieces are [UNK], naming the vocab and its casing; the other
+    casing is suggested only when no file beside the vocab (``casing_from``) states it."""
     pieces = manifest.get("wordpieces", {})
     if not pieces.get("total") or pieces["unk"] <= UNK_WARNING_FRACTION * pieces["total"]:
         return None
     uncased = manifest["vocab"]["uncased"]
+    casing = "uncased" if uncased else "cased"
+    fix = "use a vocab made for this text (--train-vocab SIZE --vocab-out PATH)"
+    if casing_from is None:
+        fix = (f"a vocab read with the wrong casing does this: pass {'--cased' if uncased else '--uncased'} if the "
+               f"vocab is {'cased' if uncased else 'uncased'}; else {fix}")
+    else:
+        casing += f", as {casing_from} states"
     return (f"[build] warning: {pieces['unk'] / pieces['total']:.1%} of the word pieces are [UNK]: vocab "
-            f"{vocab_name} ({'uncased' if uncased else 'cased'}) does not cover this text. A vocab read with the "
-            f"wrong casing does this: pass {'--cased' if uncased else '--uncased'} if the vocab is "
-            f"{'cased' if uncased else 'uncased'}; else use a vocab made for this text (--train-vocab SIZE "
-            "--vocab-out PATH)")
+            f"{vocab_name} ({casing}) does not cover this text; {fix}")
 
 
 def build(cfg: BuildConfig, out: Path, workers: int = 1, overwrite: bool = False, progress: bool = True) -> dict:
@@ -904,7 +913,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     casing.add_argument("--cased", action="store_const", const=False, dest="uncased",
                         help="keep case; refused if --vocab's tokenizer config lowercases")
     p.add_argument("--train-vocab", type=int, metavar="SIZE", help="train a WordPiece vocab of SIZE on the inputs")
-    p.add_argument("--vocab-out", type=Path, help="where --train-vocab writes the vocab")
+    p.add_argument("--vocab-out", type=Path, help="where --train-vocab writes the vocab; a tokenizer_config.json "
+                                                  "beside it states its casing (an existing one: --overwrite)")
     p.add_argument("--recipe", default="unilm", help=f"one of {', '.join(RECIPES)} (default unilm)")
     p.add_argument("--objective-mix", default="", help="unilm only: e.g. bidirectional=0.5,seq2seq=0.5")
     p.add_argument("--max-seq-len", type=int, default=128, help="tokens per sample, [CLS]/[SEP] included (default 128)")
@@ -912,7 +922,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="share of pair samples built to a random shorter length, as BERT (default 0.1)")
     p.add_argument("--mask-prob", type=float, default=0.15, help="share of tokens masked (default 0.15)")
     p.add_argument("--max-predictions", type=int,
-                   help="cap on masked tokens per sample (default round(0.15 x --max-seq-len): 19 at 128, 77 at 512)")
+                   help="cap on masked tokens per sample (default round(--mask-prob x --max-seq-len): 19 at 128, 77 at "
+                        "512 with 0.15)")
     p.add_argument("--dupe-factor", type=int, default=1,
                    help="differently-masked copies of each instance (BERT: 10; see docs/shard_format.md)")
     p.add_argument("--seed", type=int, default=1, help="seeds every random choice of the build (default 1)")
@@ -927,7 +938,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="characters per work unit (affects output; default 500000)")
     p.add_argument("--out", type=Path, help="output directory (assembled beside it, renamed into place when done)")
     p.add_argument("--overwrite", action="store_true",
-                   help="replace an existing build in --out (it stays until the new one is complete)")
+                   help="replace an existing build in --out (it stays until the new one is complete) and an "
+                        "existing --vocab-out")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
@@ -935,6 +947,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _resolve_vocab(args: argparse.Namespace) -> tuple[Path, bool]:
     """(vocab.txt, uncased) for --vocab; a tokenizer.json's vocabulary is written beside the output first."""
     source = resolve_vocab_source(args.vocab)
+    source.load()  # a vocabulary that cannot be used is named as given, before anything is written
     uncased = resolve_casing(source, args.uncased)
     if source.vocab_file is not None:
         return source.vocab_file, uncased
@@ -954,7 +967,7 @@ def _warn_low_cap(masking: MaskingConfig, max_seq_len: int) -> None:
         print(f"[build] warning: --max-predictions {masking.max_predictions} caps masking below --mask-prob "
               f"{masking.mask_prob} for samples longer than {int(masking.max_predictions / masking.mask_prob) + 3} "
               f"tokens (a full {max_seq_len}-token sample masks {masking.max_predictions / (max_seq_len - 3):.1%}); "
-              f"the default is {default_max_predictions(max_seq_len)}", file=sys.stderr)
+              f"the default is {default_max_predictions(max_seq_len, masking.mask_prob)}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -969,10 +982,12 @@ def main(argv: list[str] | None = None) -> None:
             raise ValueError("give at least one --input")
         for spec in args.input:
             check_input(spec)
+        if args.workers < 1:
+            raise ValueError(f"--workers {args.workers}: give at least 1 (processes on this machine)")
         if not 0 <= args.builder_index < args.num_builders:
             raise ValueError(f"--builder-index {args.builder_index} must be in [0, --num-builders {args.num_builders})")
         sentence_inputs = tuple(args.input if args.rows_as_sentences == [] else args.rows_as_sentences or ())
-        max_predictions = default_max_predictions(args.max_seq_len) if args.max_predictions is None \
+        max_predictions = default_max_predictions(args.max_seq_len, args.mask_prob) if args.max_predictions is None \
             else args.max_predictions
         # every setting is checked before any work (--train-vocab reads the inputs with the reading settings)
         settings = BuildConfig(
@@ -989,9 +1004,15 @@ def main(argv: list[str] | None = None) -> None:
         if args.train_vocab is not None:
             if args.vocab_out is None:
                 raise ValueError("--train-vocab needs --vocab-out PATH")
+            _check_vocab_out(args.vocab_out, args.overwrite)
+            args.uncased = bool(args.uncased)  # the build below encodes as the vocab was trained
             vocab = train_vocab(training_documents(args.input, settings), args.train_vocab, args.vocab_out,
-                                bool(args.uncased))
-            print(f"[build] trained a {vocab.size}-entry WordPiece vocab -> {args.vocab_out}")
+                                args.uncased)
+            print(f"[build] trained a {vocab.size}-entry {'uncased' if args.uncased else 'cased'} WordPiece vocab "
+                  f"-> {args.vocab_out} (its casing in {args.vocab_out.parent / HF_TOKENIZER_CONFIG})")
+            if vocab.size < args.train_vocab:
+                print(f"[build] note: --train-vocab {args.train_vocab} asked for more entries than these inputs "
+                      f"yield: every word piece seen is in the {vocab.size}", file=sys.stderr)
             if args.out is None:
                 return
             args.vocab = args.vocab_out
@@ -1007,15 +1028,28 @@ def main(argv: list[str] | None = None) -> None:
             if args.num_builders == 1:
                 manifest = finalize(args.out, lock)
         if args.num_builders == 1:
-            _report(manifest, args.out, str(args.vocab))
+            _report(manifest, args.out, str(args.vocab), resolve_vocab_source(args.vocab).casing_from)
         else:
             print(f"[build] builder {args.builder_index}/{args.num_builders}: {stats.read} documents read; "
                   f"when all builders are done run: python -m data_prep.build --finalize --out {args.out}")
     except (ValueError, OSError) as err:  # our errors are ValueError subclasses that name the file and the fix
         sys.exit(f"data_prep.build: error: {err}")
+    except KeyboardInterrupt:  # a build replaces --out only once complete; the next run clears the staging
+        print("data_prep.build: interrupted" + (f"; {args.out} holds what it held before this run, and a rerun "
+                                                "clears the half-built leftovers" if args.out else ""), file=sys.stderr)
+        sys.exit(130)
 
 
-def _report(manifest: dict, out: Path, vocab_name: str) -> None:
+def _check_vocab_out(vocab_out: Path, overwrite: bool) -> None:
+    """Refuse to replace an existing vocab, or the tokenizer config beside it, unless ``--overwrite``."""
+    existing = [p for p in (vocab_out, vocab_out.parent / HF_TOKENIZER_CONFIG) if p.exists()]
+    if existing and not overwrite:
+        raise ValueError(f"--vocab-out {vocab_out}: {' and '.join(map(str, existing))} exist(s), and --train-vocab "
+                         f"writes both; pass --overwrite to replace them (shards built on the old vocab keep their "
+                         "copy), or choose another --vocab-out")
+
+
+def _report(manifest: dict, out: Path, vocab_name: str, casing_from: str | None = None) -> None:
     docs = manifest["documents"]
     print(f"[build] {manifest['num_samples']} samples, {manifest['num_tokens']} tokens in {len(manifest['shards'])} "
           f"shard(s) -> {out}; documents read {docs['read']}, skipped {docs['skipped']} {docs['skip_reasons']}")
@@ -1023,7 +1057,7 @@ def _report(manifest: dict, out: Path, vocab_name: str) -> None:
         print(f"[build] {docs['repaired_lines']} line(s) of text inputs held bytes that are not UTF-8, replaced by "
               f"U+FFFD (e.g. {docs['repair_examples'][0]}; more in manifest.json documents.repair_examples)",
               file=sys.stderr)
-    for warning in (skip_warning(manifest), random_next_warning(manifest), unk_warning(manifest, vocab_name)):
+    for warning in (skip_warning(manifest), random_next_warning(manifest), unk_warning(manifest, vocab_name, casing_from)):
         if warning:
             print(warning, file=sys.stderr)
 

@@ -24,7 +24,8 @@ from data_prep.shard_format import VOCAB_NAME, Objective, ShardArrays, ShardData
 def shard_statistics(ds: ShardDataset) -> dict[str, Any]:
     """Corpus-level statistics of a build (see the module docstring for the keys)."""
     special = ds.special_tokens
-    special_ids = np.array(sorted(special.values()))
+    # structure tokens that masking must never pick ([UNK] is text: a masked [UNK] predicts [UNK])
+    special_ids = np.array(sorted(i for name, i in special.items() if name != "unk"))
     objectives: collections.Counter = collections.Counter()
     random_next: collections.Counter = collections.Counter()
     spans: collections.Counter = collections.Counter()

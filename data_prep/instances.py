@@ -14,11 +14,11 @@ one of the same chunk, or, for a document alone in its chunk, one of the neighbo
 and its continuation. The unused sentences go back to the stream. Segments never cross documents except that
 random B. Layout: ``[CLS] A [SEP]`` or ``[CLS] A [SEP] B [SEP]``.
 
-Masking (``mask_samples``): 15% of the non-special tokens (at least 1, at most ``max_predictions``, by default
-round(0.15 × max_seq_len), so a full-length sample is masked at 15% too), in non-adjacent spans whose lengths
-follow the recipe (``SPAN_LENGTH_PROBS``): unilm 80% single tokens and 20% bigrams or trigrams (UniLM, Dong et
-al. 2019), bert single tokens only (BERT, Devlin et al. 2019); of the masked tokens 80% become [MASK], 10% a
-random non-special token, 10% stay. Everything random comes from a generator seeded by (seed, document index,
+Masking (``mask_samples``): 15% (``mask_prob``) of the non-special tokens (at least 1, at most ``max_predictions``,
+by default round(mask_prob × max_seq_len), so a full-length sample is masked at that rate too), in non-adjacent
+spans whose lengths follow the recipe (``SPAN_LENGTH_PROBS``): unilm 80% single tokens and 20% bigrams or
+trigrams (UniLM, Dong et al. 2019), bert single tokens only (BERT, Devlin et al. 2019); of the masked tokens 80%
+become [MASK], 10% a random non-special token, 10% stay. Everything random comes from a generator seeded by (seed, document index,
 stream), never by process order, so any split of the work gives the same bytes.
 """
 from __future__ import annotations
@@ -279,9 +279,10 @@ def _emit(current: list[list[int]], objective: Objective, target: int, i: int, s
     return i
 
 
-def default_max_predictions(max_seq_len: int) -> int:
-    """The --max-predictions default: 15% of the length, so the cap binds only on the rounding (77 at 512)."""
-    return max(1, round(0.15 * max_seq_len))
+def default_max_predictions(max_seq_len: int, mask_prob: float = 0.15) -> int:
+    """The --max-predictions default: ``mask_prob`` of the length, so the cap binds only on the rounding (77 at 512
+    with 15 %)."""
+    return max(1, round(mask_prob * max_seq_len))
 
 
 def masking_budget(num_maskable: np.ndarray, cfg: MaskingConfig) -> np.ndarray:

@@ -4,8 +4,10 @@
 run inside a paragraph into one space (joining its lines); paragraphs (blank-line separated) stay separate.
 ``split_sentences`` cuts each paragraph after ``.``/``!``/``?`` (plus closing quotes or brackets) followed by
 whitespace and a capital letter (any script: ``str.isupper``), digit or opening quote, except after common
-abbreviations and initials; and after the full-width terminators ``。！？．`` (plus closing quotes or brackets)
-of Chinese and Japanese text, with or without whitespace after them. A document of at least
+abbreviations and initials; and after the terminators of scripts that do not use ``.`` (plus closing quotes or
+brackets), with or without whitespace after them: the full-width ``。！？．`` of Chinese and Japanese, the
+Devanagari ``।``/``॥`` (Hindi, Marathi, Nepali; Bengali uses the same), the Arabic ``؟`` and Urdu ``۔``, the
+Ethiopic ``።``/``፧``, the Armenian ``։`` and the Myanmar ``။``. A document of at least
 ``UNCASED_MIN_CHARS`` characters with no capital letter at all (lower-casing changes nothing in it: lowercased
 prose, as uncased corpora ship; scripts without case) is cut after ``.``/``!``/``?`` followed by whitespace and
 any letter or digit instead, with the same exceptions lowercased; a shorter one may be a fragment of cased text,
@@ -45,20 +47,24 @@ def _character_class(predicate) -> str:
 _UPPER = _character_class(str.isupper)  # A-Z, À-Þ, Α-Ω, А-Я, …: ~1,900 code points in ~650 ranges
 _CLOSERS = "\"')\\]\u201d\u2019\u00bb"                # " ' ) ] ” ’ »
 _OPENERS = "\"'(\\[\u201c\u2018\u00ab\u201e\u00bf\u00a1"  # " ' ( [ “ ‘ « „ ¿ ¡
-_CJK_TERMINATORS = "\u3002\uff01\uff1f\uff0e"             # 。！？．
-_CJK_CLOSERS = _CLOSERS + "\u300d\u300f\uff09\u3009\u300b\u3011\u3015"  # and 」』）〉》】〕
+_TERMINATORS = ("\u3002\uff01\uff1f\uff0e"  # 。！？． (Chinese, Japanese)
+                "\u0964\u0965"              # । ॥ (Devanagari and Bengali danda)
+                "\u061f\u06d4"              # ؟ ۔ (Arabic question mark, Urdu full stop)
+                "\u1362\u1367"              # ። ፧ (Ethiopic full stop and question mark)
+                "\u0589\u104b")             # ։ ။ (Armenian full stop, Myanmar section mark)
+_TERMINATOR_CLOSERS = _CLOSERS + "\u300d\u300f\uff09\u3009\u300b\u3011\u3015"  # and 」』）〉》】〕
 
 
 def _boundary(abbreviations: list[str], initial: str, starter: str) -> re.Pattern:
     """Group 1 ends a sentence: . ! ? (with an optional closing quote or bracket) that does not end one of the
     ``abbreviations`` or an initial (a letter of class ``initial``), when whitespace, opening quotes and a letter of
-    class ``starter`` follow; or a run of full-width terminators with their closing brackets, whatever follows.
-    The whitespace after it is dropped. Each alternative starts with its punctuation class, so the fixed-width
+    class ``starter`` follow; or a run of the other scripts' terminators with their closing brackets, whatever
+    follows. The whitespace after it is dropped. Each alternative starts with its punctuation class, so the fixed-width
     lookbehinds only run at candidate boundaries."""
     return re.compile(
         r"([.!?]" + "".join(rf"(?<!\b{re.escape(a)}\.)" for a in abbreviations)
         + rf"(?<!\b[{initial}]\.)[{_CLOSERS}]?(?=\s+[{_OPENERS}]*[{starter}])"
-        + rf"|[{_CJK_TERMINATORS}]+[{_CJK_CLOSERS}]*)\s*")
+        + rf"|[{_TERMINATORS}]+[{_TERMINATOR_CLOSERS}]*)\s*")
 
 
 # Cased text: a capital or digit starts the next sentence. A document without capitals: any letter or digit, and

@@ -80,6 +80,9 @@ def _validated(path: Path, text: str, sha256: str) -> Vocab:
     tokens = [t.rstrip("\r") for t in tokens]
     if not tokens:
         raise VocabError(f"vocab {path}: empty; {_FIX}")
+    if tokens[0].startswith("\ufeff"):
+        raise VocabError(f"vocab {path}: starts with a UTF-8 byte-order mark (an editor added it), which would "
+                         f"become part of {tokens[0][1:]!r}; save the file as UTF-8 without a BOM")
     first_seen: dict[str, int] = {}
     for number, token in enumerate(tokens, 1):
         if not token.strip() or token != token.strip():
@@ -133,7 +136,9 @@ def _encoder(tokens: Iterable[str], uncased: bool) -> Tokenizer:
 
 
 def train_vocab(documents: Iterable[str], size: int, out: Path, uncased: bool) -> Vocab:
-    """Train a WordPiece vocab of ``size`` entries on ``documents`` (streamed) and write it to ``out``."""
+    """Train a WordPiece vocab of ``size`` entries on ``documents`` (streamed) and write it to ``out``, with the
+    tokenizer config that states its casing beside it: a later ``--vocab out`` encodes as it was trained, even
+    when no word piece shows the casing (lowercased text, scripts without case)."""
     if size < 100:
         raise VocabError(f"--train-vocab {size}: too small; use at least 100 (BERT uses ~30,000)")
     tokenizer = Tokenizer(models.WordPiece(unk_token=SPECIAL_TOKENS["unk"]))
@@ -145,6 +150,7 @@ def train_vocab(documents: Iterable[str], size: int, out: Path, uncased: bool) -
     by_id = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(f"{token}\n" for token, _ in by_id), encoding="utf-8")
+    write_tokenizer_config(out.parent, uncased)
     return load_vocab(out)
 
 
@@ -165,11 +171,26 @@ class VocabSource:
     uncased: bool | None
     """casing stated by a tokenizer config; None for a bare vocab.txt"""
     casing_from: str | None = None
+    added_tokens: tuple[tuple[int, str, str], ...] = ()
+    """(id, token, file) of the tokens a Hugging Face tokenizer adds to its vocabulary"""
 
     def load(self) -> Vocab:
-        """The validated vocabulary: the vocab.txt, or the tokenizer.json's vocabulary."""
-        return load_vocab(self.vocab_file) if self.vocab_file is not None else \
+        """The validated vocabulary: the vocab.txt, or the tokenizer.json's vocabulary. A tokenizer that adds
+        tokens the vocabulary lacks (``tokenizer.add_tokens``) is refused: this encoder reads only the WordPiece
+        vocabulary and would split them into word pieces, never using their embedding rows."""
+        vocab = load_vocab(self.vocab_file) if self.vocab_file is not None else \
             vocab_from_text(self.vocab_text, self.description)
+        extra = sorted({(i, token, origin) for i, token, origin in self.added_tokens
+                        if not (0 <= i < vocab.size and vocab.tokens[i] == token)})
+        if extra:
+            shown = ", ".join(f"{token!r} (id {i})" for i, token, _ in extra[:5])
+            more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
+            raise VocabError(f"{extra[0][2]}: the tokenizer adds {len(extra)} token(s) its {vocab.size}-entry "
+                             f"WordPiece vocabulary lacks: {shown}{more}. This encoder reads only the vocabulary, so "
+                             "they would be split into word pieces and their embedding rows never used; append them "
+                             f"to {vocab.path.name if self.vocab_file else 'the vocabulary'} in id order (as word "
+                             "pieces they then match whole words only), or remove them from the tokenizer")
+        return vocab
 
 
 def resolve_vocab_source(path: Path | str) -> VocabSource:
@@ -181,15 +202,40 @@ def resolve_vocab_source(path: Path | str) -> VocabSource:
         vocab_txt, tokenizer_json = path / "vocab.txt", path / HF_TOKENIZER_JSON
         uncased, casing_from = _stated_casing(path)
         if vocab_txt.is_file():
-            return VocabSource(str(path), vocab_txt, None, uncased, casing_from)
+            return VocabSource(str(path), vocab_txt, None, uncased, casing_from, _added_tokens(path))
         if tokenizer_json.is_file():
-            return VocabSource(str(path), None, _tokenizer_json(tokenizer_json)[0], uncased, casing_from)
+            return VocabSource(str(path), None, _tokenizer_json(tokenizer_json)[0], uncased, casing_from,
+                               _added_tokens(path))
         raise VocabError(f"vocab {path}: a directory without vocab.txt or tokenizer.json; pass a BERT vocab.txt, "
                          "a Hugging Face BERT model directory, or a tokenizer.json")
     if path.name.endswith(".json") and path.is_file():
         vocab_text, uncased = _tokenizer_json(path)
-        return VocabSource(str(path), None, vocab_text, uncased, str(path))
-    return VocabSource(str(path), path, None, *_stated_casing(path.parent))
+        return VocabSource(str(path), None, vocab_text, uncased, str(path), _tokenizer_json_added(path))
+    return VocabSource(str(path), path, None, *_stated_casing(path.parent), _added_tokens(path.parent))
+
+
+HF_ADDED_TOKENS = "added_tokens.json"
+
+
+def _added_tokens(directory: Path) -> tuple[tuple[int, str, str], ...]:
+    """(id, token, file) of every token the Hugging Face tokenizer files in ``directory`` add: ``tokenizer.json``'s
+    ``added_tokens``, ``added_tokens.json`` (a slow tokenizer's) and ``tokenizer_config.json``'s
+    ``added_tokens_decoder`` (BERT's own special tokens are among them, at their vocabulary ids)."""
+    found: list[tuple[int, str, str]] = []
+    if (directory / HF_TOKENIZER_JSON).is_file():
+        found += _tokenizer_json_added(directory / HF_TOKENIZER_JSON)
+    if (added := directory / HF_ADDED_TOKENS).is_file():
+        found += [(int(i), str(token), str(added)) for token, i in _read_json(added).items()]
+    if (config := directory / HF_TOKENIZER_CONFIG).is_file():
+        decoder = _read_json(config).get("added_tokens_decoder") or {}
+        found += [(int(i), str(entry.get("content")), str(config)) for i, entry in decoder.items()
+                  if isinstance(entry, dict)]
+    return tuple(found)
+
+
+def _tokenizer_json_added(path: Path) -> tuple[tuple[int, str, str], ...]:
+    return tuple((int(entry["id"]), str(entry["content"]), str(path))
+                 for entry in _read_json(path).get("added_tokens") or [] if isinstance(entry, dict) and "id" in entry)
 
 
 def _stated_casing(directory: Path) -> tuple[bool | None, str | None]:
@@ -287,6 +333,12 @@ def write_hf_tokenizer(vocab: Vocab | Path | str, uncased: bool, out: Path | str
         target.write_text("".join(f"{token}\n" for token in vocab.tokens), encoding="utf-8")
     elif vocab.path.resolve() != target.resolve():
         shutil.copyfile(vocab.path, target)
+    write_tokenizer_config(out, uncased, model_max_length)
+
+
+def write_tokenizer_config(out: Path, uncased: bool, model_max_length: int | None = None) -> None:
+    """``tokenizer_config.json`` and ``special_tokens_map.json`` in ``out``: the casing and the special tokens of
+    the vocab.txt there, as ``transformers`` and ``resolve_vocab_source`` read them."""
     special = {f"{name}_token": token for name, token in SPECIAL_TOKENS.items()}
     config = {"tokenizer_class": "BertTokenizer", "do_lower_case": uncased, "strip_accents": None,
               "tokenize_chinese_chars": True, "do_basic_tokenize": True, **special}

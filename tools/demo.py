@@ -98,7 +98,8 @@ class Demo(Stages):
 
     def vocab_stage(self) -> dict[str, Any]:
         self.command([self.python, "-m", "data_prep.build", "--input", *self.train_inputs,
-                      "--train-vocab", str(self.vocab_size), "--vocab-out", str(self.vocab), "--workers", "2"])
+                      "--train-vocab", str(self.vocab_size), "--vocab-out", str(self.vocab), "--workers", "2",
+                      "--overwrite"])
         return {"vocab": str(self.vocab), "entries": len(self.vocab.read_text().splitlines())}
 
     def shards_stage(self) -> dict[str, Any]:

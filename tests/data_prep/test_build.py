@@ -51,6 +51,16 @@ def test_finalize_refuses_missing_builders(samples_dir, vocab_file, tmp_path):
     assert "builder(s) [0, 2] of 3 have not finished" in build_error("--finalize", "--out", tmp_path)
 
 
+def test_builders_of_another_split_are_cleared_and_the_new_split_finalizes(samples_dir, vocab_file, tmp_path):
+    common = ["--input", samples_dir / "news/lee.txt", "--vocab", vocab_file, "--chunk-chars", 40_000,
+              "--out", tmp_path / "o", "--quiet"]
+    build.main([str(a) for a in common] + ["--num-builders", "2", "--builder-index", "0"])
+    for index in range(3):
+        build.main([str(a) for a in common] + ["--num-builders", "3", "--builder-index", str(index)])
+    build.main(["--finalize", "--out", str(tmp_path / "o")])
+    assert (tmp_path / "o" / "manifest.json").is_file()
+
+
 def test_masking_statistics(unilm_shards):
     stats = shard_statistics(ShardDataset(unilm_shards))
     assert stats["masked_fraction"] == pytest.approx(0.15, abs=0.01)
@@ -234,6 +244,7 @@ def test_stray_shards_and_corpus_without_samples(samples_dir, vocab_file, unilm_
     (["--short-seq-prob", "2"], "--short-seq-prob 2.0 must be a probability in [0, 1]"),
     (["--short-seq-prob", "nan"], "--short-seq-prob nan must be a probability in [0, 1]"),
     (["--seed", "-1"], "--seed -1 must be 0 or more"),
+    (["--workers", "0"], "--workers 0: give at least 1"),
 ])
 def test_bad_settings_are_clear_errors(samples_dir, vocab_file, tmp_path, extra, message):
     error = build_error("--input", samples_dir / "news/lee.txt", "--vocab", vocab_file, "--out", tmp_path, *extra)
@@ -248,6 +259,9 @@ def test_bad_vocab_and_inputs_are_clear_errors(samples_dir, tmp_path):
     assert "none.txt: file not found" in error
     error = build_error("--input", tmp_path / "absent.jsonl", "--vocab", tmp_path / "vocab.txt", "--out", tmp_path / "o")
     assert "absent.jsonl: file not found" in error
+    (tmp_path / "blank.txt").write_text(" \n\n\t\n")
+    error = build_error("--input", tmp_path / "blank.txt", "--vocab", samples_dir / "minilm", "--out", tmp_path / "o")
+    assert "they hold no text (empty or whitespace-only files?)" in error
 
 
 def test_train_vocab_then_build_in_one_command(samples_dir, tmp_path):
@@ -255,6 +269,37 @@ def test_train_vocab_then_build_in_one_command(samples_dir, tmp_path):
                          tmp_path / "vocab.txt", "--recipe", "gpt", "--out", tmp_path / "out")
     assert manifest["vocab"]["size"] == 800 and manifest["token_dtype"] == "uint16"
     assert (tmp_path / "out/vocab.txt").read_bytes() == (tmp_path / "vocab.txt").read_bytes()
+
+
+def test_a_trained_vocab_states_its_casing_and_is_not_replaced_unasked(tmp_path):
+    """Lowercased French: a cased vocab trained on it has no capital letter, so only the tokenizer config written
+    beside it keeps later builds (and this one) cased, its accented pieces in use."""
+    words = "le pâté était très bon et la crème brûlée aussi mais où est le café de noël".split()
+    rng = np.random.default_rng(0)
+    text = "\n\n".join(". ".join(" ".join(rng.choice(words, 9)) for _ in range(8)) + "." for _ in range(40))
+    (tmp_path / "fr.txt").write_text(text)
+    vocab = tmp_path / "v" / "vocab.txt"
+    args = ["--input", tmp_path / "fr.txt", "--recipe", "gpt"]
+    trained = run_build(*args, "--train-vocab", 150, "--vocab-out", vocab, "--out", tmp_path / "a")
+    assert json.loads((vocab.parent / "tokenizer_config.json").read_text())["do_lower_case"] is False
+    again = run_build(*args, "--vocab", vocab, "--out", tmp_path / "b")
+    assert trained["vocab"]["uncased"] is again["vocab"]["uncased"] is False
+    ids = ShardDataset(tmp_path / "b")[0].input_ids.tolist()
+    assert any(load_vocab(vocab).tokens[i] in ("pâté", "très", "où") for i in ids)
+    error = build_error(*args, "--train-vocab", 150, "--vocab-out", vocab)
+    assert f"--vocab-out {vocab}: {vocab} and {vocab.parent / 'tokenizer_config.json'} exist(s)" in error
+    assert "pass --overwrite" in error
+    build.main([str(a) for a in args] + ["--train-vocab", "150", "--vocab-out", str(vocab), "--uncased",
+                                         "--overwrite"])
+    assert json.loads((vocab.parent / "tokenizer_config.json").read_text())["do_lower_case"] is True
+
+
+def test_the_default_cap_follows_the_mask_probability(samples_dir, vocab_file, tmp_path, capsys):
+    manifest = run_build("--input", samples_dir / "news/lee.txt", "--vocab", vocab_file, "--recipe", "bert",
+                         "--mask-prob", 0.3, "--out", tmp_path / "o")
+    assert manifest["masking"]["max_predictions"] == round(0.3 * 128)
+    assert shard_statistics(ShardDataset(tmp_path / "o"))["masked_fraction"] == pytest.approx(0.3, abs=0.01)
+    assert "caps masking" not in capsys.readouterr().err
 
 
 def test_random_next_from_the_same_document_stays_away_from_a():
@@ -325,6 +370,10 @@ def test_unk_share_is_recorded_and_a_wrong_casing_is_warned_about(samples_dir, m
     err = capsys.readouterr().err
     assert f"of the word pieces are [UNK]: vocab {tmp_path / 'vocab.txt'} (cased) does not cover this text" in err
     assert "pass --uncased if the vocab is uncased" in err
+    stats = shard_statistics(ShardDataset(tmp_path / "cased"))  # a masked [UNK] is text, not a structure token
+    assert stats["special_tokens_masked"] == 0 and stats["masked_fraction"] == pytest.approx(0.15, abs=0.01)
+    stated = build.unk_warning(manifest | {"wordpieces": pieces}, "m", casing_from="m/tokenizer_config.json")
+    assert "(cased, as m/tokenizer_config.json states) does not cover" in stated and "pass --" not in stated
     manifest = run_build(*args, "--out", tmp_path / "uncased")
     assert manifest["wordpieces"]["unk"] / manifest["wordpieces"]["total"] < 0.005
     assert "[UNK]" not in capsys.readouterr().err

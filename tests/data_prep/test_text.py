@@ -67,6 +67,14 @@ def test_chinese_and_japanese_sentences_end_at_full_width_terminators():
                                          "東京は日本の首都です。", "人口は多いです．"]
 
 
+def test_sentences_end_at_the_terminators_of_scripts_without_a_full_stop():
+    """Hindi's danda, Arabic's question mark, Amharic's full stop: without them such a corpus is one sentence per
+    paragraph and pair recipes skip it."""
+    assert split_sentences("भारत एक देश है। यह बड़ा है॥ और") == ["भारत एक देश है।", "यह बड़ा है॥", "और"]
+    assert split_sentences("هل أنت بخير؟ نعم. شكرا") == ["هل أنت بخير؟", "نعم. شكرا"]
+    assert split_sentences("ሰላም ነው። እንዴት ነህ፧ ደህና") == ["ሰላም ነው።", "እንዴት ነህ፧", "ደህና"]
+
+
 def test_a_capital_of_any_script_starts_a_sentence():
     document = clean_document("Die Straße ist lang. Über die Brücke geht man. Émile Zola schrieb « Oui ». "
                               "Это дом. Здесь живёт Ж. Петров. Ελλάδα. ¿Qué? Fin.")

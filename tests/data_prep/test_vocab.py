@@ -31,6 +31,13 @@ def test_malformed_vocab_is_named(tmp_path, lines, message):
         load_vocab(_write(tmp_path, lines))
 
 
+def test_a_byte_order_mark_is_named(tmp_path):
+    path = tmp_path / "vocab.txt"
+    path.write_text("\ufeff" + "\n".join(SPECIALS + ["the"]) + "\n", encoding="utf-8")
+    with pytest.raises(VocabError, match="starts with a UTF-8 byte-order mark .* without a BOM"):
+        load_vocab(path)
+
+
 def test_missing_and_binary_vocab(tmp_path):
     with pytest.raises(VocabError, match="nope.txt: file not found.*--train-vocab"):
         load_vocab(tmp_path / "nope.txt")

@@ -62,6 +62,32 @@ def test_transformers_5_tokenizer_directory_fine_tunes_and_exports_a_vocab_txt(m
     assert (tmp_path / "out" / "vocab.txt").read_bytes() == (minilm_dir / "vocab.txt").read_bytes()
 
 
+def test_a_tokenizer_with_added_tokens_is_refused_naming_them(minilm_dir, tmp_path):
+    """``tokenizer.add_tokens`` puts tokens beyond the WordPiece vocabulary; an encoder of the vocabulary alone would
+    split them into word pieces, so such a tokenizer is refused wherever it is read, in every layout transformers
+    writes. Its own special tokens, added tokens at their vocabulary ids, pass."""
+    from transformers import AutoTokenizer
+    hf = AutoTokenizer.from_pretrained(str(minilm_dir))
+    assert load_tokenizer(minilm_dir).encode("covid19") != []  # MiniLM's tokenizer.json lists its specials as added
+    hf.add_tokens(["covid19", "brexit2020"])
+    hf.save_pretrained(str(tmp_path / "added"))
+    (tmp_path / "json_only").mkdir()
+    shutil.copy(tmp_path / "added" / "tokenizer.json", tmp_path / "json_only" / "tokenizer.json")
+    (tmp_path / "slow").mkdir()  # a slow tokenizer's layout: vocab.txt + added_tokens.json
+    shutil.copy(minilm_dir / "vocab.txt", tmp_path / "slow" / "vocab.txt")
+    (tmp_path / "slow" / "added_tokens.json").write_text(json.dumps({"covid19": 30522, "brexit2020": 30523}))
+    for path in (tmp_path / "added", tmp_path / "json_only", tmp_path / "json_only" / "tokenizer.json",
+                 tmp_path / "slow", tmp_path / "slow" / "vocab.txt"):
+        with pytest.raises(VocabError, match=r"adds 2 token\(s\) its 30522-entry WordPiece vocabulary lacks: "
+                                             r"'covid19' \(id 30522\), 'brexit2020' \(id 30523\)"):
+            load_tokenizer(path)
+    with pytest.raises(SystemExit, match="added_tokens.json: the tokenizer adds 2"):
+        from data_prep import build
+        build.main(["--input", str(tmp_path / "slow" / "vocab.txt"), "--vocab", str(tmp_path / "slow"),
+                    "--out", str(tmp_path / "shards"), "--quiet"])
+    assert not (tmp_path / "shards").exists() and not (tmp_path / ".shards.partial").exists()
+
+
 def test_exported_tokenizer_truncates_to_the_model_positions(minilm_dir, tmp_path):
     from transformers import AutoTokenizer
     write_hf_tokenizer(minilm_dir / "vocab.txt", True, tmp_path, model_max_length=64)
