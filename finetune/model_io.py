@@ -5,7 +5,8 @@ A fine-tuning output directory is a Hugging Face BERT directory plus what HF BER
     config.json, model.safetensors   `pretrain.hf.save_hf_bert`: loads in `transformers` as the task's class with
                                      its trained head (`hf_task_class`: BertForSequenceClassification with the
                                      labels as `id2label`, BertForMultipleChoice, BertForQuestionAnswering), so
-                                     its pipelines run it; else (seq2seq, GPT heads) as BertForPreTraining
+                                     its pipelines run it; else (seq2seq, GPT heads) as the backbone:
+                                     BertForPreTraining, a causal LM's BertLMHeadModel (is_decoder)
     vocab.txt, tokenizer_config.json the vocabulary it was trained with and its casing, and
     special_tokens_map.json          (`data_prep.vocab.write_hf_tokenizer`: `AutoTokenizer` loads them)
     finetune_extra.safetensors       the task head (`head.*`), all 6 segment rows (`embeddings.segment.weight`:
@@ -182,8 +183,8 @@ def save_finetuned(out_dir: str | Path, model: UniLMModel, head: torch.nn.Module
 def hf_task_class(task: str, cfg: Any, meta: dict[str, Any]) -> str | None:
     """The transformers task class a fine-tuned model is written as, when one computes what our head does: a
     masked-LM backbone's classifier on the pooled [CLS] of one view (`BertForSequenceClassification`; one score per
-    choice: `BertForMultipleChoice`), its span head (`BertForQuestionAnswering`). None (written as
-    `BertForPreTraining`, the head beside it): seq2seq, a causal LM's head on the last token, GPT-1 similarity's
+    choice: `BertForMultipleChoice`), its span head (`BertForQuestionAnswering`). None (written as the
+    backbone — `BertForPreTraining`, a causal LM's `BertLMHeadModel` —, the head beside it): seq2seq, a causal LM's head on the last token, GPT-1 similarity's
     two summed views."""
     if cfg.causal_lm:
         return None

@@ -20,7 +20,8 @@ attention the model trains with:
       import (2 → 6)   an `is_decoder` config builds a `causal_lm` model; HF type 0 → every row
                        (`SEGMENT_ROWS_FROM_HF_DECODER`; the model reads row 2). A type 1 that differs from type 0
                        has no place in it and is dropped with a warning.
-    A checkpoint that already has 6 types loads as is, either kind.
+    A checkpoint that already has 6 types loads as is, either kind; one with a single type (type_vocab_size 1)
+    gives its row to all six.
 
 Tensors are read safely: `model.safetensors` with safetensors, `pytorch_model.bin` with
 `torch.load(weights_only=True)`, a checkpoint saved in shards through its `*.index.json`. Checkpoints with or
@@ -120,11 +121,19 @@ def from_hf_name(name: str) -> str | None:
 _EXACT_GELU = ("gelu", "gelu_python")
 
 
+# config.json keys with no default: the tensors' shapes
+_REQUIRED_CONFIG_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+
+
 def config_from_hf(config: dict) -> ModelConfig:
     """Our ModelConfig from a HF BERT `config.json` dict (`is_decoder: true` → `causal_lm`); refuses what our model
     cannot express."""
     if config.get("model_type", "bert") != "bert":
         raise ValueError(f"not a BERT config: model_type={config.get('model_type')!r}")
+    missing = [key for key in _REQUIRED_CONFIG_KEYS if not isinstance(config.get(key), int)]
+    if missing:
+        raise ValueError(f"not a BERT config: no integer {', '.join(missing)} (a BERT config.json has "
+                         f"{', '.join(_REQUIRED_CONFIG_KEYS)}; keys {sorted(config)[:8]} are another model's?)")
     if config.get("hidden_act", "gelu") not in _EXACT_GELU:
         raise ValueError(f"only the exact (erf) gelu is supported (hidden_act {' or '.join(map(repr, _EXACT_GELU))}), "
                          f"config has hidden_act={config['hidden_act']!r}; tanh approximations such as 'gelu_new' "
@@ -132,9 +141,9 @@ def config_from_hf(config: dict) -> ModelConfig:
     if config.get("position_embedding_type", "absolute") != "absolute":
         raise ValueError("only absolute position embeddings are supported, config has "
                          f"position_embedding_type={config['position_embedding_type']!r}")
-    if config.get("type_vocab_size", 2) not in (2, NUM_SEGMENT_TYPES):
+    if config.get("type_vocab_size", 2) not in (1, 2, NUM_SEGMENT_TYPES):
         raise ValueError(f"type_vocab_size={config['type_vocab_size']} cannot be mapped to "
-                         f"{NUM_SEGMENT_TYPES} segment types (2 or {NUM_SEGMENT_TYPES} can)")
+                         f"{NUM_SEGMENT_TYPES} segment types (1, 2 or {NUM_SEGMENT_TYPES} can)")
     if config.get("add_cross_attention"):
         raise ValueError("add_cross_attention=true (the decoder of an encoder-decoder): its cross-attention layers "
                          "have no place in our model")
@@ -220,7 +229,12 @@ def hf_model_config(path: str | Path) -> ModelConfig:
         config = json.loads(config_file.read_text())
     except ValueError as e:
         raise ValueError(f"{config_file}: not valid JSON ({e})") from None
-    return config_from_hf(config)
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_file}: not a JSON object")
+    try:
+        return config_from_hf(config)
+    except ValueError as e:
+        raise ValueError(f"{config_file}: {e}") from None
 
 
 def load_hf_bert(path: str | Path, cfg: ModelConfig | None = None,
@@ -256,7 +270,8 @@ def load_hf_bert(path: str | Path, cfg: ModelConfig | None = None,
     loaded: dict[str, torch.Tensor] = {}
     unknown, task_head = [], []
     decoder = decoder_bias = None
-    for hf_name, tensor in _read_state_dict(directory).items():
+    for stored_name, tensor in _read_state_dict(directory).items():
+        hf_name = stored_name
         if hf_name.startswith(_HF_TASK_HEADS):
             task_head.append(hf_name)
             continue
@@ -269,9 +284,11 @@ def load_hf_bert(path: str | Path, cfg: ModelConfig | None = None,
             decoder_bias = tensor if hf_name == "cls.predictions.decoder.bias" else decoder_bias
             continue
         name = from_hf_name(hf_name)
-        if name is None:
-            unknown.append(hf_name)
+        if name is None or name not in ours:  # another model's tensor, or a layer beyond cfg's
+            unknown.append(stored_name)
             continue
+        if name == "embeddings.segment.weight" and tensor.shape[0] == 1:  # one token type: every segment reads it
+            tensor = tensor.expand(NUM_SEGMENT_TYPES, -1).clone()
         if name == "embeddings.segment.weight" and tensor.shape[0] == 2:
             if source.causal_lm and not torch.equal(tensor[0], tensor[1]):
                 logger.warning(f"{directory}: a causal LM reads one segment row; its HF token type 0 fills them "
@@ -282,16 +299,24 @@ def load_hf_bert(path: str | Path, cfg: ModelConfig | None = None,
                              f"our {name} needs {tuple(ours[name].shape)}")
         loaded[name] = tensor
     if unknown:
-        raise ValueError(f"{directory}: tensors our model has no place for: {unknown}")
+        layers = {int(m.group(1)) for n in unknown if (m := re.search(r"encoder\.layer\.(\d+)\.", n))}
+        hint = (f" (its layers go up to {max(layers)}, the config builds {cfg.num_layers}: a model with fewer layers "
+                "cannot take a deeper checkpoint's weights)" if layers and max(layers) >= cfg.num_layers else "")
+        raise ValueError(f"{directory}: tensors our model has no place for{hint}: {unknown[:5]}"
+                         + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""))
     if task_head and supplement is None:
         logger.warning(f"{directory}: left out its fine-tuned task head {sorted(task_head)}; the encoder loads")
     loaded.update(supplement or {})
 
-    if "mlm_head.decoder.bias" not in loaded and decoder_bias is not None:  # the bias stored under the decoder only
+    if decoder_bias is not None and not (supplement and "mlm_head.decoder.bias" in supplement):
+        # the bias the HF decoder adds: the same tensor as cls.predictions.bias in a tied model, the one the forward
+        # uses in an untied one (transformers 5 keeps cls.predictions.bias apart there, untrained)
         loaded["mlm_head.decoder.bias"] = decoder_bias
     if decoder is not None and not torch.equal(decoder, loaded.get("embeddings.token.weight", decoder)):
         logger.warning(f"{directory}: its MLM decoder weights differ from its word embeddings (an untied "
-                       "checkpoint); our decoder is tied to the word embeddings, so they predict the tokens")
+                       "checkpoint, tie_word_embeddings false); our decoder is tied to the word embeddings, so its "
+                       "encoder loads exactly but its word predictions are not the checkpoint's: train the MLM head "
+                       "before using them (a classifier or span extractor on the encoder is unaffected)")
     tied = "mlm_head.decoder.weight"
     missing = sorted(n for n in ours if n not in loaded and n != tied)
     not_optional = [n for n in missing if not n.startswith(_OPTIONAL_PREFIXES)]

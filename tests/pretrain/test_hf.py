@@ -279,6 +279,54 @@ def test_an_untied_decoder_is_named_in_a_warning(tmp_path, caplog):
     assert "untied" in caplog.text
 
 
+def _tiny_hf_config(**settings):
+    return transformers.BertConfig(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                   intermediate_size=48, **settings)
+
+
+def test_an_untied_checkpoint_predicts_with_its_decoder_bias(tmp_path, caplog):
+    """transformers' untied BertForMaskedLM (tie_word_embeddings false) adds cls.predictions.decoder.bias, a
+    tensor apart from cls.predictions.bias: the import takes the one the forward adds, so with the decoder weights
+    equal to the embeddings the MLM logits are transformers' own; a decoder that differs is named."""
+    torch.manual_seed(8)
+    hf_model = transformers.BertForMaskedLM(_tiny_hf_config(tie_word_embeddings=False)).eval()
+    with torch.no_grad():
+        hf_model.cls.predictions.decoder.weight.copy_(hf_model.bert.embeddings.word_embeddings.weight)
+        hf_model.cls.predictions.decoder.bias.normal_()
+        hf_model.cls.predictions.bias.zero_()
+    hf_model.save_pretrained(tmp_path)
+    input_ids = torch.randint(5, 101, (2, 12))
+    with caplog.at_level(logging.WARNING, logger="pretrain.hf"):
+        model = load_hf_bert(tmp_path).eval()
+    assert "tie_word_embeddings" not in caplog.text
+    with torch.no_grad():
+        ours = model.mlm_logits(model.encode_objective(input_ids, BIDIRECTIONAL, torch.tensor([6, 6]),
+                                                       torch.tensor([12, 12])))
+        theirs = hf_model(input_ids=input_ids, token_type_ids=(torch.arange(12) >= 6).long().expand(2, 12)).logits
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+    with torch.no_grad():
+        hf_model.cls.predictions.decoder.weight.normal_()
+    hf_model.save_pretrained(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="pretrain.hf"):
+        load_hf_bert(tmp_path)
+    assert "untied checkpoint, tie_word_embeddings false" in caplog.text
+    assert "its word predictions are not the checkpoint's" in caplog.text
+
+
+def test_a_checkpoint_with_one_token_type_gives_it_to_every_segment(tmp_path):
+    torch.manual_seed(9)
+    hf_model = transformers.BertModel(_tiny_hf_config(type_vocab_size=1)).eval()
+    hf_model.save_pretrained(tmp_path)
+    model = load_hf_bert(tmp_path).eval()
+    row = hf_model.embeddings.token_type_embeddings.weight[0]
+    assert all(torch.equal(segment, row) for segment in model.embeddings.segment.weight)
+    input_ids = torch.randint(5, 101, (2, 10))
+    with torch.no_grad():  # a pair: its B segment reads the same row as A, as the checkpoint's every token did
+        ours = model.encode_objective(input_ids, BIDIRECTIONAL, torch.tensor([4, 4]), torch.tensor([10, 10]))
+        theirs = hf_model(input_ids=input_ids, token_type_ids=torch.zeros_like(input_ids)).last_hidden_state
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("head_class", ["BertForSequenceClassification", "BertForQuestionAnswering"])
 def test_a_fine_tuned_bert_gives_its_encoder_and_its_task_head_is_named(minilm, minilm_dir, tmp_path, caplog,
                                                                         head_class):
@@ -329,6 +377,15 @@ def test_bad_checkpoints_fail_loudly(minilm_dir, tmp_path):
         (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_act": activation}))
         with pytest.raises(ValueError, match=f"exact .erf. gelu.*hidden_act='{activation}'"):
             load_hf_bert(tmp_path)
+    torch.save(state, tmp_path / "pytorch_model.bin")  # 6 layers, a config of 2: the usual way to a smaller model
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
+    with pytest.raises(ValueError, match=r"its layers go up to 5, the config builds 2.*\['encoder.layer.2.*"
+                                         r"and \d+ more"):
+        load_hf_bert(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"dim": 768, "n_layers": 6, "vocab_size": 30522}))
+    with pytest.raises(ValueError, match=r"config.json: not a BERT config: no integer hidden_size, "
+                                         r"num_hidden_layers, num_attention_heads, intermediate_size"):
+        load_hf_bert(tmp_path)
 
 
 def test_gelu_python_is_the_exact_gelu(minilm_dir):
