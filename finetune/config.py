@@ -102,7 +102,7 @@ class FinetuneConfig:
     """qa: longest predicted answer (word pieces)."""
     null_score_diff_threshold: float = 0.0
     """qa, SQuAD 2.0: answer "" when the [CLS] score beats the best span's by more than this (BERT's setting; the
-    dev scores' `best_f1_threshold` is the value that would have been best on the dev questions)."""
+    dev scores' `span_best_f1_threshold` is the value that would have been best on the dev questions)."""
 
     max_src_len: int = 448
     """seq2seq: source word-piece budget. Longer sources are cut and counted, and further where the pair would not

@@ -82,10 +82,17 @@ class SpecialIds:
     sep_id: int
     mask_id: int
     pad_id: int
+    unk_id: int | None = None
 
     @classmethod
     def of(cls, tokenizer: Tokenizer) -> "SpecialIds":
-        return cls(tokenizer.cls_id, tokenizer.sep_id, tokenizer.mask_id, tokenizer.pad_id)
+        return cls(tokenizer.cls_id, tokenizer.sep_id, tokenizer.mask_id, tokenizer.pad_id, tokenizer.unk_id)
+
+    @property
+    def never_generated(self) -> list[int]:
+        """The special tokens a target never holds ([SEP] ends it): a generated one would vanish from the text
+        while taking a place in the length budget and hiding repeats from n-gram blocking."""
+        return [i for i in (self.cls_id, self.mask_id, self.pad_id, self.unk_id) if i is not None]
 
 
 # ------------------------------------------------------------------------------------------------ steppers
@@ -254,8 +261,10 @@ def generate(model: torch.nn.Module, sources: list[list[int]], special: SpecialI
     hypotheses: list[list[int]] = [[] for _ in rows]
     finished: list[list[Hypothesis]] = [[] for _ in range(batch_size)]
     done = [False] * batch_size
+    never = torch.tensor(special.never_generated, device=device)
     log_probs = stepper.start()
     for length in range(1, config.max_tgt_len + 1):  # length of the hypotheses after this step
+        log_probs[:, never] = -math.inf
         if length <= config.min_tgt_len:
             log_probs[:, special.sep_id] = -math.inf
         if config.no_repeat_ngram:

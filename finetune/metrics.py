@@ -125,10 +125,11 @@ def squad_exact_match(prediction: str, gold: str) -> float:
     return float(normalize_answer(prediction) == normalize_answer(gold))
 
 
-def squad_f1(prediction: str, gold: str) -> float:
-    """Token-bag F1 of normalised answers; an empty answer (SQuAD 2.0 no-answer) only matches an empty one."""
+def squad_f1(prediction: str, gold: str, version_2: bool = True) -> float:
+    """Token-bag F1 of normalised answers. SQuAD 2.0: an empty answer (no answer) only matches an empty one;
+    v1.1's script gives 0 whenever either is empty."""
     pred_tokens, gold_tokens = normalize_answer(prediction).split(), normalize_answer(gold).split()
-    if not pred_tokens or not gold_tokens:
+    if version_2 and (not pred_tokens or not gold_tokens):
         return float(pred_tokens == gold_tokens)
     common = collections.Counter(pred_tokens) & collections.Counter(gold_tokens)
     overlap = sum(common.values())
@@ -138,20 +139,23 @@ def squad_f1(prediction: str, gold: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-def squad_scores(prediction: str, answers: Sequence[str]) -> tuple[float, float]:
-    """EM and F1 of one prediction against its gold answers, the best over them. Gold answers that normalise to
-    nothing are left out, and a question with none left (SQuAD 2.0 unanswerable) has the gold answer "" (as the
-    official v2.0 script)."""
-    answers = [a for a in answers if normalize_answer(a)] or [""]
-    return max(squad_exact_match(prediction, a) for a in answers), max(squad_f1(prediction, a) for a in answers)
+def squad_scores(prediction: str, answers: Sequence[str], version_2: bool = True) -> tuple[float, float]:
+    """EM and F1 of one prediction against its gold answers, the best over them, by the rules of the official
+    script of the version. SQuAD 2.0: gold answers that normalise to nothing are left out, and a question with none
+    left (unanswerable) has the gold answer ""; v1.1 scores every gold answer as it is."""
+    answers = ([a for a in answers if normalize_answer(a)] if version_2 else list(answers)) or [""]
+    return (max(squad_exact_match(prediction, a) for a in answers),
+            max(squad_f1(prediction, a, version_2) for a in answers))
 
 
-def squad_metrics(predictions: dict[str, str], gold_answers: dict[str, list[str]]) -> dict[str, float]:
+def squad_metrics(predictions: dict[str, str], gold_answers: dict[str, list[str]],
+                  version_2: bool = True) -> dict[str, float]:
     """EM and F1 in percent over every question of `gold_answers` (a missing prediction scores 0), each scored by
     `squad_scores`."""
     if not gold_answers:
         raise ValueError("squad_metrics: no gold questions")
-    scored = [squad_scores(predictions[qid], answers) for qid, answers in gold_answers.items() if qid in predictions]
+    scored = [squad_scores(predictions[qid], answers, version_2) for qid, answers in gold_answers.items()
+              if qid in predictions]
     return {"exact_match": 100.0 * sum(e for e, _ in scored) / len(gold_answers),
             "f1": 100.0 * sum(f for _, f in scored) / len(gold_answers)}
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -242,12 +243,21 @@ def predict_spans(model: SpanModel, questions: list[Question], windows: list[Win
                         continue
                     score = float(start_logits[s] + end_logits[e])
                     if q not in best or score > best[q][0]:
+                        context = questions[q].context
                         char_start, char_end = window.offsets[s - first][0], window.offsets[e - first][1]
-                        best[q] = (score, questions[q].context[char_start:char_end])
+                        best[q] = (score, context[char_start:_past_combining_marks(context, char_end)])
     model.train(was_training)
     # a question no window offered a span for answers "" at any threshold
     return [Prediction(best[i][1], null[i] - best[i][0]) if i in best else Prediction("", float("inf"))
             for i in range(len(questions))]
+
+
+def _past_combining_marks(text: str, end: int) -> int:
+    """``end`` moved past the combining marks that follow it: an uncased tokenizer strips a decomposed accent
+    (e + U+0301), so its word piece's offsets stop before the mark, which belongs to the answer's last letter."""
+    while end < len(text) and unicodedata.category(text[end]) in ("Mn", "Mc", "Me"):
+        end += 1
+    return end
 
 
 def answers_of(predictions: list[Prediction], questions: list[Question], version_2: bool,
@@ -260,34 +270,49 @@ def answers_of(predictions: list[Prediction], questions: list[Question], version
 
 def squad2_breakdown(predictions: list[Prediction], questions: list[Question],
                      null_score_diff_threshold: float = 0.0) -> dict[str, float]:
-    """The official SQuAD 2.0 evaluation's further figures, in percent: EM/F1 over the answerable (`has_ans_*`)
-    and the unanswerable (`no_ans_*`) questions at the threshold, and the EM/F1 at the threshold that would have
-    been best on these questions (`best_exact`, `best_f1`, with `best_exact_threshold`, `best_f1_threshold`)."""
+    """The official SQuAD 2.0 evaluation's further figures, in percent, of the answers at the threshold (what
+    `answers_of` writes, with the null margins as its `--na-prob-file`): EM/F1 over the answerable (`has_ans_*`) and
+    the unanswerable (`no_ans_*`) questions, and `best_exact` / `best_f1` with `best_exact_threshold` /
+    `best_f1_threshold`, computed as evaluate-v2.0.py's `find_best_thresh` computes them. As there, those answers
+    are fixed: a question answered "" stays unanswered at every threshold, so thresholds above this one are never
+    tried. `span_best_exact` / `span_best_f1` (with `span_best_*_threshold`) search every threshold with each
+    question's best span in hand: the value to set `null_score_diff_threshold` to."""
     answerable = [bool(q.answers) for q in questions]
+    margins = [p.null_margin for p in predictions]
     span_scores = [squad_scores(p.text, q.answers) for p, q in zip(predictions, questions)]  # answering with the span
     null_scores = [squad_scores("", q.answers) for q in questions]  # answering ""
+    unanswered = [m > null_score_diff_threshold for m in margins]
+    written = [null if off else span for null, span, off in zip(null_scores, span_scores, unanswered)]
     result = {}
     for group, wanted in (("has_ans", True), ("no_ans", False)):
         members = [i for i, a in enumerate(answerable) if a == wanted]
         if members:
-            chosen = [null_scores[i] if predictions[i].null_margin > null_score_diff_threshold else span_scores[i]
-                      for i in members]
-            result[f"{group}_exact"] = 100.0 * sum(e for e, _ in chosen) / len(members)
-            result[f"{group}_f1"] = 100.0 * sum(f for _, f in chosen) / len(members)
-    # a threshold t answers "" where null_margin > t: raise t past each margin in turn, switching that question to
-    # its span (ties switch together); t below every margin answers "" everywhere
-    order = sorted(range(len(questions)), key=lambda i: predictions[i].null_margin)
+            result[f"{group}_exact"] = 100.0 * sum(written[i][0] for i in members) / len(members)
+            result[f"{group}_f1"] = 100.0 * sum(written[i][1] for i in members) / len(members)
+    order = sorted(range(len(questions)), key=lambda i: margins[i])  # stable: ties in question order, as there
     for metric, k in (("exact", 0), ("f1", 1)):
-        total = sum(score[k] for score in null_scores)
-        best_total = total
-        best_threshold = min((p.null_margin for p in predictions if math.isfinite(p.null_margin)), default=0.0) - 1.0
-        for rank, i in enumerate(order):
-            total += span_scores[i][k] - null_scores[i][k]
-            last_of_tie = rank + 1 == len(order) or predictions[order[rank + 1]].null_margin > predictions[i].null_margin
-            if last_of_tie and total > best_total:
-                best_total, best_threshold = total, predictions[i].null_margin
+        # evaluate-v2.0.py: start from "" everywhere at threshold 0.0; switch on each question in margin order, an
+        # unanswerable one costing 1 if it was answered; keep the first strict best
+        total = best_total = sum(not a for a in answerable)
+        best_threshold = 0.0
+        for i in order:
+            total += written[i][k] if answerable[i] else -float(not unanswered[i] and bool(predictions[i].text))
+            if total > best_total:
+                best_total, best_threshold = total, margins[i]
         result[f"best_{metric}"] = 100.0 * best_total / len(questions)
         result[f"best_{metric}_threshold"] = best_threshold
+        # every threshold, each question answering its span where null_margin <= t ("" below every margin); ties
+        # switch together
+        total = sum(score[k] for score in null_scores)
+        best_total = total
+        best_threshold = min((m for m in margins if math.isfinite(m)), default=0.0) - 1.0
+        for rank, i in enumerate(order):
+            total += span_scores[i][k] - null_scores[i][k]
+            last_of_tie = rank + 1 == len(order) or margins[order[rank + 1]] > margins[i]
+            if last_of_tie and total > best_total:
+                best_total, best_threshold = total, margins[i]
+        result[f"span_best_{metric}"] = 100.0 * best_total / len(questions)
+        result[f"span_best_{metric}_threshold"] = best_threshold
     return result
 
 
@@ -301,7 +326,7 @@ def scores(predictions: list[Prediction], questions: list[Question], version_2: 
            null_score_diff_threshold: float = 0.0) -> dict[str, float]:
     """The official evaluation's EM/F1 of `predictions` (and, for SQuAD 2.0, its breakdown)."""
     answers = answers_of(predictions, questions, version_2, null_score_diff_threshold)
-    metrics = squad_metrics(answers, {q.qid: list(q.answers) for q in questions})
+    metrics = squad_metrics(answers, {q.qid: list(q.answers) for q in questions}, version_2)
     if version_2:
         metrics.update(squad2_breakdown(predictions, questions, null_score_diff_threshold))
     return metrics

@@ -119,14 +119,14 @@ def bigram(transitions: dict[int, dict[int, float]], vocab: int = 12) -> BigramM
 
 
 def test_beam_finds_a_higher_scoring_sequence_than_greedy():
-    # greedy: 5 (0.6), then 2 (0.4, the best single choice), then [SEP]: 0.24; beam: 6 (0.4) then [SEP]: 0.4
-    model = bigram({3: {5: 0.6, 6: 0.4}, 5: {7: 0.1, 8: 0.1, 9: 0.1, 10: 0.1, 11: 0.1, 3: 0.1, 2: 0.4}, 2: {3: 1.0},
-                    6: {3: 1.0}, 7: {3: 1.0}, 8: {3: 1.0}, 9: {3: 1.0}, 10: {3: 1.0}, 11: {3: 1.0}})
+    # greedy: 5 (0.6), then 12 (0.4, the best single choice), then [SEP]: 0.24; beam: 6 (0.4) then [SEP]: 0.4
+    model = bigram({3: {5: 0.6, 6: 0.4}, 5: {7: 0.1, 8: 0.1, 9: 0.1, 10: 0.1, 11: 0.1, 3: 0.1, 12: 0.4}, 12: {3: 1.0},
+                    6: {3: 1.0}, 7: {3: 1.0}, 8: {3: 1.0}, 9: {3: 1.0}, 10: {3: 1.0}, 11: {3: 1.0}}, vocab=13)
     batch = [[2, 7, 3]]
     for use_cache in (True, False):
         greedy = generate(model, batch, SPECIAL, DecodeConfig(beam_size=1, max_tgt_len=5, use_cache=use_cache))[0]
         beam = generate(model, batch, SPECIAL, DecodeConfig(beam_size=3, max_tgt_len=5, use_cache=use_cache))[0]
-        assert greedy.tokens == [5, 2] and beam.tokens == [6]
+        assert greedy.tokens == [5, 12] and beam.tokens == [6]
         assert beam.log_prob == pytest.approx(math.log(0.4), abs=1e-5)
         assert beam.log_prob > greedy.log_prob
 
@@ -197,6 +197,19 @@ def test_search_goes_on_until_no_alive_beam_can_beat_the_best_finished_one():
             best = generate(model, [[2, 9, 3]], SPECIAL, config)[0]
             assert best.tokens == [5, 7, 8], (length_penalty_alpha, use_cache)
             assert best.log_prob == pytest.approx(math.log(0.9 ** 3), abs=1e-4)
+
+
+def test_special_tokens_other_than_sep_are_never_generated():
+    """A model that prefers [CLS], [MASK], [PAD] and [UNK] still writes words: a special token would vanish from the
+    text while filling the length budget and hiding repeats from n-gram blocking."""
+    special = SpecialIds(cls_id=2, sep_id=3, mask_id=4, pad_id=0, unk_id=1)
+    favourites = {0: 0.2, 1: 0.2, 2: 0.2, 4: 0.2}
+    model = bigram({t: {**favourites, 5: 0.1, 6: 0.05, 3: 0.05} for t in range(12)})
+    for beam_size in (1, 3):
+        for use_cache in (True, False):
+            best = generate(model, [[2, 7, 3]], special, DecodeConfig(beam_size=beam_size, max_tgt_len=4,
+                                                                      use_cache=use_cache))[0]
+            assert best.tokens and not set(best.tokens) & {0, 1, 2, 4}, best.tokens
 
 
 def test_min_and_max_length_and_length_penalty():

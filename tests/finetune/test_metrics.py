@@ -63,6 +63,10 @@ def test_squad_metrics_take_the_best_gold_answer_and_count_missing_predictions()
     # gold answers that normalise to nothing are left out (official v2.0 script): "" does not match "the"
     assert squad_metrics({"q1": ""}, {"q1": ["Denver Broncos", "the"]}) == {"exact_match": 0.0, "f1": 0.0}
     assert squad_metrics({"q1": ""}, {"q1": ["the", "a"]})["exact_match"] == 100.0  # nothing left: no answer
+    # v1.1's script scores every gold answer as it is, and its F1 is 0 when either side is empty
+    assert squad_metrics({"q1": "the"}, {"q1": ["the", "cat"]}, version_2=False) == {"exact_match": 100.0, "f1": 0.0}
+    assert squad_metrics({"q1": ""}, {"q1": ["the"]}, version_2=False) == {"exact_match": 100.0, "f1": 0.0}
+    assert squad_metrics({"q1": ""}, {"q1": ["the"]}) == {"exact_match": 100.0, "f1": 100.0}
 
 
 def test_generation_metrics_use_rouge_score_and_sacrebleu():
