@@ -45,10 +45,12 @@ class LabelSpace:
     multiple_choice: bool = False
 
     @classmethod
-    def from_records(cls, records: list[dict], where: str, regression: bool | None = None) -> "LabelSpace":
+    def from_records(cls, records: list[dict], where: str, regression: bool | None = None,
+                     classes: tuple[str, ...] = ()) -> "LabelSpace":
         """The label space of training records: multiple choice when they have `choices`; else regression when
-        `regression` is true, or (None) when every label is a number and some is written as a float; else the
-        classes, sorted (numbers by value)."""
+        `regression` is true, or (None) when every label is a number and some is written as a float; else
+        `classes` when given (a GLUE task's, in its order: a training subset without one still has it), or the
+        classes of the labels, sorted (numbers by value)."""
         if "choices" in records[0]:
             return cls(multiple_choice=True)
         for number, record in enumerate(records, 1):
@@ -66,7 +68,13 @@ class LabelSpace:
             for number, label in enumerate(labels, 1):
                 _score(label, f"{where}: record {number}")
             return cls(regression=True)
-        return cls(classes=tuple(sorted({class_name(x) for x in labels}, key=_class_order)))
+        found = {class_name(x) for x in labels}
+        if classes:
+            unknown = sorted(found - set(classes))
+            if unknown:
+                raise ValueError(f"{where}: labels {unknown} are not among the task's classes {list(classes)}")
+            return cls(classes=tuple(classes))
+        return cls(classes=tuple(sorted(found, key=_class_order)))
 
     def hint(self, records: list[dict]) -> str | None:
         """A note when numbers were read as classes (integers, or numbers written as strings): they might be

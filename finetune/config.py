@@ -178,6 +178,11 @@ class FinetuneConfig:
                 raise ValueError(f"glue_task={self.glue_task!r}: a classify setting, one of {', '.join(GLUE_TASKS)}")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.task == "seq2seq":
+            for path in (self.train, self.dev):
+                if Path(path).suffix.lower() in (".tsv", ".csv", ".parquet"):
+                    raise ValueError(f"{path}: seq2seq reads JSONL files, one {{\"src\": ..., \"tgt\": ...}} "
+                                     "object per line")
 
     @property
     def deepspeed_config_path(self) -> Path:

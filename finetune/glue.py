@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .task_files import read_jsonl
+from .task_files import read_jsonl_numbered
 
 INDEX_COLUMNS = ("index", "idx", "id")
 """Where GLUE's TSVs (`index`, QQP's `id`) and Hugging Face exports (`idx`) keep an example's id."""
@@ -88,10 +88,11 @@ def record_format(settings: Mapping[str, Any]) -> RecordFormat:
                         label=(settings.get("label_field", "label"),), regression=settings.get("regression"))
 
 
-def read_rows(path: str | Path, headerless: tuple[str, ...] = ()) -> tuple[list[dict], list[int]]:
-    """The rows of a `.jsonl`/`.json` (one object per line), `.tsv`, `.csv` or `.parquet` file as dicts, and the
-    line numbers of the delimited rows skipped for a wrong number of fields. A TSV is read with quoting off
-    (GLUE's); a file whose first line has as many fields as `headerless` and none of its names is read with those."""
+def read_rows(path: str | Path, headerless: tuple[str, ...] = ()) -> tuple[list[dict], list[int], list[int]]:
+    """The rows of a `.jsonl`/`.json` (one object per line), `.tsv`, `.csv` or `.parquet` file as dicts, the
+    line numbers of the delimited rows skipped for a wrong number of fields, and each row's line number (a parquet
+    row's: its position from 1). A TSV is read with quoting off (GLUE's); a file whose first line has as many
+    fields as `headerless` and none of its names is read with those."""
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix in (".tsv", ".csv"):
@@ -107,24 +108,26 @@ def read_rows(path: str | Path, headerless: tuple[str, ...] = ()) -> tuple[list[
         header, first_row = lines[0], 1
         if headerless and len(header) == len(headerless) and not set(header) & set(headerless):
             header, first_row = list(headerless), 0
-        rows, skipped = [], []
+        rows, skipped, numbers = [], [], []
         for number, fields in enumerate(lines[first_row:], first_row + 1):
             if len(fields) != len(header):
                 if fields:  # a blank line is no row
                     skipped.append(number)
                 continue
             rows.append(dict(zip(header, fields)))
+            numbers.append(number)
         if not rows:
             raise ValueError(f"{path}: no records under its header row {header}")
-        return rows, skipped
+        return rows, skipped, numbers
     if suffix == ".parquet":
         import pyarrow.parquet as pq  # `datasets` brings pyarrow
 
         rows = pq.read_table(path).to_pylist()
         if not rows:
             raise ValueError(f"{path}: no records")
-        return rows, []
-    return read_jsonl(path), []
+        return rows, [], list(range(1, len(rows) + 1))
+    numbered = read_jsonl_numbered(path)
+    return [row for _, row in numbered], [], [number for number, _ in numbered]
 
 
 def typed(text: str) -> str | int | float:
@@ -148,7 +151,7 @@ def read_records(path: str | Path, fmt: RecordFormat) -> list[dict]:
     (`choices`) as they are. A file without the text column is refused, naming its columns and the settings that
     choose others. Rows skipped for a wrong number of fields are reported on stderr."""
     where = str(path)
-    rows, skipped = read_rows(path, fmt.headerless)
+    rows, skipped, numbers = read_rows(path, fmt.headerless)
     if skipped:
         print(f"[classify] {where}: skipped {len(skipped)} row(s) with a wrong number of fields (lines "
               f"{', '.join(map(str, skipped[:5]))}{', ...' if len(skipped) > 5 else ''})", file=sys.stderr)
@@ -163,7 +166,7 @@ def read_records(path: str | Path, fmt: RecordFormat) -> list[dict]:
                          f"label_field, or set glue_task for a GLUE file")
     text_b, label, index = (_column(columns, names) for names in (fmt.text_b, fmt.label, fmt.index))
     records = []
-    for number, row in enumerate(rows, 1):
+    for number, row in zip(numbers, rows):
         record = {"text": row.get(text)}
         if text_b is not None and row.get(text_b) is not None:
             record["text_b"] = row[text_b]
@@ -173,9 +176,12 @@ def read_records(path: str | Path, fmt: RecordFormat) -> list[dict]:
                 value = None
             elif fmt.label_names and isinstance(value, int) and not isinstance(value, bool):
                 if not 0 <= value < len(fmt.label_names):
-                    raise ValueError(f"{where}: record {number} has label {value}, not a class id of "
+                    raise ValueError(f"{where}:{number}: label {value} is not a class id of "
                                      f"{list(fmt.label_names)} (or -1: none)")
                 value = fmt.label_names[value]
+            elif fmt.label_names and isinstance(value, str) and value not in fmt.label_names:
+                raise ValueError(f"{where}:{number}: label {value!r} is not one of the task's labels "
+                                 f"{list(fmt.label_names)}")
             if value is not None:
                 record["label"] = value
         if index is not None and row.get(index) is not None:

@@ -33,6 +33,11 @@ from pathlib import Path
 
 def read_jsonl(path: str | Path) -> list[dict]:
     """Every record of a JSONL file; a line that is not a JSON object fails with its file and line number."""
+    return [record for _, record in read_jsonl_numbered(path)]
+
+
+def read_jsonl_numbered(path: str | Path) -> list[tuple[int, dict]]:
+    """(line number, record) of every record of a JSONL file (blank lines hold none), as `read_jsonl` reads them."""
     records = []
     with open(path, "rb") as f:
         for line_number, raw in enumerate(f, 1):
@@ -49,7 +54,7 @@ def read_jsonl(path: str | Path) -> list[dict]:
                 raise ValueError(f"{path}:{line_number}: not valid JSON ({err.msg})") from None
             if not isinstance(record, dict):
                 raise ValueError(f"{path}:{line_number}: expected a JSON object, got {type(record).__name__}")
-            records.append(record)
+            records.append((line_number, record))
     if not records:
         raise ValueError(f"{path}: no records")
     return records

@@ -64,7 +64,7 @@ def build_classify(cfg: FinetuneConfig, backbone: UniLMModel, tokenizer: Tokeniz
     fmt = record_format(cfg.to_dict())
     train_records = read_records(cfg.train, fmt)
     dev_records = _limit(read_records(cfg.dev, fmt), cfg.eval_max_examples)
-    labels = classify.LabelSpace.from_records(train_records, cfg.train, fmt.regression)
+    labels = classify.LabelSpace.from_records(train_records, cfg.train, fmt.regression, fmt.label_names)
     hint = labels.hint(train_records)
     if hint and (cfg.glue_task is None and cfg.regression is None):
         print(f"[classify] {cfg.train}: {hint}", flush=True)

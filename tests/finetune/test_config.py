@@ -38,6 +38,11 @@ def test_bad_values_are_refused_by_name(override: str, message: str) -> None:
         load_config(None, REQUIRED, [override])
 
 
+def test_a_seq2seq_run_on_a_delimited_file_is_told_it_reads_jsonl() -> None:
+    with pytest.raises(ValueError, match=r"train.tsv: seq2seq reads JSONL files, one \{\"src\""):
+        load_config(None, dict(REQUIRED, task="seq2seq", train="train.tsv"))
+
+
 def test_missing_required_settings_are_named_as_flags() -> None:
     with pytest.raises(ValueError, match="missing required setting.*--dev, --init"):
         load_config(None, {"task": "classify", "train": "t.jsonl", "out": "o"})

@@ -199,3 +199,23 @@ def test_delimited_labels_read_as_written_and_hugging_face_csv_exports_map_to_gl
     (tmp_path / "latin1.tsv").write_bytes("text\tlabel\ncaf\xe9\tpos\n".encode("latin-1"))
     with pytest.raises(ValueError, match=r"latin1.tsv: not UTF-8 text \(byte 0xe9 at offset 14\)"):
         read_records(tmp_path / "latin1.tsv", record_format({}))
+
+
+def test_a_glue_task_has_its_own_classes_and_a_label_outside_them_is_named_by_line(tmp_path):
+    """A GLUE task's classes are the task's, in its order: a typo is refused at its line (it used to become a class
+    of its own), a training subset without a class still has it, and an integer outside the ids is named too."""
+    write_tsv(tmp_path / "rte.tsv", ["index", "sentence1", "sentence2", "label"],
+              [[0, "A", "B", "entailment"], [1, "C"], [2, "E", "F", "entailmnet"]])  # line 3: a broken row
+    with pytest.raises(ValueError, match=r"rte.tsv:4: label 'entailmnet' is not one of the task's labels "
+                                         r"\['entailment', 'not_entailment'\]"):
+        read_records(tmp_path / "rte.tsv", GLUE_TASKS["rte"])
+    write_tsv(tmp_path / "mnli.tsv", ["index", "sentence1", "sentence2", "gold_label"],
+              [[0, "A", "B", "neutral"], [1, "C", "D", "entailment"]])
+    records = read_records(tmp_path / "mnli.tsv", GLUE_TASKS["mnli"])
+    labels = classify.LabelSpace.from_records(records, "mnli.tsv", None, GLUE_TASKS["mnli"].label_names)
+    assert labels.classes == ("entailment", "neutral", "contradiction")  # none of the subset's is contradiction
+    assert classify.LabelSpace.from_records(records, "mnli.tsv").classes == ("entailment", "neutral")
+    (tmp_path / "mnli.jsonl").write_text('{"premise": "A", "hypothesis": "B", "label": 1}\n\n'
+                                         '{"premise": "C", "hypothesis": "D", "label": 3}\n')
+    with pytest.raises(ValueError, match=r"mnli.jsonl:3: label 3 is not a class id of"):
+        read_records(tmp_path / "mnli.jsonl", GLUE_TASKS["mnli"])
