@@ -48,9 +48,9 @@ from data_prep.instances import (RECIPES, Instance, InstanceConfig, MaskingConfi
 from data_prep.shard_format import (INDEX_DTYPE, MANIFEST_NAME, SHARD_GLOB, VOCAB_NAME, Objective,
                                     ShardArrays, ShardError, ShardFile, manifest_dict, read_manifest,
                                     sha256_file, token_dtype, write_json, write_shard)
-from data_prep.sources import (ALL_FILES, ROWS_PER_DOCUMENT, SUPPORTED, TEXT_FIELD, UNIT_BYTES, ReadOptions,
-                               RepairedText, Skipped, Unit, Wikitext, check_input, directory_files, document_text,
-                               folder_split, input_units, is_plain_folder, read_documents, read_unit)
+from data_prep.sources import (ALL_FILES, ROWS_PER_DOCUMENT, SUPPORTED, TEXT_FIELD, TXT_DOCUMENTS, UNIT_BYTES,
+                               ReadOptions, RepairedText, Skipped, Unit, Wikitext, check_input, directory_files,
+                               document_text, folder_split, input_units, is_plain_folder, read_documents, read_unit)
 from data_prep.text import clean_document, split_sentences
 from data_prep.vocab import (HF_TOKENIZER_CONFIG, Vocab, VocabError, load_encoder, load_vocab, resolve_casing,
                              resolve_vocab_source, train_vocab)
@@ -98,6 +98,8 @@ class BuildConfig:
     sentence_inputs: tuple[str, ...] = ()
     """inputs whose rows are sentences: consecutive rows form documents of ``rows_per_document`` rows"""
     rows_per_document: int = ROWS_PER_DOCUMENT
+    txt_documents: str = TXT_DOCUMENTS[0]
+    """what a document of a .txt input is (``sources.TXT_DOCUMENTS``)"""
     unit_bytes: int = UNIT_BYTES
     """a .jsonl file larger than this is split into byte ranges that different builders read"""
 
@@ -112,7 +114,10 @@ class BuildConfig:
         if strays:
             raise ValueError(f"--rows-as-sentences {' '.join(strays)}: not among the --input sources; name inputs "
                              "exactly as given to --input, or give the flag alone to apply it to every input")
-        self.read_options(self.inputs[0])  # validates text_field and rows_per_document
+        if self.sentence_inputs and self.txt_documents != TXT_DOCUMENTS[0]:
+            raise ValueError(f"--txt-documents {self.txt_documents} and --rows-as-sentences both say what a document "
+                             "of a .txt input is; give one of them")
+        self.read_options(self.inputs[0])  # validates text_field, rows_per_document and txt_documents
         if self.dupe_factor < 1:
             raise ValueError(f"--dupe-factor {self.dupe_factor} must be at least 1")
         if self.dupe_factor > 1 and not self.instances.masked:
@@ -121,7 +126,7 @@ class BuildConfig:
             raise ValueError("--samples-per-shard, --chunk-chars and unit_bytes must be positive")
 
     def read_options(self, spec: str) -> ReadOptions:
-        return ReadOptions(self.text_field, spec in self.sentence_inputs, self.rows_per_document)
+        return ReadOptions(self.text_field, spec in self.sentence_inputs, self.rows_per_document, self.txt_documents)
 
     def to_json(self) -> dict:
         return json.loads(json.dumps(asdict(self)))
@@ -778,7 +783,7 @@ def _finalize(out: Path) -> dict:
         token_dtype=dtype.name,
         inputs=list(cfg.inputs),
         reading={"text_field": cfg.text_field, "rows_as_sentences": list(cfg.sentence_inputs),
-                 "rows_per_document": cfg.rows_per_document},
+                 "rows_per_document": cfg.rows_per_document, "txt_documents": cfg.txt_documents},
         chunk_chars=cfg.chunk_chars,
         num_samples=total,
         num_tokens=num_tokens,
@@ -904,6 +909,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rows-per-document", type=int, default=ROWS_PER_DOCUMENT, metavar="N",
                    help=f"with --rows-as-sentences: rows per document (default {ROWS_PER_DOCUMENT}; an empty row "
                         "ends a document early)")
+    p.add_argument("--txt-documents", choices=TXT_DOCUMENTS, default=TXT_DOCUMENTS[0],
+                   help="what a document of a .txt input is: blank-line (documents separated by blank lines, BERT's "
+                        "convention; the default), line (one document per line), file (the whole file, its blank "
+                        "lines ending paragraphs: a directory of articles or books)")
     p.add_argument("--vocab", type=Path, help="BERT vocab.txt, a Hugging Face model/tokenizer directory, or a "
                                               "tokenizer.json (WordPiece); casing is read from its tokenizer config")
     casing = p.add_mutually_exclusive_group()
@@ -998,7 +1007,8 @@ def main(argv: list[str] | None = None) -> None:
             masking=MaskingConfig.for_recipe(args.recipe, mask_prob=args.mask_prob, max_predictions=max_predictions),
             seed=args.seed,
             dupe_factor=args.dupe_factor, samples_per_shard=args.samples_per_shard, chunk_chars=args.chunk_chars,
-            text_field=args.text_field, sentence_inputs=sentence_inputs, rows_per_document=args.rows_per_document)
+            text_field=args.text_field, sentence_inputs=sentence_inputs, rows_per_document=args.rows_per_document,
+            txt_documents=args.txt_documents)
         if args.max_predictions is not None:
             _warn_low_cap(settings.masking, args.max_seq_len)
         if args.train_vocab is not None:

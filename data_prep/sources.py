@@ -6,7 +6,9 @@
 ``*.jsonl``                             one JSON object per line with a ``text`` field
 ``*.json``                              a JSON array of objects with ``text`` (else read as JSON lines)
 ``*.parquet``                           a ``text`` column, read in record batches
-``*.txt``                               documents separated by blank lines (lines may end in LF, CRLF or a lone CR)
+``*.txt``                               documents separated by blank lines (lines may end in LF, CRLF or a lone CR);
+                                        with ``txt_documents`` "line" one document per line, with "file" one per
+                                        file (its blank lines then separate paragraphs)
 ``*.jsonl.gz``, ``*.txt.zst``, …        the same, compressed: ``.gz``, ``.bz2``, ``.xz`` or ``.zst`` after ``.jsonl``,
                                         ``.json`` or ``.txt`` (C4 ships ``.json.gz``, the Pile ``.jsonl.zst``)
 ``wiki_NN`` / ``wiki_NN.bz2``           WikiExtractor output (NVIDIA's BERT and Megatron's Wikipedia step): one
@@ -149,6 +151,10 @@ class Unit:
         return self.spec if (self.start, self.stop) == (0, -1) else f"{self.spec} bytes {self.start}-{self.stop}"
 
 
+TXT_DOCUMENTS = ("blank-line", "line", "file")
+"""a ``.txt`` file's documents: separated by blank lines (BERT's convention), one per line, or the whole file"""
+
+
 @dataclass(frozen=True)
 class ReadOptions:
     """How records become documents (part of a build's identity)."""
@@ -156,10 +162,14 @@ class ReadOptions:
     text_field: str = TEXT_FIELD
     rows_as_sentences: bool = False
     rows_per_document: int = ROWS_PER_DOCUMENT
+    txt_documents: str = TXT_DOCUMENTS[0]
+    """what a document of a ``.txt`` file is: ``TXT_DOCUMENTS``"""
 
     def __post_init__(self) -> None:
         if not self.text_field:
             raise ValueError("--text-field must name a field")
+        if self.txt_documents not in TXT_DOCUMENTS:
+            raise ValueError(f"--txt-documents {self.txt_documents!r}: choose one of {', '.join(TXT_DOCUMENTS)}")
         if self.rows_per_document < 2:
             raise ValueError(f"--rows-per-document {self.rows_per_document} must be at least 2 "
                              "(a sample pairs sentences)")
@@ -411,8 +421,10 @@ def read_unit(unit: Unit, options: ReadOptions = ReadOptions()) -> Iterator[str 
                               "sentence-per-row inputs after the flag")
         if suffix == ".txt" and options.rows_as_sentences:
             records = _read_txt_lines(path)
-        elif suffix in (".xml", ".xml.bz2", ".txt"):
-            records = {".xml": _read_wiki, ".xml.bz2": _read_wiki, ".txt": _read_txt}[suffix](path)
+        elif suffix == ".txt":
+            records = _read_txt(path, options.txt_documents)
+        elif suffix in (".xml", ".xml.bz2"):
+            records = _read_wiki(path)
         elif suffix == ".jsonl":
             records = _read_jsonl(path, options.text_field, unit.start, unit.stop)
         elif suffix == WIKIEXTRACTOR:
@@ -599,14 +611,19 @@ def _txt_lines(path: Path) -> Iterator[tuple[int, bytes]]:
                 yield number, line
 
 
-def _read_txt(path: Path) -> Iterator[str]:
+def _read_txt(path: Path, documents: str = TXT_DOCUMENTS[0]) -> Iterator[str]:
+    """The documents of a text file (``TXT_DOCUMENTS``): its blank-line separated blocks, its non-blank lines, or
+    the whole file (blank lines kept: they end paragraphs)."""
     lines: list[bytes] = []
     start = 1
     for number, raw in _txt_lines(path):
-        if raw.strip():
+        if raw.strip() or (documents == "file" and lines):
             if not lines:
                 start = number
             lines.append(raw)
+            if documents == "line":
+                yield _decode(lines, path, start)
+                lines = []
         elif lines:
             yield _decode(lines, path, start)
             lines = []

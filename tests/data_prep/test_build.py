@@ -302,6 +302,32 @@ def test_the_default_cap_follows_the_mask_probability(samples_dir, vocab_file, t
     assert "caps masking" not in capsys.readouterr().err
 
 
+def test_a_txt_document_is_a_blank_line_block_a_line_or_a_file(samples_dir, vocab_file, tmp_path):
+    """BBC articles, one per file, paragraphs between blank lines: by default each paragraph is a document (BERT's
+    convention), `--txt-documents file` keeps each article whole, and a file of one article per line is read with
+    `line`."""
+    articles = sorted((samples_dir / "bbc" / "tech").glob("*.txt"))[:30]
+    (tmp_path / "articles").mkdir()
+    for path in articles:
+        shutil.copy(path, tmp_path / "articles" / path.name)
+    common = ["--input", tmp_path / "articles", "--vocab", vocab_file, "--recipe", "bert", "--max-seq-len", 256]
+    blocks = run_build(*common, "--out", tmp_path / "blocks")
+    whole = run_build(*common, "--txt-documents", "file", "--out", tmp_path / "whole")
+    paragraphs = sum(len([b for b in p.read_text(encoding="utf-8", errors="replace").split("\n\n") if b.strip()])
+                     for p in articles)
+    assert blocks["documents"]["read"] == paragraphs > 3 * len(articles)
+    assert whole["documents"]["read"] == len(articles) and whole["reading"]["txt_documents"] == "file"
+    padding = {name: 1 - m["num_tokens"] / (m["num_samples"] * 256) for name, m in (("blocks", blocks), ("whole", whole))}
+    assert padding["whole"] < padding["blocks"] - 0.2, padding  # whole articles fill their samples
+    (tmp_path / "per_line.txt").write_text("".join(" ".join(p.read_text(encoding="utf-8", errors="replace").split())
+                                                   + "\n" for p in articles), encoding="utf-8")
+    per_line = run_build("--input", tmp_path / "per_line.txt", *common[2:], "--txt-documents", "line",
+                         "--out", tmp_path / "lines")
+    assert per_line["documents"]["read"] == len(articles)
+    assert "both say what a document" in build_error(*common, "--txt-documents", "line", "--rows-as-sentences",
+                                                     "--out", tmp_path / "x")
+
+
 def test_random_next_from_the_same_document_stays_away_from_a():
     from data_prep.instances import InstanceConfig, Uniforms, document_instances
 
