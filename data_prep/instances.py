@@ -307,9 +307,10 @@ def mask_samples(tokens: np.ndarray, token_offset: np.ndarray, length: np.ndarra
       caller can draw each document's block from that document's own generator (the span-length draws are
       taken under single-token masking too, which reads none: one layout for every recipe).
     Returns (num_masked [S], masked_positions [K] ascending within each sample, masked_labels [K]).
-    Spans live in each sample's maskable coordinates (positions without [CLS]/[SEP]); they are placed
-    uniformly at random with at least one unmasked token between them (stars and bars), so each span is a
-    separate run and special tokens are never masked.
+    Spans live in each sample's maskable coordinates (positions without [CLS]/[SEP]), so special tokens are never
+    masked, and are placed uniformly at random (stars and bars: the spans and the unmasked tokens in a random
+    order). Spans of several tokens (unilm) keep at least one unmasked token between them, so each is a separate
+    run; single tokens (bert) may sit side by side, a uniform choice of positions as BERT's.
     """
     num_samples = len(length)
     single = segment_a_length == length
@@ -334,8 +335,10 @@ def mask_samples(tokens: np.ndarray, token_offset: np.ndarray, length: np.ndarra
     span_length = np.minimum(lengths, k[sample_of_masked] - starts_at)[keep]
     num_spans = np.bincount(span_sample, minlength=num_samples)
 
-    # slots: num_spans smallest of (n - k + 1) random keys per sample, in increasing slot order
-    num_slots = n - k + 1
+    # slots: num_spans smallest of (n - k + 1) random keys per sample, in increasing slot order; without a gap
+    # between spans, (n - k + num_spans) slots: span i then starts i places earlier
+    apart = len(cfg.span_length_probs) > 1
+    num_slots = n - k + (1 if apart else num_spans)
     slot_sample = np.repeat(np.arange(num_samples), num_slots)
     slot = np.arange(num_slots.sum()) - np.repeat(np.cumsum(num_slots) - num_slots, num_slots)
     keys = uniforms[np.repeat(block_start + 3 * k, num_slots) + slot]
@@ -345,6 +348,8 @@ def mask_samples(tokens: np.ndarray, token_offset: np.ndarray, length: np.ndarra
     span_offset = np.cumsum(span_length) - span_length
     span_offset -= np.repeat(span_offset[np.cumsum(num_spans) - num_spans], num_spans)  # within each sample
     span_start = slot[chosen] + span_offset
+    if not apart:
+        span_start -= np.arange(len(span_sample)) - np.repeat(np.cumsum(num_spans) - num_spans, num_spans)
 
     within = np.arange(span_length.sum()) - np.repeat(np.cumsum(span_length) - span_length, span_length)
     maskable_index = np.repeat(span_start, span_length) + within

@@ -37,11 +37,12 @@ def masked_layout(segments: list[tuple[int, int]], seed: int, cfg: MaskingConfig
     return original, tokens, rows, num_masked, positions, labels
 
 
+@pytest.mark.parametrize("recipe", ["unilm", "bert"])
 @settings(max_examples=60, deadline=None)
 @given(LAYOUTS, st.integers(0, 2**31))
-def test_mask_samples_invariants(segments, seed):
-    original, tokens, rows, num_masked, positions, labels = masked_layout(segments, seed,
-                                                                          MaskingConfig(max_predictions=12))
+def test_mask_samples_invariants(recipe, segments, seed):
+    original, tokens, rows, num_masked, positions, labels = masked_layout(
+        segments, seed, MaskingConfig.for_recipe(recipe, max_predictions=12))
     assert num_masked.sum() == len(positions) == len(labels)
     starts = np.cumsum(num_masked) - num_masked
     for s, (start, total, segment_a_length) in enumerate(rows):
@@ -54,15 +55,24 @@ def test_mask_samples_invariants(segments, seed):
     assert set(changed.tolist()) <= set((offset.repeat(num_masked) + positions).tolist())
 
 
-@settings(max_examples=40, deadline=None)
-@given(LAYOUTS, st.integers(0, 2**31))
-def test_bert_masking_isolates_every_masked_token_within_the_same_budget(segments, seed):
+def test_bert_masking_chooses_positions_uniformly_as_bert_does():
+    """Single-token masking takes a uniform subset of the maskable positions, as BERT's shuffled candidates do:
+    every position equally often, and neighbours masked together as often as chance says (they were kept apart
+    once, which BERT never does); the same budget as span masking."""
     cfg = MaskingConfig.for_recipe("bert", max_predictions=12)
     assert cfg.span_length_probs == (1.0,) and MaskingConfig.for_recipe("unilm") == MaskingConfig()
-    _, _, rows, num_masked, positions, _ = masked_layout(segments, seed, cfg)
-    starts = np.cumsum(num_masked) - num_masked
-    for s in range(len(rows)):
-        assert np.all(np.diff(positions[starts[s]:starts[s] + num_masked[s]]) >= 2)  # no two side by side
+    n, samples = 40, 4000
+    _, _, rows, num_masked, positions, _ = masked_layout([(n, 0)] * samples, 7, cfg)
+    k = round(0.15 * n)
+    assert (num_masked == k).all()
+    per_sample = positions.reshape(samples, k) - 1  # maskable coordinates
+    frequency = np.bincount(per_sample.ravel(), minlength=n) / samples
+    assert np.abs(frequency - k / n).max() < 0.03, frequency
+    adjacent = (np.diff(per_sample, axis=1) == 1).sum(axis=1).mean()
+    assert adjacent == pytest.approx(k * (k - 1) / n, abs=0.05)  # 0.75 neighbouring pairs per sample
+    _, _, _, _, unilm, _ = masked_layout([(n, 0)] * 200, 7, MaskingConfig(max_predictions=12))
+    runs = np.diff(np.flatnonzero(np.diff(unilm.reshape(200, k) - 1, axis=1, prepend=-2, append=n + 2) != 1))
+    assert len(unilm) == 200 * k and runs.max() <= 3  # UniLM's spans stay apart: every run is one span
 
 
 def test_bert_builds_mask_single_tokens_and_unilm_builds_keep_their_spans(samples_dir, minilm_dir, tmp_path):
@@ -73,8 +83,8 @@ def test_bert_builds_mask_single_tokens_and_unilm_builds_keep_their_spans(sample
         stats = shard_statistics(ShardDataset(tmp_path / recipe))
         assert stats["masked_fraction"] == pytest.approx(0.15, abs=0.01)
         spans = {int(length): count for length, count in stats["span_lengths"].items()}
-        if recipe == "bert":
-            assert set(spans) == {1}, spans
+        if recipe == "bert":  # single tokens placed as BERT places them: neighbours now and then (runs of 2+)
+            assert spans[1] / sum(spans.values()) > 0.8 and spans.get(2, 0) > 0, spans
         else:  # 80 % of the spans single tokens, the rest bigrams and trigrams
             assert set(spans) == {1, 2, 3} and spans[1] / sum(spans.values()) == pytest.approx(0.8, abs=0.03), spans
 
