@@ -420,6 +420,18 @@ class ShardDataset:
         start = int(self._ends[shard - 1]) if shard else 0
         return self.shards[shard][i - start]
 
+    def index_rows(self, indices: np.ndarray) -> np.ndarray:
+        """The index records (``INDEX_DTYPE``: length, num_masked, objective, is_random_next, …) of the samples at
+        global ``indices``, read without their tokens."""
+        indices = np.asarray(indices, dtype=np.int64)
+        shard_of = np.searchsorted(self._ends, indices, side="right")
+        rows = np.empty(len(indices), dtype=INDEX_DTYPE)
+        for shard in np.unique(shard_of):
+            chosen = shard_of == shard
+            start = int(self._ends[shard - 1]) if shard else 0
+            rows[chosen] = self.shards[int(shard)].arrays.index[indices[chosen] - start]
+        return rows
+
     def __iter__(self) -> Iterator[Sample]:
         for shard in self.shards:
             yield from shard

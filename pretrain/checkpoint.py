@@ -60,6 +60,7 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 from deepspeed.utils import safe_get_full_fp32_param
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from data_prep import locks
@@ -380,7 +381,10 @@ def write_weights(tag_dir: Path, state: dict[str, torch.Tensor]) -> None:
         storage = tensor.untyped_storage().data_ptr()
         tensors[name] = tensor.clone() if storage in seen else tensor.contiguous()
         seen.add(storage)
-    save_file(tensors, str(tmp))
+    try:
+        save_file(tensors, str(tmp))
+    except SafetensorError as error:  # safetensors reports a full disk as its own error type, the errno in words
+        raise OSError(errno.ENOSPC if "No space left" in str(error) else errno.EIO, str(error)) from error
     os.replace(tmp, tag_dir / WEIGHTS)
 
 
@@ -533,22 +537,29 @@ def report_changed_settings(resume: "ResumePoint | None", current: dict[str, Any
 
 # --- world-size change --------------------------------------------------------------------------------------
 
-def to_universal(checkpoint_dir: Path, tag: str) -> str:
-    """Convert ``tag`` to a DeepSpeed universal checkpoint (once; reused later) and return the universal tag.
+def to_universal(checkpoint_dir: Path, tag: str, save_id: str | None = None) -> str:
+    """Convert ``tag`` to a DeepSpeed universal checkpoint and return the universal tag. A conversion is reused
+    while its marker names the save it came from (``save_id``, the tag's marker's): a later save of the same tag
+    (a new run in the same directory) is converted afresh.
 
     Runs DeepSpeed's own converter: ``python -m deepspeed.checkpoint.ds_to_universal --inject_missing_state``.
     """
     universal = f"{tag}_universal"
     target = checkpoint_dir / universal
     if (target / MARKER).is_file():
-        return universal
+        try:
+            converted_from = json.loads((target / MARKER).read_text()).get("source_save_id")
+        except (OSError, ValueError, AttributeError):
+            converted_from = None
+        if save_id is not None and converted_from == save_id:
+            return universal
     shutil.rmtree(target, ignore_errors=True)
     subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
                     "--input_folder", str(checkpoint_dir / tag), "--output_folder", str(target),
                     "--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1"],
                    check=True)
     fsync_tree(target)
-    _write_durably(target / MARKER, json.dumps({"source": tag}))
+    _write_durably(target / MARKER, json.dumps({"source": tag, "source_save_id": save_id}))
     return universal
 
 
@@ -568,10 +579,11 @@ def save(engine: Any, checkpoint_dir: Path, step: int, meta: dict[str, Any], cli
     """Save a complete checkpoint of ``step`` on every rank (a collective) and return it.
 
     ``meta`` (run metadata and progress such as ``consumed_samples``) goes into the marker and the client
-    state; ``client_state`` only into the latter, with every rank's RNG states. Rank 0 removes a marker left by
-    an earlier save of this tag (it must not vouch for the files now rewritten); DeepSpeed's files and the full
-    fp32 weights (``WEIGHTS``, gathered from every partition) are fsync'ed on each rank before the barrier, then
-    rank 0 writes the marker (whose parent is ``previous``), moves ``latest`` and prunes to ``keep_last``. A full
+    state; ``client_state`` only into the latter, with every rank's RNG states. Rank 0 removes what an earlier
+    save of this tag left (another run's, in the same directory: its marker must not vouch for the files now
+    rewritten, files of ranks this run lacks must not stay, nor its universal conversion); DeepSpeed's files and
+    the full fp32 weights (``WEIGHTS``, gathered from every partition) are fsync'ed on each rank before the
+    barrier, then rank 0 writes the marker (whose parent is ``previous``), moves ``latest`` and prunes to ``keep_last``. A full
     disk or an I/O error removes the partial tag and raises `CheckpointWriteError`, naming ``previous`` (the last
     complete checkpoint, still intact).
     """
@@ -580,9 +592,19 @@ def save(engine: Any, checkpoint_dir: Path, step: int, meta: dict[str, Any], cli
     tag_dir = checkpoint_dir / tag
     began = time.monotonic()
     state = dict(meta, step=step, rng_states=gather_objects(portable_rng_state()), **client_state)
-    if rank == 0:
-        (tag_dir / MARKER).unlink(missing_ok=True)
     failure = None
+    if rank == 0:
+        try:
+            for stale in (tag_dir, checkpoint_dir / f"{tag}_universal"):
+                if stale.exists():
+                    (stale / MARKER).unlink(missing_ok=True)  # first: an interrupted removal leaves no vouched tag
+                    shutil.rmtree(stale)
+        except OSError as error:
+            failure = f"rank 0 could not remove what an earlier save left in {tag_dir}: {error}"
+    failure = first_error(failure)  # also the barrier: no rank writes into the tag before it is gone
+    if failure is not None:
+        raise CheckpointWriteError(f"{failure}. The last complete checkpoint ({previous.tag if previous else 'none'}) "
+                                   "is intact")
     try:
         engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state=state, save_latest=False)
         weights = gather_full_weights(engine.module)  # collective under ZeRO
@@ -688,7 +710,7 @@ def find_resume_point(checkpoint_dir: Path, resume: str, identity: dict[str, Any
             print(f"[resume] {tag}: world size {meta['world_size']} -> {world_size}, ZeRO stage "
                   f"{meta['zero_stage']} -> {zero_stage}: converting to a universal checkpoint", flush=True)
             try:
-                to_universal(directory, tag)
+                to_universal(directory, tag, meta.get("save_id"))
             except (OSError, subprocess.CalledProcessError) as exc:
                 error = f"converting {directory / tag} to a universal checkpoint failed on rank 0: {exc}"
         error = first_error(error)  # the others wait for the conversion here
@@ -703,6 +725,12 @@ def load(engine: Any, resume: ResumePoint) -> dict[str, Any]:
     load_path, client_state = engine.load_checkpoint(str(resume.directory), tag=resume.load_tag)
     if load_path is None:
         raise RuntimeError(f"DeepSpeed could not load {resume.directory / resume.load_tag}")
+    scheduler = engine.lr_scheduler
+    if scheduler is not None and hasattr(scheduler, "last_batch_iteration"):
+        # the optimizer comes back with the rate it last applied and DeepSpeed's schedulers with their iteration
+        # only: the rate this run's schedule gives that iteration (another lr or max_steps) applies from the first
+        # step on, not from the second
+        scheduler.step(scheduler.last_batch_iteration)
     return client_state
 
 

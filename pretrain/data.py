@@ -207,6 +207,26 @@ class _DeviceFeed:
         return micro_batches
 
 
+def step_normalizers(dataset: Any, indices: np.ndarray, plan: BatchPlan, causal_lm: bool) -> dict[str, torch.Tensor]:
+    """The model's ``token_normalizer`` and ``nsp_normalizer`` for every micro-batch of the global batch of
+    ``indices``: its predicted tokens (masked positions; a causal LM's next tokens) and NSP samples, each divided by
+    the step's number of micro-batches over all ranks. DeepSpeed averages the micro-batch losses (over the
+    accumulation steps and the ranks), so the step then minimises the mean loss over the global batch's tokens
+    plus the mean NSP loss over its NSP samples, as one batch would: the same objective for every (micro-batch,
+    accumulation, ranks) split, where a mean per micro-batch weighs a token by its micro-batch's count, and NSP by
+    how many micro-batches happen to hold an NSP sample. Read from the shard index, on every rank alike: no
+    collective."""
+    rows = dataset.index_rows(indices)
+    if causal_lm:  # position t predicts token t + 1 of the sample
+        tokens, nsp = int(rows["length"].astype(np.int64).sum()) - len(rows), 0
+    else:
+        tokens = int(rows["num_masked"].astype(np.int64).sum())
+        nsp = int(((rows["objective"] == BIDIRECTIONAL) & (rows["is_random_next"] >= 0)).sum())
+    micro_batches = plan.global_batch_size // plan.micro_batch_size
+    return {"token_normalizer": torch.tensor(max(tokens, 1) / micro_batches, dtype=torch.float32),
+            "nsp_normalizer": torch.tensor(max(nsp, 1) / micro_batches, dtype=torch.float32)}
+
+
 class PretrainLoader:
     """Yields, per optimizer step, this rank's list of collated micro-batches on ``device``; a daemon thread reads,
     collates and (on an accelerator) copies ``prefetch_steps`` steps ahead: pinned host memory, ``non_blocking``
@@ -216,8 +236,8 @@ class PretrainLoader:
 
     def __init__(self, dataset: Any, order: SampleOrder, plan: BatchPlan, rank: int, consumed_samples: int,
                  pad_id: int, max_len: int, prefetch_steps: int = 4, device: torch.device | str | None = None,
-                 pack: bool = False) -> None:
-        self.dataset, self.order, self.plan, self.rank = dataset, order, plan, rank
+                 pack: bool = False, causal_lm: bool = False) -> None:
+        self.dataset, self.order, self.plan, self.rank, self.causal_lm = dataset, order, plan, rank, causal_lm
         self.pad_id, self.max_len, self.pack = pad_id, max_len, pack
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self._feed = _DeviceFeed(self.device) if self.device.type != "cpu" else None
@@ -232,8 +252,10 @@ class PretrainLoader:
         consumed = self.consumed_samples
         try:
             while not self._stop.is_set():
-                micro_batches = [collate([self.dataset[int(i)] for i in indices], self.pad_id, self.max_len,
-                                         self.pack)
+                normalizers = step_normalizers(self.dataset, self.order.indices(consumed, self.plan.global_batch_size),
+                                               self.plan, self.causal_lm)
+                micro_batches = [dict(collate([self.dataset[int(i)] for i in indices], self.pad_id, self.max_len,
+                                              self.pack), **normalizers)
                                  for indices in self.order.rank_step_indices(consumed, self.plan, self.rank)]
                 copied = None
                 if self._feed is not None:

@@ -168,6 +168,16 @@ def read_engine_json(path: Path) -> dict[str, Any]:
     if clashes:
         raise ValueError(f"{path} sets {', '.join(clashes)}: these come from the run config and are injected; "
                          "remove them from the DeepSpeed JSON")
+    zero = engine.get("zero_optimization")
+    if isinstance(zero, dict) and "stage" in zero:
+        stage = zero["stage"]
+        if isinstance(stage, str) and stage.strip().isdigit():  # DeepSpeed reads "2" as 2; so does the run
+            stage = zero["stage"] = int(stage)
+        if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+            raise ValueError(f"{path}: zero_optimization.stage is {stage!r}; use 0, 1, 2 or 3")
+    if all(isinstance(engine.get(k), dict) and engine[k].get("enabled") is True for k in ("fp16", "bf16")):
+        raise ValueError(f"{path}: fp16 and bf16 are both enabled; enable one (bf16 where the GPUs have it: "
+                         "no loss scaling)")
     return engine
 
 

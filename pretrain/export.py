@@ -86,7 +86,10 @@ def main(argv: list[str] | None = None) -> None:
         vocab, uncased = shard_vocabulary(args.checkpoint, args.shards)  # before writing anything
     except (ValueError, FileExistsError) as error:
         parser.error(str(error))
-    model = load_consolidated(args.checkpoint)
+    try:
+        model = load_consolidated(args.checkpoint)
+    except (OSError, ValueError) as error:  # an incomplete or corrupted checkpoint: its marker's check names it
+        parser.error(str(error))
     if args.architecture is not None:  # before anything is written
         try:
             check_architecture(model.cfg, args.architecture)

@@ -412,6 +412,8 @@ class UniLMModel(nn.Module):
         position_ids: torch.Tensor | None = None,
         token_sample: torch.Tensor | None = None,
         sample_starts: torch.Tensor | None = None,
+        token_normalizer: torch.Tensor | None = None,
+        nsp_normalizer: torch.Tensor | None = None,
     ) -> PretrainOutput:
         """Loss of a collated batch (see docs/architecture.md).
 
@@ -423,6 +425,10 @@ class UniLMModel(nn.Module):
             position_ids, token_sample: Long[R, L], sample_starts: Long[S]: packed rows, several samples per row
                 (`pretrain.data.collate` with ``pack=True``); input_ids is then Long[R, L], the per-sample tensors
                 have S rows and masked_positions index the flattened R × L tokens. Same loss as one sample per row.
+            token_normalizer, nsp_normalizer: Float[] what the summed token and NSP losses are divided by; default
+                this batch's predicted tokens and NSP samples (a mean over the batch). The trainer passes the whole
+                step's counts divided by its number of micro-batches (`pretrain.data.PretrainLoader`), so that
+                DeepSpeed's mean over micro-batches and ranks is the mean over the global batch, whatever its split.
         """
         if self.cfg.causal_lm:  # GPT: every sample is a left-to-right sample
             objective = torch.full_like(objective, LEFT_TO_RIGHT)
@@ -453,7 +459,7 @@ class UniLMModel(nn.Module):
         token_loss = self.token_losses(predicting, labels)
         predicted = (labels.flatten() != IGNORE_INDEX).float()
         token_count = predicted.sum()
-        loss = token_loss.sum() / token_count.clamp(min=1)
+        loss = token_loss.sum() / (token_count.clamp(min=1) if token_normalizer is None else token_normalizer)
 
         # NSP on every sample, weighted to zero where it does not apply: the graph (and which parameters get
         # gradients) is the same for every batch, and no host sync is needed.
@@ -463,7 +469,8 @@ class UniLMModel(nn.Module):
         nsp_loss = F.cross_entropy(self.nsp_head(self.pool(first_tokens)).float(), is_random_next.clamp(min=0),
                                    reduction="none")
         nsp_count = nsp_weight.sum()
-        loss = loss + (nsp_loss * nsp_weight).sum() / nsp_count.clamp(min=1)
+        loss = loss + (nsp_loss * nsp_weight).sum() / (nsp_count.clamp(min=1) if nsp_normalizer is None
+                                                       else nsp_normalizer)
 
         # Per-objective reports in REPORTED_OBJECTIVES' fixed slots, left on the device.
         with torch.no_grad():

@@ -379,9 +379,33 @@ def model_for_shards(cfg: RunConfig, dataset: ShardDataset, rank: int = 0) -> Mo
     model_cfg = resolve_model_config(cfg)
     check_trainable(dataset, model_cfg, cfg.data.shards)
     check_vocabulary_fits(dataset, model_cfg)
+    check_lengths_fit(dataset, model_cfg, cfg.data.max_seq_len, "data.shards")
+    if cfg.data.eval_shards:
+        held_out = ShardDataset(cfg.data.eval_shards)
+        check_trainable(held_out, model_cfg, cfg.data.eval_shards)
+        check_lengths_fit(held_out, model_cfg, cfg.data.max_seq_len, "data.eval_shards")
+        if held_out.manifest["vocab"]["sha256"] != dataset.manifest["vocab"]["sha256"]:
+            raise ValueError(f"data.eval_shards {cfg.data.eval_shards} were built with another vocabulary than "
+                             f"data.shards {cfg.data.shards}: their ids name other word pieces, so the held-out loss "
+                             "would measure nothing; build both with the same --vocab")
     if cfg.model.init_from and cfg.model.check_init_vocab:
         check_init_vocabulary(dataset, cfg.model.init_from, report=print if rank == 0 else lambda _: None)
     return model_cfg
+
+
+def check_lengths_fit(dataset: ShardDataset, model_cfg: ModelConfig, max_seq_len: int | None, key: str) -> None:
+    """The longest sample the shards hold must fit ``data.max_seq_len`` and the model's position table."""
+    positions = model_cfg.max_position_embeddings
+    if max_seq_len is not None and max_seq_len > positions:
+        raise ValueError(f"data.max_seq_len={max_seq_len} exceeds the model's {positions} positions "
+                         f"(max_position_embeddings); lower it, or raise model.overrides.max_position_embeddings")
+    limit = max_seq_len or positions
+    longest = int(dataset.manifest["max_seq_len"])
+    if longest > limit:
+        setting = f"data.max_seq_len={max_seq_len}" if max_seq_len else f"the model's {positions} positions"
+        raise ValueError(f"{key} {dataset.directory} hold samples of up to {longest} tokens (built with --max-seq-len "
+                         f"{longest}), more than {setting}; rebuild them with --max-seq-len {limit}, or raise "
+                         f"{'data.max_seq_len' if max_seq_len else 'model.overrides.max_position_embeddings'}")
 
 
 def check_vocabulary_fits(dataset: ShardDataset, model_cfg: ModelConfig) -> None:
@@ -471,7 +495,7 @@ def build_loader(cfg: RunConfig, dataset: ShardDataset, model_cfg: ModelConfig, 
     order = SampleOrder(sample_objectives(dataset), cfg.train.seed)
     max_len = cfg.data.max_seq_len or model_cfg.max_position_embeddings
     return PretrainLoader(dataset, order, plan, rank, consumed_samples, dataset.special_tokens["pad"], max_len,
-                          cfg.data.prefetch_steps, device=device, pack=pack)
+                          cfg.data.prefetch_steps, device=device, pack=pack, causal_lm=model_cfg.causal_lm)
 
 
 def write_run_config(cfg: RunConfig, rank: int) -> None:
@@ -634,4 +658,7 @@ class EvalSet:
             batch = to_device(batch, engine.device)
             sums.add(batch, engine(**batch))
         stats = sums.reduce(stop=False)
+        if not stats["objectives"]:
+            raise ValueError(f"data.eval_shards {self.dataset.directory}: the held-out batches have no predicted "
+                             "token, so their loss would be a meaningless 0; check them with data_prep.inspect")
         return {"eval_loss": stats["loss"], **{f"eval_loss_{k}": v for k, v in stats["objectives"].items()}}

@@ -218,6 +218,46 @@ def test_a_full_disk_fails_the_save_cleanly_and_keeps_the_previous_checkpoint(
     assert losses(moved) == {step: loss for step, loss in losses(reference).items() if step <= 4}
 
 
+def test_a_full_disk_while_writing_the_weights_is_an_os_error(tmp_path: Path) -> None:
+    """safetensors reports a full disk as its own error type: the save turns it into the OSError (ENOSPC) that
+    stops the run with exit 4 and the previous checkpoint named, instead of a traceback."""
+    import errno
+
+    import torch
+    full = tmp_path / "full"
+    full.mkdir()
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(full)], capture_output=True,
+                           text=True)
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root / CAP_SYS_ADMIN): {mount.stderr.strip()}")
+    try:
+        with pytest.raises(OSError) as raised:
+            ckpt.write_weights(full, {"w": torch.zeros(256, 256)})  # 256 KiB into 64 KiB
+        assert raised.value.errno == errno.ENOSPC
+    finally:
+        subprocess.run(["umount", str(full)], check=True)
+
+
+@pytest.mark.slow
+def test_a_new_run_saving_an_old_runs_tag_leaves_nothing_of_it(common: list[str], tmp_path: Path) -> None:
+    """A run started afresh (train.resume=never) in a directory where an older run saved the same step: the tag
+    holds only the new run's files (a second rank's optimizer file stayed behind and was vouched for, so moving
+    the checkpoint to two ranks failed), and the older run's universal conversion is gone (a resume on another
+    world size reused it: the older run's weights)."""
+    check(train(common + [f"out_dir={tmp_path}", "train.exit_at_step=2"], nproc=2))
+    converted = check(train(common + [f"out_dir={tmp_path}", "train.exit_at_step=3"]))
+    checkpoints = tmp_path / "checkpoints"
+    assert "world size 2 -> 1" in converted.stdout and (checkpoints / "global_step2_universal").is_dir()
+    check(train(common + [f"out_dir={tmp_path}", "train.resume=never", "optim.lr=1.0e-3", "train.exit_at_step=2"]))
+    assert not (checkpoints / "global_step2_universal").exists()
+    assert not list((checkpoints / "global_step2").glob("zero_pp_rank_1_*"))
+    marker = json.loads((checkpoints / "global_step2" / "complete.json").read_text())
+    assert marker["world_size"] == 1 and not any("rank_1" in name for name in marker["files"])
+    resumed = check(train(common + [f"out_dir={tmp_path}", "optim.lr=1.0e-3", "train.exit_at_step=3",
+                                    "train.resume=" + str(checkpoints / "global_step2")], nproc=2))
+    assert "world size 1 -> 2" in resumed.stdout
+
+
 @pytest.mark.slow
 def test_a_full_disk_on_one_rank_stops_every_rank_and_keeps_the_previous_checkpoint(common: list[str],
                                                                                    tmp_path: Path) -> None:

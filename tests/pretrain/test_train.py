@@ -70,6 +70,12 @@ def runs(unilm_shards: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
         nodrop + [f"out_dir={out['one_rank']}", f"train.resume={out['nodrop'] / 'checkpoints' / 'global_step8'}"],
         nproc=1))
     step8 = f"train.resume={out['nodrop'] / 'checkpoints' / 'global_step8'}"
+    out["other_split"] = base / "other_split"  # 24 = 8 × 3 on one rank, where the run split it 4 × 3 × 2 ranks
+    check(launch(nodrop + [f"out_dir={out['other_split']}", step8, "train.micro_batch_size=8",
+                           "train.exit_at_step=10"], nproc=1))
+    out["half_lr"] = base / "half_lr"
+    out["half_lr_log"] = check(launch(nodrop + [f"out_dir={out['half_lr']}", step8, "optim.lr=1.0e-3",
+                                                "train.exit_at_step=9"], nproc=1))
     out["zero1"] = base / "zero1"
     out["zero1_log"] = check(launch(nodrop + [f"out_dir={out['zero1']}", step8, "train.exit_at_step=10",
                                               "deepspeed_config=ds_configs/zero1_fp32_cpu.json"], nproc=1))
@@ -155,6 +161,24 @@ def test_resume_on_another_world_size_continues_at_the_exact_sample(runs: dict) 
     assert marker["world_size"] == 1
 
 
+def test_the_objective_is_the_global_batchs_mean_whatever_its_split(runs: dict) -> None:
+    """A step minimises the mean loss over the global batch's predicted tokens plus the mean NSP loss over its NSP
+    samples: resumed with 8 × 3 micro-batches on one rank, the run split 4 × 3 × 2 ranks trains the same losses
+    (a mean per micro-batch weighed NSP by how many micro-batches held an NSP sample)."""
+    two_ranks, other_split = losses(runs["nodrop"]), losses(runs["other_split"])
+    assert sorted(other_split) == [9, 10]
+    for step in other_split:
+        assert other_split[step] == pytest.approx(two_ranks[step], rel=1e-5, abs=1e-5), step
+
+
+def test_a_resume_with_another_learning_rate_applies_it_from_its_first_step(runs: dict) -> None:
+    assert "optim.lr: 0.002 -> 0.001" in runs["half_lr_log"].stdout
+    original = {r["step"]: r["lr"] for r in metrics(runs["nodrop"])}
+    [record] = metrics(runs["half_lr"])
+    assert record["step"] == 9 and original[9] > 0
+    assert record["lr"] == pytest.approx(original[9] / 2, rel=1e-9)  # the new schedule's rate at step 9, not the old
+
+
 def test_a_checkpoint_moves_between_zero_stages_1_and_2_and_other_changes_are_refused(runs: dict) -> None:
     assert "world size 2 -> 1, ZeRO stage 2 -> 1: converting" in runs["zero1_log"].stdout
     two_ranks, zero1 = losses(runs["nodrop"]), losses(runs["zero1"])
@@ -227,6 +251,20 @@ def test_resuming_on_another_build_of_the_shards_is_refused_naming_both(runs: di
     assert f"trained on {unilm_shards}, these are {rebuilt})" in process.stderr
     marker = json.loads((runs["full"] / "checkpoints" / "global_step24" / "complete.json").read_text())
     assert marker["run_config"]["data"]["shards"] == str(unilm_shards) and "shards" not in marker
+
+
+def test_export_of_a_corrupted_checkpoint_is_one_line_naming_it(runs: dict, tmp_path: Path, capsys) -> None:
+    from pretrain.export import main
+
+    tag = tmp_path / "global_step24"
+    shutil.copytree(runs["full"] / "checkpoints" / "global_step24", tag)
+    with open(tag / "model_weights.safetensors", "r+b") as handle:
+        handle.seek(5000)
+        handle.write(b"\x01")
+    with pytest.raises(SystemExit) as stopped:
+        main([str(tag), str(tmp_path / "hf")])
+    assert stopped.value.code == 2 and not (tmp_path / "hf").exists()
+    assert f"{tag} is not a valid checkpoint: model_weights.safetensors" in capsys.readouterr().err
 
 
 def test_export_writes_a_hugging_face_bert(runs: dict, tmp_path: Path) -> None:

@@ -87,6 +87,45 @@ def test_preflight_names_a_bad_config_in_one_line_and_checks_the_vocabulary_befo
             f"model.overrides.vocab_size={size}") in capsys.readouterr().err
 
 
+def test_preflight_checks_lengths_and_held_out_shards_against_the_model(unilm_shards, gpt_shards, tmp_path,
+                                                                        capsys) -> None:
+    """Samples longer than the model's positions, a data.max_seq_len beyond them, and held-out shards the model
+    cannot learn from or of another vocabulary are problems before launch (they were a loader-thread traceback, an
+    index error in the embedding, and an eval_loss of 0 at every evaluation)."""
+    from pretrain.preflight import main
+    from shard_builds import run_build
+
+    common = ["--config", str(REPO_ROOT / "pretrain/configs/tiny.yaml"), f"data.shards={unilm_shards}",
+              f"out_dir={tmp_path / 'run'}", "model.overrides.vocab_size=4000"]
+    longest = json.loads((unilm_shards / "manifest.json").read_text())["max_seq_len"]
+    assert main(common + [f"model.overrides.max_position_embeddings={longest // 2}"]) == 1
+    assert (f"hold samples of up to {longest} tokens (built with --max-seq-len {longest}), more than the model's "
+            f"{longest // 2} positions; rebuild them with --max-seq-len {longest // 2}") in capsys.readouterr().err
+    assert main(common + [f"data.max_seq_len={2 * 512}"]) == 1
+    assert "data.max_seq_len=1024 exceeds the model's" in capsys.readouterr().err
+    assert main(common + [f"data.eval_shards={gpt_shards}", "train.eval_interval=2"]) == 1
+    assert f"{gpt_shards}: GPT-recipe shards (no masked positions) cannot train a masked-LM" in capsys.readouterr().err
+    other = tmp_path / "other"
+    run_build("--input", REPO_ROOT / "data/samples/news/lee.txt", "--vocab", REPO_ROOT / "data/samples/minilm",
+              "--max-seq-len", longest, "--out", other)
+    assert main(common + [f"data.eval_shards={other}", "train.eval_interval=2", "model.overrides.vocab_size=30522"]) == 1
+    assert "were built with another vocabulary than data.shards" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"zero_optimization": {"stage": "4"}}, "zero_optimization.stage is 4; use 0, 1, 2 or 3"),
+    ({"zero_optimization": {"stage": "two"}}, "zero_optimization.stage is 'two'; use 0, 1, 2 or 3"),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "fp16 and bf16 are both enabled; enable one"),
+])
+def test_a_deepspeed_json_is_checked_where_deepspeed_would_fail_later(tmp_path: Path, settings, message) -> None:
+    path = tmp_path / "engine.json"
+    path.write_text(json.dumps(settings))
+    with pytest.raises(ValueError, match=message):
+        read_engine_json(path)
+    path.write_text(json.dumps({"zero_optimization": {"stage": "2"}}))  # DeepSpeed reads "2" as 2; so does the run
+    assert read_engine_json(path)["zero_optimization"]["stage"] == 2
+
+
 def test_deepspeed_json_gets_batch_optimizer_and_schedule_injected(tmp_path: Path) -> None:
     cfg = load_config(REPO_ROOT / "pretrain/configs/unilm-large.yaml", [f"out_dir={tmp_path}"])
     engine_json = read_engine_json(cfg.deepspeed_config_path)
