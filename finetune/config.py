@@ -73,7 +73,9 @@ class FinetuneConfig:
     lr: float = 5e-5
     """Peak learning rate."""
     warmup_ratio: float = 0.1
-    """Share of the steps spent in linear warm-up, then linear decay to 0."""
+    """Share of the steps spent in linear warm-up, then linear decay to 0. DeepSpeed's WarmupDecayLR warms up over
+    at least 2 steps: a share that rounds to 0 or 1 step gives 2 (the first step at 0, the second at half the
+    rate)."""
     weight_decay: float = 0.01
     """Weight decay, not on biases and LayerNorm weights: decoupled under adamw (AdamW's); under adamax torch's
     Adamax adds it to the gradient (an L2 penalty, as Adam's original weight decay)."""
@@ -157,10 +159,13 @@ class FinetuneConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.optimizer not in ("adamw", "adamax"):
             raise ValueError(f"optimizer must be adamw or adamax, got {self.optimizer!r}")
-        if self.lr <= 0 or not 0 <= self.warmup_ratio < 1 or not 0 < self.mask_prob <= 1:
-            raise ValueError("need lr > 0, 0 <= warmup_ratio < 1 and 0 < mask_prob <= 1")
-        if not 0 <= self.label_smoothing < 1 or self.aux_lm_weight < 0:
-            raise ValueError("need 0 <= label_smoothing < 1 and aux_lm_weight >= 0")
+        for name, valid, rule in (("lr", self.lr > 0, "> 0"),
+                                  ("warmup_ratio", 0 <= self.warmup_ratio < 1, "in [0, 1)"),
+                                  ("mask_prob", 0 < self.mask_prob <= 1, "in (0, 1]"),
+                                  ("label_smoothing", 0 <= self.label_smoothing < 1, "in [0, 1)"),
+                                  ("aux_lm_weight", self.aux_lm_weight >= 0, ">= 0")):
+            if not valid:
+                raise ValueError(f"{name} must be {rule}, got {getattr(self, name)}")
         if self.exit_after_minutes is not None and self.exit_after_minutes <= 0:
             raise ValueError(f"exit_after_minutes must be > 0 (or null), got {self.exit_after_minutes}")
         for name in ("max_steps", "exit_at_step", "eval_max_examples", "save_interval"):

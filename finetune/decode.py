@@ -400,11 +400,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", required=True, help="a fine-tuning output directory (or an HF BERT directory)")
     parser.add_argument("--input", required=True, help="JSONL with `src` (and optionally `tgt` references)")
     parser.add_argument("--output", required=True)
-    parser.add_argument("--beam-size", type=int, default=5, help="1: greedy (default 5)")
-    parser.add_argument("--max-tgt-len", type=int, default=None,
+    parser.add_argument("--beam-size", type=int_at_least(1), default=5, help="1: greedy (default 5)")
+    parser.add_argument("--max-tgt-len", type=int_at_least(1), default=None,
                         help="longest target in word pieces (default: the fine-tuning run's max_tgt_len, else 64)")
-    parser.add_argument("--min-tgt-len", type=int, default=1, help="shortest target in word pieces (default 1)")
-    parser.add_argument("--max-src-len", type=int, default=None, help="default: the fine-tuning run's, else 448")
+    parser.add_argument("--min-tgt-len", type=int_at_least(0), default=1,
+                        help="shortest target in word pieces (default 1; at most --max-tgt-len)")
+    parser.add_argument("--max-src-len", type=int_at_least(1), default=None,
+                        help="default: the fine-tuning run's, else 448")
     parser.add_argument("--length-penalty", type=float, default=0.0, help="GNMT alpha (default 0: none)")
     parser.add_argument("--no-repeat-ngram", type=int_at_least(0), default=3, metavar="N",
                         help="forbid repeating an n-gram of N word pieces (3: trigram blocking, the paper's; "
@@ -429,7 +431,13 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--model {args.model}: {error}")
     device = torch.device(args.device) if args.device else default_device()
     finetuned.model.to(device)
-    max_tgt_len = args.max_tgt_len or finetuned.run_settings.get("max_tgt_len", 64)
+    max_tgt_len = args.max_tgt_len if args.max_tgt_len is not None else finetuned.run_settings.get("max_tgt_len", 64)
+    if args.beam_size > finetuned.tokenizer.vocab_size:
+        parser.error(f"--beam-size {args.beam_size}: more beams than the {finetuned.tokenizer.vocab_size} word pieces "
+                     "a step can choose from")
+    if args.min_tgt_len > max_tgt_len:
+        parser.error(f"--min-tgt-len {args.min_tgt_len} exceeds the longest target, {max_tgt_len} word pieces "
+                     "(--max-tgt-len, default the fine-tuning run's max_tgt_len)")
     try:
         ignore = ignore_ids(finetuned.tokenizer, args.no_repeat_ignore, "--no-repeat-ignore")
     except ValueError as error:
@@ -438,13 +446,19 @@ def main(argv: list[str] | None = None) -> None:
                           args.no_repeat_ngram, ignore, not args.no_cache)
     try:
         max_src_len = source_budget(finetuned.model.cfg.max_position_embeddings,
-                                    args.max_src_len or finetuned.run_settings.get("max_src_len", 448), max_tgt_len)
+                                    args.max_src_len if args.max_src_len is not None else
+                                    finetuned.run_settings.get("max_src_len", 448), max_tgt_len)
     except ValueError as error:
         parser.error(f"--max-tgt-len: {error}")
     try:
         records = read_jsonl(args.input)
     except (ValueError, OSError) as error:
         parser.error(f"--input {args.input}: {error.strerror if isinstance(error, OSError) else error}")
+    missing = next((number for number, record in enumerate(records, 1)
+                    if not isinstance(record.get("src"), str) or not record["src"].strip()), None)
+    if missing is not None:  # before any decoding: a bad record at the end would waste the work before it
+        parser.error(f"--input {args.input}: record {missing} has an empty or missing 'src' (decoding reads JSONL "
+                     "records with a 'src' text, and 'tgt' references to score against)")
     began = time.perf_counter()
     predictions, truncated = decode_records(finetuned.model, finetuned.tokenizer, records, config, max_src_len,
                                             args.batch_size, progress=True)

@@ -77,11 +77,21 @@ def deepspeed_config(cfg: FinetuneConfig, plan: BatchPlan, engine_json: dict[str
                          load_universal=load_universal)
 
 
-def run_identity(cfg: FinetuneConfig, model_config: dict, tokenizer: Tokenizer) -> dict[str, Any]:
-    """What ties a checkpoint to this run (checked on resume by `pretrain.checkpoint.check_compatible`)."""
+BATCH_KEYS = ("--batch-size", "--micro-batch-size")
+"""How a fine-tuning run sets its global batch and micro-batch (named in `plan_batch`'s refusals)."""
+
+TASK_IDENTITY = ("labels", "regression", "multiple_choice", "version_2")
+"""What of a task's setup a checkpoint's head is shaped by: resuming with others would load the wrong head."""
+
+
+def run_identity(cfg: FinetuneConfig, model_config: dict, tokenizer: Tokenizer,
+                 task_meta: dict[str, Any]) -> dict[str, Any]:
+    """What ties a checkpoint to this run (checked on resume by `pretrain.checkpoint.check_compatible`): the
+    model, vocabulary, training file, seed, and the task with its label space."""
     train_hash = hashlib.sha256(Path(cfg.train).read_bytes()).hexdigest()  # stands for the shard manifest
+    task = {"task": cfg.task, **{k: task_meta[k] for k in TASK_IDENTITY if k in task_meta}}
     return {"model_config": model_config, "vocab_hash": tokenizer.vocab.sha256, "manifest_hash": train_hash,
-            "seed": cfg.seed}
+            "seed": cfg.seed, "task": task}
 
 
 @dataclasses.dataclass
@@ -117,12 +127,13 @@ def _fit_locked(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer, rank
                 world_size: int) -> dict[str, Any]:
     """``fit`` once this process group holds the run lock of ``cfg.out``: its steps, in order."""
     started = time.perf_counter()
-    plan = plan_batch(cfg.batch_size, cfg.micro_batch_size, world_size)
+    plan = plan_batch(cfg.batch_size, cfg.micro_batch_size, world_size, BATCH_KEYS)
     steps_per_epoch, total_steps, warmup_steps = schedule(cfg, task.train_size)
-    identity = run_identity(cfg, dataclasses.asdict(task.module.backbone.cfg), tokenizer)
+    identity = run_identity(cfg, dataclasses.asdict(task.module.backbone.cfg), tokenizer, task.meta)
     engine_json = read_engine_json(cfg.deepspeed_config_path)
     resume = ckpt.find_resume_point(cfg.checkpoint_dir, "auto", identity, world_size, zero_stage(engine_json),
-                                    report=print if rank == 0 else None)
+                                    report=print if rank == 0 else None,
+                                    restart=f"use another --out, or delete {cfg.checkpoint_dir} to start afresh there")
     if rank == 0:
         print(f"[finetune] DeepSpeed config {cfg.deepspeed_config_path}", flush=True)
         ckpt.report_changed_settings(resume, cfg.to_dict(), print)

@@ -82,6 +82,9 @@ def _load_model_dir(directory: Path) -> UniLMModel:
 def load_init(path: str | Path, vocab: str | Path | None = None) -> tuple[UniLMModel, Tokenizer]:
     """The backbone and tokenizer to fine-tune from (see the module docstring for what `path` may be)."""
     directory = Path(path)
+    if directory.is_file():
+        raise ValueError(f"--init {directory}: a file; give a model directory (config.json with its weights, as "
+                         "transformers saves one), a fine-tuning output or a pre-training checkpoints directory")
     if not directory.is_dir():
         raise FileNotFoundError(f"--init {directory}: no such directory")
     if hf_config_file(directory) is not None:
@@ -107,6 +110,10 @@ def checkpoint_tokenizer(checkpoint: Path, vocab: str | Path | None) -> Tokenize
     meta, problem = ckpt.verify_tag(directory / tag, hashes=False)
     if meta is None:
         raise ValueError(f"--init {checkpoint}: {directory / tag} is not a complete checkpoint: {problem}")
+    if "task" in (meta.get("run_config") or {}):  # a fine-tuning run's: its weights are the task module's
+        raise ValueError(f"--init {checkpoint}: a fine-tuning run's checkpoint (task {meta['run_config']['task']}); "
+                         f"fine-tune from that run's output directory {directory.parent} (its best model), or "
+                         "resume the run itself by rerunning its command")
     try:
         shard_vocab, uncased = shard_vocabulary(checkpoint)
     except (ValueError, OSError) as error:

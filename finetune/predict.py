@@ -71,6 +71,9 @@ def main(argv: list[str] | None = None) -> dict:
         finetuned = load_finetuned(args.model)
     except (ValueError, OSError) as error:
         parser.error(str(error))
+    if finetuned.task is None:
+        parser.error(f"--model {args.model} is not a fine-tuning output (no finetune.json): finetune.predict runs the "
+                     "classify and qa models `finetune.run` writes")
     if finetuned.task not in ("classify", "qa"):
         parser.error(f"--model {args.model} was fine-tuned for {finetuned.task!r}: finetune.predict runs classify and "
                      "qa models (seq2seq: finetune.decode)")

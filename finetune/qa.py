@@ -54,29 +54,41 @@ def read_squad(path: str | Path, labelled: bool = True) -> tuple[list[Question],
     A gold answer whose text is not in its context fails with the question id; so does a question with no answers
     that is not marked unanswerable, unless `labelled` is false (a file to predict, not to train or score on).
     """
-    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    layout = ('a SQuAD JSON file: {"data": [{"paragraphs": [{"context": ..., "qas": [{"id", "question", '
+              '"answers": [{"text", "answer_start"}], "is_impossible"?}]}]}]}')
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not JSON ({error}); extractive QA reads {layout}") from None
     if not isinstance(data, dict) or "data" not in data:
-        raise ValueError(f"{path}: not a SQuAD file (no top-level 'data')")
+        raise ValueError(f"{path}: not a SQuAD file (no top-level 'data'); extractive QA reads {layout}")
     questions, version_2 = [], False
-    for article in data["data"]:
-        for paragraph in article["paragraphs"]:
-            context = paragraph["context"]
-            for qa in paragraph["qas"]:
-                impossible = bool(qa.get("is_impossible", False))
-                version_2 |= "is_impossible" in qa
-                answers = [] if impossible else qa.get("answers", [])
-                start = None
-                if answers:
-                    text, start = answers[0]["text"], answers[0]["answer_start"]
-                    if context[start: start + len(text)] != text:  # a sloppy offset: the nearest occurrence
-                        found = [i for i in range(len(context)) if context.startswith(text, i)]
-                        if not found:
-                            raise ValueError(f"{path}: question {qa['id']}: answer {text!r} is not in its context")
-                        start = min(found, key=lambda i: abs(i - start))
-                elif not impossible and labelled:
-                    raise ValueError(f"{path}: question {qa['id']} has no answers and is not marked is_impossible")
-                questions.append(Question(qa["id"], qa["question"], context, tuple(a["text"] for a in answers),
-                                          start, labelled=bool(answers) or impossible))
+    where = f"{path}"
+    try:
+        for article_index, article in enumerate(data["data"]):
+            for paragraph_index, paragraph in enumerate(article["paragraphs"]):
+                where = f"{path}: data[{article_index}].paragraphs[{paragraph_index}]"
+                context = paragraph["context"]
+                for qa in paragraph["qas"]:
+                    where = f"{path}: question {qa.get('id', '(no id)')}"
+                    impossible = bool(qa.get("is_impossible", False))
+                    version_2 |= "is_impossible" in qa
+                    answers = [] if impossible else qa.get("answers", [])
+                    start = None
+                    if answers:
+                        text, start = answers[0]["text"], answers[0].get("answer_start")
+                        if start is None or context[start: start + len(text)] != text:  # the nearest occurrence
+                            found = [i for i in range(len(context)) if context.startswith(text, i)]
+                            if not found:
+                                raise ValueError(f"{where}: answer {text!r} is not in its context")
+                            start = min(found, key=lambda i: abs(i - (start or 0)))
+                    elif not impossible and labelled:
+                        raise ValueError(f"{where} has no answers and is not marked is_impossible")
+                    questions.append(Question(qa["id"], qa["question"], context, tuple(a["text"] for a in answers),
+                                              start, labelled=bool(answers) or impossible))
+    except (KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"{where}: no {error} where {layout} has one" if isinstance(error, KeyError) else
+                         f"{where}: not laid out as {layout} ({error})") from None
     if not questions:
         raise ValueError(f"{path}: no questions")
     return questions, version_2

@@ -13,12 +13,13 @@ from pathlib import Path
 
 from pretrain import checkpoint as ckpt
 from pretrain.config import keys_help
-from pretrain.engine import RunStopped, close_distributed, seed_everything
+from pretrain.batch_plan import plan_batch
+from pretrain.engine import RunStopped, close_distributed, read_engine_json, seed_everything
 from pretrain.outputs import check_output
 from pretrain.model import build_model
 
 from .config import TASKS, FinetuneConfig, load_config
-from .engine import LOG_FILE, fit
+from .engine import BATCH_KEYS, LOG_FILE, fit, schedule
 from .model_io import load_init
 from .tasks import build_task
 
@@ -65,17 +66,25 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         cfg = load_config(args.config, flags, args.set)
         check_run_output(cfg.out, [cfg.init, cfg.train, cfg.dev, cfg.vocab], args.force)
+        # what needs no model or data first: the DeepSpeed JSON and the batch split over this launch's ranks
+        read_engine_json(cfg.deepspeed_config_path)
+        plan_batch(cfg.batch_size, cfg.micro_batch_size, int(os.environ.get("WORLD_SIZE", "1")), BATCH_KEYS)
         backbone, tokenizer = load_init(cfg.init, cfg.vocab)
         seed_everything(cfg.seed)  # the same head (and, from scratch, backbone) initialisation on every rank
         if cfg.from_scratch:
             backbone = build_model(backbone.cfg)
         task = build_task(cfg, backbone, tokenizer)
+        schedule(cfg, task.train_size)  # a global batch larger than the training set
+    except FileExistsError as error:  # an --out holding something else (`check_output` says what to do)
+        raise InputError(str(error)) from error
     except ValueError as error:
         raise InputError(str(error)) from error
     except FileNotFoundError as error:
         raise InputError(f"{error.filename or error}: no such file or directory") from error
     try:
         return fit(cfg, task, tokenizer)
+    except ckpt.CheckpointMismatchError as error:  # --out holds a run this one cannot continue
+        raise InputError(str(error)) from error
     except RunStopped as error:  # a diagnosis (non-finite loss, checkpoint not written), not a crash: no traceback
         print(f"[stop] {error}", file=sys.stderr, flush=True)
         sys.exit(error.exit_code)

@@ -46,6 +46,8 @@ def read_jsonl_numbered(path: str | Path) -> list[tuple[int, dict]]:
             except UnicodeDecodeError as err:
                 raise ValueError(f"{path}:{line_number}: not UTF-8 text (byte {raw[err.start]:#04x} at column "
                                  f"{err.start + 1}); re-encode the file as UTF-8") from None
+            if line_number == 1:
+                line = line.removeprefix("\ufeff")  # a byte-order mark, as Windows editors write
             if not line.strip():
                 continue
             try:

@@ -66,8 +66,13 @@ def nearest_feasible_globals(global_batch_size: int, data_parallel_size: int,
     return [c for c in candidates if c > 0]
 
 
-def plan_batch(global_batch_size: int, micro_batch_size: int, data_parallel_size: int) -> BatchPlan:
-    """Split the global batch over ``data_parallel_size`` ranks with the given micro-batch, or explain why not."""
+PRETRAINING_KEYS = ("train.global_batch_size", "train.micro_batch_size")
+
+
+def plan_batch(global_batch_size: int, micro_batch_size: int, data_parallel_size: int,
+               keys: tuple[str, str] = PRETRAINING_KEYS) -> BatchPlan:
+    """Split the global batch over ``data_parallel_size`` ranks with the given micro-batch, or explain why not,
+    naming the settings ``keys`` (global batch, micro-batch) the user sets them with."""
     if min(global_batch_size, micro_batch_size, data_parallel_size) < 1:
         raise InfeasibleBatchError("global batch, micro-batch and data-parallel size must all be >= 1")
     per_step = micro_batch_size * data_parallel_size
@@ -79,7 +84,7 @@ def plan_batch(global_batch_size: int, micro_batch_size: int, data_parallel_size
     if pairs:
         lines.append(f"Feasible (micro, accumulation) pairs for {global_batch_size} on {data_parallel_size} ranks: "
                      + ", ".join(f"({m}, {a})" for m, a in pairs)
-                     + " -> set train.micro_batch_size accordingly.")
+                     + f" -> set {keys[1]} accordingly.")
     else:
         lines.append(f"No (micro, accumulation) pair reaches {global_batch_size} on {data_parallel_size} ranks "
                      f"({global_batch_size} is not a multiple of {data_parallel_size}).")
@@ -89,7 +94,7 @@ def plan_batch(global_batch_size: int, micro_batch_size: int, data_parallel_size
     with_micro = nearest_feasible_globals(global_batch_size, data_parallel_size, micro_batch_size)
     if with_micro != nearest:
         lines.append(f"Keeping micro-batch {micro_batch_size}: " + ", ".join(map(str, with_micro)))
-    lines.append("Opt in with train.global_batch_size=N (or change the number of ranks).")
+    lines.append(f"Opt in with {keys[0]}=N (or change the number of ranks).")
     raise InfeasibleBatchError("\n".join(lines))
 
 

@@ -470,10 +470,16 @@ def lock_run_directory(out_dir: str | Path, rank: int) -> RunLock | None:
 
 # --- compatibility ----------------------------------------------------------------------------------------
 
-def check_compatible(saved: dict[str, Any], current: dict[str, Any], where: str) -> None:
-    """Refuse to resume a checkpoint made for another model, vocabulary, shard set or seed.
+PRETRAINING_RESTART = "another out_dir or train.resume=never"
 
-    ``saved`` / ``current`` carry ``model_config`` (dict), ``vocab_hash``, ``manifest_hash`` and ``seed``.
+
+def check_compatible(saved: dict[str, Any], current: dict[str, Any], where: str,
+                     restart: str = PRETRAINING_RESTART) -> None:
+    """Refuse to resume a checkpoint made for another model, vocabulary, shard set (a fine-tuning run's: training
+    file), seed or, in fine-tuning, task and label space; ``restart`` says how to start a new run instead.
+
+    ``saved`` / ``current`` carry ``model_config`` (dict), ``vocab_hash``, ``manifest_hash`` and ``seed``, and
+    optionally ``task`` (a fine-tuning run's task and labels).
     """
     saved_model, current_model = saved.get("model_config", {}), current["model_config"]
     saved_model = {k: v for k, v in saved_model.items() if k not in RETIRED_FIELDS}  # training settings now
@@ -481,20 +487,23 @@ def check_compatible(saved: dict[str, Any], current: dict[str, Any], where: str)
         if saved_model.get(name) != current_model.get(name):
             raise CheckpointMismatchError(
                 f"{where} was trained with model.{name}={saved_model.get(name)!r}, this run has "
-                f"model.{name}={current_model.get(name)!r}; refusing to resume (use another out_dir or "
-                "train.resume=never)")
+                f"model.{name}={current_model.get(name)!r}; refusing to resume ({restart})")
     if saved.get("manifest_hash") not in (None, current.get("manifest_hash")):
+        if restart != PRETRAINING_RESTART:  # a fine-tuning run: the hash is its training file's
+            raise CheckpointMismatchError(
+                f"{where} was trained on another training file (sha256 {str(saved.get('manifest_hash'))[:12]}…, "
+                f"this one's {str(current.get('manifest_hash'))[:12]}…); refusing to resume ({restart})")
         raise CheckpointMismatchError(
             f"{where} was trained on another build of its shards (manifest sha256 "
             f"{str(saved.get('manifest_hash'))[:12]}…, these shards' {str(current.get('manifest_hash'))[:12]}…"
             f"{_shards_named(saved, current)}): they were rebuilt (another seed, input or setting) or replaced since, "
-            "which is another data stream; point data.shards at the shards it was trained on, or start a new run "
-            "(another out_dir or train.resume=never)")
-    for name in ("vocab_hash", "seed"):
-        if saved.get(name) != current.get(name):
+            f"which is another data stream; point data.shards at the shards it was trained on, or start a new run "
+            f"({restart})")
+    for name in ("vocab_hash", "seed", "task"):
+        if saved.get(name, current.get(name)) != current.get(name):  # "task": not in older fine-tuning markers
             raise CheckpointMismatchError(
                 f"{where} was trained with {name}={saved.get(name)!r}, this run has {name}={current.get(name)!r}; "
-                "refusing to resume (use another out_dir or train.resume=never)")
+                f"refusing to resume ({restart})")
 
 
 def _shards_named(saved: dict[str, Any], current: dict[str, Any]) -> str:
@@ -678,7 +687,8 @@ def check_stage_change(saved: int, stage: int, where: Path) -> None:
 
 
 def find_resume_point(checkpoint_dir: Path, resume: str, identity: dict[str, Any], world_size: int,
-                      zero_stage: int, report: Callable[[str], None] | None = None) -> ResumePoint | None:
+                      zero_stage: int, report: Callable[[str], None] | None = None,
+                      restart: str = PRETRAINING_RESTART) -> ResumePoint | None:
     """The checkpoint to resume (a collective when a conversion is needed).
 
     ``resume``: ``auto`` (`choose_resume_tag`'s checkpoint of ``checkpoint_dir``, ``latest`` repaired to name
@@ -701,7 +711,7 @@ def find_resume_point(checkpoint_dir: Path, resume: str, identity: dict[str, Any
     meta, problem = verify_tag(directory / tag, hashes=True)
     if meta is None:
         raise FileNotFoundError(f"{directory / tag} is not a complete checkpoint: {problem}")
-    check_compatible(meta, identity, str(directory / tag))
+    check_compatible(meta, identity, str(directory / tag), restart)
     check_stage_change(meta["zero_stage"], zero_stage, directory / tag)
     load_tag = tag
     if (meta["world_size"] != world_size or meta["zero_stage"] != zero_stage) and meta["zero_stage"] > 0:

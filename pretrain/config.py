@@ -127,7 +127,8 @@ class OptimConfig:
     weight_decay: float = 0.01
     """Decoupled weight decay; never applied to biases and LayerNorm weights."""
     warmup_steps: int = 40_000
-    """Linear warm-up steps, then the ``schedule``'s decay to ``min_lr`` at ``train.max_steps``."""
+    """Linear warm-up steps, then the ``schedule``'s decay to ``min_lr`` at ``train.max_steps``. DeepSpeed's schedulers
+    warm up over at least 2 steps: 1 behaves as 2."""
     schedule: str = "linear"
     """Decay after the warm-up: ``linear`` (BERT, UniLM; DeepSpeed WarmupDecayLR) or ``cosine`` (GPT-1; DeepSpeed
     WarmupCosineLR)."""

@@ -310,6 +310,25 @@ def test_a_sloppy_answer_start_takes_the_nearest_occurrence(tmp_path):
     assert questions[0].answer_start == context.rindex("1990") == 42
 
 
+def test_a_file_not_laid_out_as_squad_is_named_with_the_layout(tmp_path):
+    (tmp_path / "records.jsonl").write_text('{"question": "Who?", "context": "Me.", "answers": {"text": ["Me"]}}\n'
+                                            '{"question": "When?", "context": "Now.", "answers": {"text": ["Now"]}}\n')
+    with pytest.raises(ValueError, match=r"records.jsonl: not JSON \(Extra data.*extractive QA reads a SQuAD JSON"):
+        qa.read_squad(tmp_path / "records.jsonl")
+    (tmp_path / "flat.json").write_text(json.dumps({"data": [{"question": "Who?", "context": "Me."}]}))
+    with pytest.raises(ValueError, match=r"flat.json: no 'paragraphs' where a SQuAD JSON file"):
+        qa.read_squad(tmp_path / "flat.json")
+    unplaced = {"data": [{"paragraphs": [{"context": "It is Paris, not Lyon.", "qas": [
+        {"id": "q1", "question": "Where?", "answers": [{"text": "Paris"}]},
+        {"id": "q2", "question": "Which?", "answers": [{"answer_start": 0}]}]}]}]}
+    (tmp_path / "unplaced.json").write_text(json.dumps(unplaced))
+    with pytest.raises(ValueError, match=r"unplaced.json: question q2: no 'text' where"):
+        qa.read_squad(tmp_path / "unplaced.json")
+    del unplaced["data"][0]["paragraphs"][0]["qas"][1]  # an answer without answer_start: its first occurrence
+    (tmp_path / "unplaced.json").write_text(json.dumps(unplaced))
+    assert qa.read_squad(tmp_path / "unplaced.json")[0][0].answer_start == 6
+
+
 def test_qa_answer_not_in_context_and_squad2_no_answer(tmp_path, backbone, tokenizer):
     bad = {"data": [{"paragraphs": [{"context": "Paris is in France.", "qas": [
         {"id": "q1", "question": "Where?", "answers": [{"text": "Berlin", "answer_start": 0}]}]}]}]}

@@ -30,7 +30,9 @@ def decode_args(model: Path, source: Path, output: Path, *extra: str) -> list[st
 
 
 @pytest.mark.parametrize("option, value, minimum", [("--batch-size", "-1", 1), ("--batch-size", "0", 1),
-                                                   ("--no-repeat-ngram", "-1", 0)])
+                                                   ("--no-repeat-ngram", "-1", 0), ("--beam-size", "0", 1),
+                                                   ("--max-tgt-len", "0", 1), ("--max-src-len", "0", 1),
+                                                   ("--min-tgt-len", "-1", 0)])
 def test_decode_refuses_a_count_below_its_minimum_and_writes_nothing(tiny_init, sources, tmp_path, option, value,
                                                                      minimum, capsys):
     output = tmp_path / "out.jsonl"
@@ -50,6 +52,25 @@ def test_predict_refuses_a_count_below_its_minimum_and_writes_nothing(tiny_init,
     error = capsys.readouterr().err
     assert exit_info.value.code == 2 and option in error and f"must be >= {minimum}, got {value}" in error
     assert not output.exists()
+
+
+def test_decode_refuses_settings_and_inputs_it_cannot_decode_before_decoding_any(tiny_init, sources, tmp_path,
+                                                                                 capsys):
+    output = tmp_path / "out.jsonl"
+    for extra, message in ((["--min-tgt-len", "5"], "--min-tgt-len 5 exceeds the longest target, 3 word pieces"),
+                           (["--beam-size", "40000"], "--beam-size 40000: more beams than the")):
+        with pytest.raises(SystemExit) as exit_info:
+            decode.main(decode_args(tiny_init, sources, output, *extra))
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    records = [json.loads(line) for line in sources.read_text().splitlines()] + [{"text": "a classify record"}]
+    write_jsonl(records, tmp_path / "mixed.jsonl")
+    with pytest.raises(SystemExit) as exit_info:
+        decode.main(decode_args(tiny_init, tmp_path / "mixed.jsonl", output))
+    assert exit_info.value.code == 2 and "record 6 has an empty or missing 'src'" in capsys.readouterr().err
+    assert not output.exists()
+    (tmp_path / "bom.jsonl").write_text("\ufeff" + sources.read_text(), encoding="utf-8")  # as Windows editors save
+    decode.main(decode_args(tiny_init, tmp_path / "bom.jsonl", output))
+    assert len(output.read_text().splitlines()) == 5
 
 
 def test_decode_reports_the_source_cut_it_applies_and_refuses_what_leaves_no_source(tiny_init, sources, tmp_path,
@@ -139,7 +160,7 @@ def test_finetuning_refuses_an_output_that_is_an_input_or_holds_other_files(smal
     with pytest.raises(ValueError, match="is \\(or contains\\) the input"):
         run.main(args + ["--out", str(tiny_init)])
     (tmp_path / "notes.txt").write_text("mine")
-    with pytest.raises(FileExistsError, match="pass --force"):
+    with pytest.raises(run.InputError, match="pass --force"):  # one line from the command, not a traceback
         run.main(args + ["--out", str(tmp_path)])
     with pytest.raises(ValueError, match="max_steps must be >= 1"):
         run.main(args + ["--out", str(tmp_path / "new"), "--max-steps", "-5"])

@@ -126,9 +126,41 @@ def test_a_bf16_run_exports_its_fp32_master_weights(small_tasks, tiny_init, tmp_
 
 
 def test_a_changed_run_is_refused_on_resume(small_tasks, tiny_init, tmp_path):
+    """An --out holding a run this one cannot continue (another seed, another label space: its head has another
+    shape) is one line naming the difference and the way out, in fine-tuning's own terms."""
     run.main(classify_args(small_tasks, tiny_init, tmp_path, "--epochs", "1", "--set", "exit_at_step=1"))
-    with pytest.raises(ValueError, match="seed"):
+    fix = f"use another --out, or delete {tmp_path / 'checkpoints'} to start afresh there"
+    with pytest.raises(run.InputError, match="seed") as refused:
         run.main(classify_args(small_tasks, tiny_init, tmp_path, "--epochs", "1", "--seed", "4"))
+    assert fix in str(refused.value) and "data.shards" not in str(refused.value)
+    regression = tmp_path / "scores.jsonl"  # integer labels: classes by default, scores with regression=true
+    regression.write_text("".join(json.dumps({"text": f"text number {i}", "label": i % 3}) + "\n" for i in range(16)))
+    scored = tmp_path / "scored"
+    args = ["--task", "classify", "--train", str(regression), "--dev", str(regression), "--init", str(tiny_init),
+            "--out", str(scored), "--max-seq-len", "16", *COMMON, "--epochs", "1"]
+    run.main(args + ["--set", "exit_at_step=1"])
+    with pytest.raises(run.InputError, match=r"was trained with task=\{'task': 'classify', 'labels': \['0', '1', "
+                                             r"'2'\], 'regression': False"):
+        run.main(args + ["--set", "regression=true"])
+
+
+def test_settings_that_need_no_model_are_refused_before_it_loads(small_tasks, tmp_path):
+    """A batch that does not split, or a missing DeepSpeed JSON, is found before the model and data are read (the
+    --init here does not even exist), named by fine-tuning's own flags."""
+    args = ["--task", "classify", "--train", str(small_tasks["bbc_topic.train"]), "--dev",
+            str(small_tasks["bbc_topic.dev"]), "--init", str(tmp_path / "absent"), "--out", str(tmp_path / "o")]
+    with pytest.raises(run.InputError, match=r"set --micro-batch-size accordingly") as refused:
+        run.main(args + ["--batch-size", "8", "--micro-batch-size", "3"])
+    assert "train." not in str(refused.value)
+    with pytest.raises(run.InputError, match="nothing.json: no such file or directory"):
+        run.main(args + ["--deepspeed-config", str(tmp_path / "nothing.json")])
+
+
+def test_init_from_a_fine_tuning_runs_checkpoints_points_at_its_output(small_tasks, tiny_init, tmp_path):
+    run.main(classify_args(small_tasks, tiny_init, tmp_path, "--epochs", "1", "--set", "exit_at_step=1"))
+    with pytest.raises(ValueError, match=rf"a fine-tuning run's checkpoint \(task classify\); fine-tune from that "
+                                         rf"run's output directory {tmp_path}"):
+        load_init(tmp_path / "checkpoints")
 
 
 def test_seq2seq_run_then_decode_with_and_without_cache(small_tasks, tiny_init, tmp_path):
@@ -164,7 +196,7 @@ def test_seq2seq_run_then_decode_with_and_without_cache(small_tasks, tiny_init, 
         load_finetuned(out, expect_task="classify")
 
 
-def test_bad_inputs_get_clear_messages(tiny_init, minilm_dir, tmp_path):
+def test_bad_inputs_get_clear_messages(tiny_init, minilm_dir, tmp_path, capsys):
     with pytest.raises(ValueError, match="not a model directory"):
         load_finetuned(tmp_path)
     (tmp_path / "config.json").write_text("{}")
@@ -172,6 +204,14 @@ def test_bad_inputs_get_clear_messages(tiny_init, minilm_dir, tmp_path):
         load_init(tmp_path, vocab=tiny_init / "vocab.txt")
     with pytest.raises(ValueError, match="vocabulary mismatch"):
         load_init(tiny_init, vocab=minilm_dir / "vocab.txt")  # 30,522 pieces for a 1,500-row model
+    with pytest.raises(ValueError, match="model.safetensors: a file; give a model directory"):
+        load_init(tiny_init / "model.safetensors")
+    from finetune import predict
+    (tmp_path / "in.jsonl").write_text('{"text": "a"}\n')
+    with pytest.raises(SystemExit, match="2"):
+        predict.main(["--model", str(tiny_init), "--input", str(tmp_path / "in.jsonl"), "--output",
+                      str(tmp_path / "p.tsv")])
+    assert f"--model {tiny_init} is not a fine-tuning output (no finetune.json)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("task", ["classify", "qa"])
