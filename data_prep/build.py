@@ -1067,7 +1067,8 @@ def _report(manifest: dict, out: Path, vocab_name: str, casing_from: str | None 
         print(f"[build] {docs['repaired_lines']} line(s) of text inputs held bytes that are not UTF-8, replaced by "
               f"U+FFFD (e.g. {docs['repair_examples'][0]}; more in manifest.json documents.repair_examples)",
               file=sys.stderr)
-    for warning in (skip_warning(manifest), random_next_warning(manifest), unk_warning(manifest, vocab_name, casing_from)):
+    for warning in (skip_warning(manifest), random_next_warning(manifest),
+                    unk_warning(manifest, vocab_name, casing_from)):
         if warning:
             print(warning, file=sys.stderr)
 

@@ -15,11 +15,11 @@ and its continuation. The unused sentences go back to the stream. Segments never
 random B. Layout: ``[CLS] A [SEP]`` or ``[CLS] A [SEP] B [SEP]``.
 
 Masking (``mask_samples``): 15% (``mask_prob``) of the non-special tokens (at least 1, at most ``max_predictions``,
-by default round(mask_prob × max_seq_len), so a full-length sample is masked at that rate too), in non-adjacent
-spans whose lengths follow the recipe (``SPAN_LENGTH_PROBS``): unilm 80% single tokens and 20% bigrams or
-trigrams (UniLM, Dong et al. 2019), bert single tokens only (BERT, Devlin et al. 2019); of the masked tokens 80%
-become [MASK], 10% a random non-special token, 10% stay. Everything random comes from a generator seeded by (seed, document index,
-stream), never by process order, so any split of the work gives the same bytes.
+by default round(mask_prob × max_seq_len), so a full-length sample is masked at that rate too), in spans whose
+lengths follow the recipe (``SPAN_LENGTH_PROBS``): unilm 80% single tokens and 20% bigrams or trigrams, never
+adjacent (UniLM, Dong et al. 2019), bert single tokens at uniformly chosen positions (BERT, Devlin et al. 2019); of
+the masked tokens 80% become [MASK], 10% a random non-special token, 10% stay. Everything random comes from a
+generator seeded by (seed, document index, stream), never by process order, so any split of the work gives the same bytes.
 """
 from __future__ import annotations
 

@@ -59,8 +59,8 @@ def _boundary(abbreviations: list[str], initial: str, starter: str) -> re.Patter
     """Group 1 ends a sentence: . ! ? (with an optional closing quote or bracket) that does not end one of the
     ``abbreviations`` or an initial (a letter of class ``initial``), when whitespace, opening quotes and a letter of
     class ``starter`` follow; or a run of the other scripts' terminators with their closing brackets, whatever
-    follows. The whitespace after it is dropped. Each alternative starts with its punctuation class, so the fixed-width
-    lookbehinds only run at candidate boundaries."""
+    follows. The whitespace after it is dropped. Each alternative starts with its punctuation class, so the
+    fixed-width lookbehinds only run at candidate boundaries."""
     return re.compile(
         r"([.!?]" + "".join(rf"(?<!\b{re.escape(a)}\.)" for a in abbreviations)
         + rf"(?<!\b[{initial}]\.)[{_CLOSERS}]?(?=\s+[{_OPENERS}]*[{starter}])"

@@ -350,13 +350,16 @@ def decode_records(model: torch.nn.Module, tokenizer: Tokenizer, records: list[d
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     check_vocab(model, tokenizer)
     max_src_len = source_budget(model.cfg.max_position_embeddings, max_src_len, config.max_tgt_len)
+    missing = next((number for number, record in enumerate(records, 1)
+                    if not isinstance(record.get("src"), str) or not record["src"].strip()), None)
+    if missing is not None:  # before any decoding: a bad record at the end would waste the work before it
+        raise ValueError(f"record {missing} has an empty or missing 'src' (decoding reads JSONL records with a "
+                         "'src' text, and 'tgt' references to score against)")
     predictions, truncated = [], 0
     for start in range(0, len(records), batch_size):
         batch = records[start: start + batch_size]
         sources = []
-        for number, record in enumerate(batch, start + 1):
-            if not isinstance(record.get("src"), str) or not record["src"].strip():
-                raise ValueError(f"input record {number} has an empty or missing 'src'")
+        for record in batch:
             packed, cut = pack_source(tokenizer, record["src"], max_src_len)
             sources.append(packed)
             truncated += cut
@@ -454,14 +457,12 @@ def main(argv: list[str] | None = None) -> None:
         records = read_jsonl(args.input)
     except (ValueError, OSError) as error:
         parser.error(f"--input {args.input}: {error.strerror if isinstance(error, OSError) else error}")
-    missing = next((number for number, record in enumerate(records, 1)
-                    if not isinstance(record.get("src"), str) or not record["src"].strip()), None)
-    if missing is not None:  # before any decoding: a bad record at the end would waste the work before it
-        parser.error(f"--input {args.input}: record {missing} has an empty or missing 'src' (decoding reads JSONL "
-                     "records with a 'src' text, and 'tgt' references to score against)")
     began = time.perf_counter()
-    predictions, truncated = decode_records(finetuned.model, finetuned.tokenizer, records, config, max_src_len,
-                                            args.batch_size, progress=True)
+    try:
+        predictions, truncated = decode_records(finetuned.model, finetuned.tokenizer, records, config, max_src_len,
+                                                args.batch_size, progress=True)
+    except ValueError as error:  # a record it cannot decode, found before decoding any
+        parser.error(f"--input {args.input}: {error}")
     seconds = time.perf_counter() - began
     if len(predictions) != len(records):
         raise RuntimeError(f"{len(predictions)} predictions for {len(records)} input records; nothing written")

@@ -191,7 +191,8 @@ def hf_task_class(task: str, cfg: Any, meta: dict[str, Any]) -> str | None:
     """The transformers task class a fine-tuned model is written as, when one computes what our head does: a
     masked-LM backbone's classifier on the pooled [CLS] of one view (`BertForSequenceClassification`; one score per
     choice: `BertForMultipleChoice`), its span head (`BertForQuestionAnswering`). None (written as the
-    backbone — `BertForPreTraining`, a causal LM's `BertLMHeadModel` —, the head beside it): seq2seq, a causal LM's head on the last token, GPT-1 similarity's
+    backbone — `BertForPreTraining`, a causal LM's `BertLMHeadModel` —, the head beside it): seq2seq, a causal LM's
+    head on the last token, GPT-1 similarity's
     two summed views."""
     if cfg.causal_lm:
         return None

@@ -75,9 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
             backbone = build_model(backbone.cfg)
         task = build_task(cfg, backbone, tokenizer)
         schedule(cfg, task.train_size)  # a global batch larger than the training set
-    except FileExistsError as error:  # an --out holding something else (`check_output` says what to do)
-        raise InputError(str(error)) from error
-    except ValueError as error:
+    except (ValueError, FileExistsError) as error:  # FileExistsError: an --out holding something else
         raise InputError(str(error)) from error
     except FileNotFoundError as error:
         raise InputError(f"{error.filename or error}: no such file or directory") from error

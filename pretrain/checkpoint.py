@@ -489,7 +489,7 @@ def check_compatible(saved: dict[str, Any], current: dict[str, Any], where: str,
                 f"{where} was trained with model.{name}={saved_model.get(name)!r}, this run has "
                 f"model.{name}={current_model.get(name)!r}; refusing to resume ({restart})")
     if saved.get("manifest_hash") not in (None, current.get("manifest_hash")):
-        if restart != PRETRAINING_RESTART:  # a fine-tuning run: the hash is its training file's
+        if "task" in current:  # a fine-tuning run: the hash is its training file's
             raise CheckpointMismatchError(
                 f"{where} was trained on another training file (sha256 {str(saved.get('manifest_hash'))[:12]}…, "
                 f"this one's {str(current.get('manifest_hash'))[:12]}…); refusing to resume ({restart})")
@@ -592,9 +592,9 @@ def save(engine: Any, checkpoint_dir: Path, step: int, meta: dict[str, Any], cli
     save of this tag left (another run's, in the same directory: its marker must not vouch for the files now
     rewritten, files of ranks this run lacks must not stay, nor its universal conversion); DeepSpeed's files and
     the full fp32 weights (``WEIGHTS``, gathered from every partition) are fsync'ed on each rank before the
-    barrier, then rank 0 writes the marker (whose parent is ``previous``), moves ``latest`` and prunes to ``keep_last``. A full
-    disk or an I/O error removes the partial tag and raises `CheckpointWriteError`, naming ``previous`` (the last
-    complete checkpoint, still intact).
+    barrier, then rank 0 writes the marker (whose parent is ``previous``), moves ``latest`` and prunes to
+    ``keep_last``. A full disk or an I/O error removes the partial tag and raises `CheckpointWriteError`, naming
+    ``previous`` (the last complete checkpoint, still intact).
     """
     rank = torch_dist.get_rank()
     tag = tag_for_step(step)

@@ -103,6 +103,11 @@ def test_rebuilt_shards_are_named_as_such() -> None:
     with pytest.raises(ckpt.CheckpointMismatchError, match=r"eeeeeeeeeeee…; trained on /data/shards/unilm-512, these "
                                                           r"are data/shards/unilm-128\): they were rebuilt"):
         ckpt.check_compatible(saved, dict(saved, manifest_hash="e" * 64, shards="data/shards/unilm-128"), "ckpt")
+    tuned = dict(saved, task={"task": "classify"})  # a fine-tuning run: its hash is its training file's
+    with pytest.raises(ckpt.CheckpointMismatchError, match=r"ckpt was trained on another training file \(sha256 "
+                                                          r"dddddddddddd…, this one's eeeeeeeeeeee…\); refusing to "
+                                                          r"resume \(use another --out\)"):
+        ckpt.check_compatible(tuned, dict(tuned, manifest_hash="e" * 64), "ckpt", restart="use another --out")
 
 
 def test_a_resumed_run_names_the_settings_it_changed() -> None:
