@@ -260,7 +260,9 @@ def test_export_of_a_corrupted_checkpoint_is_one_line_naming_it(runs: dict, tmp_
     shutil.copytree(runs["full"] / "checkpoints" / "global_step24", tag)
     with open(tag / "model_weights.safetensors", "r+b") as handle:
         handle.seek(5000)
-        handle.write(b"\x01")
+        byte = handle.read(1)[0]
+        handle.seek(5000)
+        handle.write(bytes([byte ^ 0xFF]))  # a changed byte, whatever it was
     with pytest.raises(SystemExit) as stopped:
         main([str(tag), str(tmp_path / "hf")])
     assert stopped.value.code == 2 and not (tmp_path / "hf").exists()
