@@ -225,18 +225,22 @@ def reduce_step(losses: list[torch.Tensor], accumulation_steps: int, stop: bool)
 
 def train_step(cfg: FinetuneConfig, engine: Any, task: TaskSetup, plan: BatchPlan, progress: Progress, epoch: int,
                index_in_epoch: int, rank: int, log: Any, stop_requested: StopRequest) -> tuple[float, bool]:
-    """One optimizer step on this rank's slice of the step's global batch. Returns the step's loss, the mean over
-    ranks (what one rank holding the whole batch would report), and whether any rank's ``stop_requested`` was set
+    """One optimizer step on this rank's slice of the step's global batch. Its loss is the mean over the global
+    batch whatever the (micro-batch, accumulation, ranks) split: a mean over examples in equal micro-batches, or,
+    for a task with `TaskSetup.predicted_count`, each micro-batch's summed token loss over the step's tokens per
+    micro-batch. Returns the step's loss, the mean over ranks (what one rank holding the whole batch would report), and whether any rank's ``stop_requested`` was set
     by the end of its backward passes. A NaN/inf loss on any rank (before the update) or gradient (after it)
     raises `NonFiniteLossError`."""
     order = np.random.default_rng([cfg.seed, epoch]).permutation(task.train_size)
     global_batch = order[index_in_epoch * cfg.batch_size: (index_in_epoch + 1) * cfg.batch_size]
     per_rank = plan.samples_per_rank
     mine = global_batch[rank * per_rank: (rank + 1) * per_rank].tolist()
+    normalizer = {} if task.predicted_count is None else {"token_normalizer": torch.tensor(
+        plan.per_micro_batch(task.predicted_count(global_batch.tolist(), epoch)), dtype=torch.float32)}
     micro_batches = []
     for begin in range(0, per_rank, cfg.micro_batch_size):
         batch = task.make_batch(mine[begin: begin + cfg.micro_batch_size], epoch)
-        micro_batches.append(to_device(batch, engine.device))
+        micro_batches.append(to_device({**batch, **normalizer}, engine.device))
     losses: list[torch.Tensor] = []
     summary: dict[str, Any] = {}
 

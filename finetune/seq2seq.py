@@ -5,7 +5,7 @@ whole source, target tokens see the source, the target to their left and themsel
 both built on the device by `pretrain.masks` from (objective, len_a, length) — exactly as in pre-training.
 Each target token, the final [SEP] included, is replaced by [MASK] with probability `mask_prob` (paper: 0.7;
 0.5 for generative QA and dialogue); at least one per example. The loss is cross-entropy with label smoothing
-(0.1) at the masked positions only. Decoding (`finetune.decode`) appends [MASK] and predicts it, so masked targets
+(0.1) at the masked positions only, a training step's mean over the masked targets of its whole global batch. Decoding (`finetune.decode`) appends [MASK] and predicts it, so masked targets
 are always replaced by [MASK] here. UniLM v1's fine-tuning code differs in two details the paper does not state: it
 masks exactly round(0.7 · target length) positions per example, and replaces 10 % of them by a random token and
 10 % by themselves, as in pre-training; the expected number of masked positions is about the same.
@@ -76,6 +76,15 @@ def encode_examples(records: list[dict], tokenizer: Tokenizer, max_src_len: int,
     return examples, counts
 
 
+def masked_targets(length: int, mask_prob: float, rng: np.random.Generator) -> np.ndarray:
+    """Bool[length]: which of a target's `length` tokens (final [SEP] included) are masked, each with probability
+    `mask_prob`, at least one."""
+    chosen = rng.random(length) < mask_prob
+    if not chosen.any():
+        chosen[rng.integers(length)] = True
+    return chosen
+
+
 def pack_and_mask(example: Seq2SeqExample, tokenizer: Tokenizer, mask_prob: float,
                   rng: np.random.Generator) -> dict[str, np.ndarray | int]:
     """`[CLS] src [SEP] tgt [SEP]` with target tokens (final [SEP] included) replaced by [MASK].
@@ -86,14 +95,18 @@ def pack_and_mask(example: Seq2SeqExample, tokenizer: Tokenizer, mask_prob: floa
     source = [tokenizer.cls_id, *example.source_ids, tokenizer.sep_id]
     target = [*example.target_ids, tokenizer.sep_id]
     input_ids = np.asarray(source + target, dtype=np.int64)
-    chosen = rng.random(len(target)) < mask_prob
-    if not chosen.any():
-        chosen[rng.integers(len(target))] = True
+    chosen = masked_targets(len(target), mask_prob, rng)
     masked_positions = len(source) + np.flatnonzero(chosen)
     masked_labels = input_ids[masked_positions].copy()
     input_ids[masked_positions] = tokenizer.mask_id
     return {"input_ids": input_ids, "len_a": len(source), "masked_positions": masked_positions,
             "masked_labels": masked_labels}
+
+
+def masked_count(examples: list[Seq2SeqExample], mask_prob: float, rngs: list[np.random.Generator]) -> int:
+    """How many target tokens `pack_and_mask` masks in `examples`, example i drawing from `rngs[i]` as it would:
+    what a training step's loss is a mean over, known to every rank without packing the others' examples."""
+    return sum(int(masked_targets(len(e.target_ids) + 1, mask_prob, rng).sum()) for e, rng in zip(examples, rngs))
 
 
 def collate(packed: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
@@ -119,9 +132,12 @@ def collate(packed: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
 
 
 def seq2seq_loss(model: UniLMModel, batch: dict[str, torch.Tensor], label_smoothing: float = 0.1) -> torch.Tensor:
-    """Mean label-smoothed cross-entropy over the masked target positions of a `collate` batch."""
+    """Mean label-smoothed cross-entropy over the masked target positions of a `collate` batch; with a
+    ``token_normalizer`` in the batch (a training step's masked targets over its micro-batches, see
+    `pretrain.batch_plan.BatchPlan.per_micro_batch`), the summed loss divided by it instead."""
     hidden = model.encode_objective(batch["input_ids"], SEQ2SEQ, batch["len_a"], batch["length"])
-    return model.masked_lm_loss(hidden, batch["masked_positions"], batch["masked_labels"], label_smoothing)
+    return model.masked_lm_loss(hidden, batch["masked_positions"], batch["masked_labels"], label_smoothing,
+                                batch.get("token_normalizer"))
 
 
 @torch.no_grad()  # not inference_mode: run mid-training, ZeRO-3 may keep parameters it gathers here

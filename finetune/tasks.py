@@ -34,6 +34,10 @@ class TaskSetup:
     primary_metric: str
     meta: dict[str, Any] = field(default_factory=dict)
     """Saved into finetune.json: labels, counts of truncated inputs, ..."""
+    predicted_count: Callable[[list[int], int], int] | None = None
+    """(item indices, epoch) → the tokens a loss that is a mean over tokens averages over, so that a step's loss is
+    the mean over its whole global batch (`finetune.engine.train_step`); None where the loss is a mean over
+    examples, which micro-batches of equal size already weigh alike."""
 
 
 def _limit(items: list, count: int | None) -> list:
@@ -113,11 +117,16 @@ def build_seq2seq(cfg: FinetuneConfig, backbone: UniLMModel, tokenizer: Tokenize
                             length_penalty=cfg.eval_length_penalty, no_repeat_ngram=cfg.eval_no_repeat_ngram,
                             no_repeat_ignore=ignore)
 
-    def make_batch(indices: list[int], epoch: int) -> dict[str, torch.Tensor]:
+    def masking(epoch: int, index: int) -> np.random.Generator:
         # the masking of example i in epoch e depends on (seed, e, i) only: resume and world size keep it
-        packed = [seq2seq.pack_and_mask(train[i], tokenizer, cfg.mask_prob, np.random.default_rng([cfg.seed, epoch, i]))
-                  for i in indices]
+        return np.random.default_rng([cfg.seed, epoch, index])
+
+    def make_batch(indices: list[int], epoch: int) -> dict[str, torch.Tensor]:
+        packed = [seq2seq.pack_and_mask(train[i], tokenizer, cfg.mask_prob, masking(epoch, i)) for i in indices]
         return seq2seq.collate(packed, tokenizer.pad_id)
+
+    def predicted_count(indices: list[int], epoch: int) -> int:
+        return seq2seq.masked_count([train[i] for i in indices], cfg.mask_prob, [masking(epoch, i) for i in indices])
 
     def evaluate(m: torch.nn.Module) -> dict[str, float]:
         predictions, _ = decode_records(m.backbone, tokenizer, dev_records, decoding, cfg.max_src_len)
@@ -127,7 +136,8 @@ def build_seq2seq(cfg: FinetuneConfig, backbone: UniLMModel, tokenizer: Tokenize
 
     return TaskSetup(module=module, head=None, train_size=len(train), make_batch=make_batch, evaluate=evaluate,
                      primary_metric=_primary_metric(cfg, TASK_METRICS["seq2seq"]),
-                     meta={"truncated": {"sources": cut.sources, "targets": cut.targets}})
+                     meta={"truncated": {"sources": cut.sources, "targets": cut.targets}},
+                     predicted_count=predicted_count)
 
 
 def build_task(cfg: FinetuneConfig, backbone: UniLMModel, tokenizer: Tokenizer) -> TaskSetup:

@@ -40,6 +40,13 @@ class BatchPlan:
         """Sequences each rank processes per optimizer step."""
         return self.micro_batch_size * self.gradient_accumulation_steps
 
+    def per_micro_batch(self, count: int) -> float:
+        """``max(count, 1)`` over the step's micro-batches on all ranks: what each micro-batch divides its
+        summed loss by so that, once DeepSpeed averages the micro-batch losses over the accumulation steps and the
+        ranks, the step minimises the mean over the ``count`` items (tokens, samples) of its whole global batch,
+        whatever its (micro-batch, accumulation, ranks) split."""
+        return max(count, 1) / (self.global_batch_size // self.micro_batch_size)
+
     def deepspeed_fields(self) -> dict[str, int]:
         """The batch keys injected into the DeepSpeed config (they never live in the JSON)."""
         return {"train_batch_size": self.global_batch_size,

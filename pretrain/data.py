@@ -210,11 +210,10 @@ class _DeviceFeed:
 def step_normalizers(dataset: Any, indices: np.ndarray, plan: BatchPlan, causal_lm: bool) -> dict[str, torch.Tensor]:
     """The model's ``token_normalizer`` and ``nsp_normalizer`` for every micro-batch of the global batch of
     ``indices``: its predicted tokens (masked positions; a causal LM's next tokens) and NSP samples, each divided by
-    the step's number of micro-batches over all ranks. DeepSpeed averages the micro-batch losses (over the
-    accumulation steps and the ranks), so the step then minimises the mean loss over the global batch's tokens
-    plus the mean NSP loss over its NSP samples, as one batch would: the same objective for every (micro-batch,
-    accumulation, ranks) split, where a mean per micro-batch weighs a token by its micro-batch's count, and NSP by
-    how many micro-batches happen to hold an NSP sample. Read from the shard index, on every rank alike: no
+    the step's number of micro-batches over all ranks (`BatchPlan.per_micro_batch`): the step then minimises the
+    mean loss over the global batch's tokens plus the mean NSP loss over its NSP samples, as one batch would, where
+    a mean per micro-batch weighs a token by its micro-batch's count, and NSP by how many micro-batches happen to
+    hold an NSP sample. Read from the shard index, on every rank alike: no
     collective."""
     rows = dataset.index_rows(indices)
     if causal_lm:  # position t predicts token t + 1 of the sample
@@ -222,9 +221,8 @@ def step_normalizers(dataset: Any, indices: np.ndarray, plan: BatchPlan, causal_
     else:
         tokens = int(rows["num_masked"].astype(np.int64).sum())
         nsp = int(((rows["objective"] == BIDIRECTIONAL) & (rows["is_random_next"] >= 0)).sum())
-    micro_batches = plan.global_batch_size // plan.micro_batch_size
-    return {"token_normalizer": torch.tensor(max(tokens, 1) / micro_batches, dtype=torch.float32),
-            "nsp_normalizer": torch.tensor(max(nsp, 1) / micro_batches, dtype=torch.float32)}
+    return {name: torch.tensor(plan.per_micro_batch(count), dtype=torch.float32)
+            for name, count in (("token_normalizer", tokens), ("nsp_normalizer", nsp))}
 
 
 class PretrainLoader:

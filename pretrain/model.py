@@ -370,18 +370,22 @@ class UniLMModel(nn.Module):
         return F.cross_entropy(self.mlm_logits(hidden).flatten(0, -2).float(), labels.flatten(),
                                ignore_index=IGNORE_INDEX, label_smoothing=label_smoothing, reduction="none")
 
-    def mean_token_loss(self, hidden: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
-        """`token_losses` averaged over the predicted tokens (labels other than `IGNORE_INDEX`)."""
+    def mean_token_loss(self, hidden: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0,
+                        normalizer: torch.Tensor | None = None) -> torch.Tensor:
+        """`token_losses` averaged over the predicted tokens (labels other than `IGNORE_INDEX`); summed and divided
+        by ``normalizer`` instead when given (a step's count over its micro-batches, as the forward's
+        ``token_normalizer``)."""
         losses = self.token_losses(hidden, labels, label_smoothing)
-        return losses.sum() / (labels != IGNORE_INDEX).sum().clamp(min=1)
+        return losses.sum() / ((labels != IGNORE_INDEX).sum().clamp(min=1) if normalizer is None else normalizer)
 
     def masked_lm_loss(self, hidden: torch.Tensor, masked_positions: torch.Tensor, masked_labels: torch.Tensor,
-                       label_smoothing: float = 0.0) -> torch.Tensor:
-        """Mean cross-entropy of the MLM head's predictions at the masked positions only.
+                       label_smoothing: float = 0.0, normalizer: torch.Tensor | None = None) -> torch.Tensor:
+        """Mean cross-entropy of the MLM head's predictions at the masked positions only (see `mean_token_loss`).
 
         hidden Float[B, L, H]; masked_positions Long[B, P] (padding positions arbitrary); masked_labels Long[B, P]
         (`IGNORE_INDEX` at padding)."""
-        return self.mean_token_loss(gather_positions(hidden, masked_positions), masked_labels, label_smoothing)
+        return self.mean_token_loss(gather_positions(hidden, masked_positions), masked_labels, label_smoothing,
+                                    normalizer)
 
     def causal_lm_loss(self, input_ids: torch.Tensor, length: torch.Tensor,
                        hidden: torch.Tensor | None = None) -> torch.Tensor:

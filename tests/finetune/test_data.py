@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from finetune.task_files import bbc_articles, convert_samples, is_dev, read_jsonl
-from finetune.seq2seq import Seq2SeqExample, collate, encode_examples, pack_and_mask, seq2seq_loss
+from finetune.seq2seq import (Seq2SeqExample, collate, encode_examples, masked_count, pack_and_mask,
+                              seq2seq_loss)
 from finetune.tokenizer import load_tokenizer
 from pretrain.hf import load_hf_bert
 
@@ -62,6 +63,15 @@ def test_seq2seq_packing_masks_targets_only_and_sometimes_the_final_sep(tiny_ini
         assert list(packed["masked_labels"]) == [original[p] for p in positions]
         final_sep_masked += 7 in positions
     assert 20 < final_sep_masked < 50  # about 70% of the time
+
+
+def test_masked_count_is_what_packing_masks(tiny_init):
+    tokenizer = load_tokenizer(tiny_init)
+    examples = [Seq2SeqExample(source_ids=[10], target_ids=list(range(20, 20 + n))) for n in (0, 1, 3, 9, 30)]
+    packed = [pack_and_mask(e, tokenizer, 0.5, np.random.default_rng([7, i])) for i, e in enumerate(examples)]
+    count = masked_count(examples, 0.5, [np.random.default_rng([7, i]) for i in range(len(examples))])
+    assert count == sum(len(p["masked_positions"]) for p in packed)
+    assert count != masked_count(examples, 0.5, [np.random.default_rng([8, i]) for i in range(len(examples))])
 
 
 def test_special_tokens_in_fine_tuning_text_read_as_transformers_reads_them(minilm_dir):
