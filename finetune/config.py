@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pretrain.accelerator import accelerator_name, native_bf16
 from pretrain.config import REPO_ROOT, check_field_types, load_dataclass
 
 TASKS = ("classify", "qa", "seq2seq")
@@ -23,14 +24,13 @@ GPU_DEEPSPEED_CONFIGS = {"bf16": "ds_configs/zero2_bf16.json", "fp16": "ds_confi
 
 
 def default_deepspeed_config() -> str:
-    """The engine JSON fine-tuning uses when none is named: on a GPU, ZeRO-2 in bf16 where the device supports it,
-    else fp16 (dynamic loss scaling); on a CPU (DeepSpeed's CPU accelerator) fp32 ZeRO-0 (DeepSpeed trains fp16 on
-    CPUs with oneDNN fp16 kernels only, and slowly)."""
-    from deepspeed.accelerator import get_accelerator
-    accelerator = get_accelerator()
-    if accelerator.device_name() == "cpu":
+    """The engine JSON fine-tuning uses when none is named: on a GPU, ZeRO-2 in bf16 where the device computes it
+    natively (`pretrain.accelerator.native_bf16`: Ampere on), else fp16 (dynamic loss scaling); on a CPU
+    (DeepSpeed's CPU accelerator) fp32 ZeRO-0 (DeepSpeed trains fp16 on CPUs with oneDNN fp16 kernels only, and
+    slowly)."""
+    if accelerator_name() == "cpu":
         return CPU_DEEPSPEED_CONFIG
-    return GPU_DEEPSPEED_CONFIGS["bf16" if accelerator.is_bf16_supported() else "fp16"]
+    return GPU_DEEPSPEED_CONFIGS["bf16" if native_bf16() else "fp16"]
 
 
 @dataclass(frozen=True)

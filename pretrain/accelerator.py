@@ -67,6 +67,18 @@ def bind_local_device() -> torch.device:
     return torch.device(accelerator.device_name(index))
 
 
+def native_bf16() -> bool:
+    """Whether the device of this process (GPU ``LOCAL_RANK``) computes bf16 natively. On CUDA that is compute
+    capability 8.0 or newer (Ampere on): ``torch.cuda.is_bf16_supported()``, which DeepSpeed's accelerator
+    answers with, also says yes on a V100 or T4, which only emulate bf16, many times slower than fp16. Reads the
+    device's properties without creating a context on it. Other accelerators: DeepSpeed's answer."""
+    from deepspeed.accelerator import get_accelerator
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cuda" and torch.version.hip is None:
+        return torch.cuda.get_device_capability(local_rank())[0] >= 8
+    return bool(accelerator.is_bf16_supported())
+
+
 def collective_device() -> torch.device:
     """Where tensors passed to ``torch.distributed`` collectives must live: the CPU under gloo, the rank's current
     accelerator device under NCCL (or any other device backend)."""

@@ -17,11 +17,12 @@ import logging
 import math
 import os
 import random
+import re
 import socket
 import sys
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,13 +65,51 @@ class NonFiniteLossError(RunStopped):
 
 
 # ------------------------------------------------------------------------------------------- process group
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: ``gpu-[007-010,12],cpu1`` → ``gpu-007`` (what ``scontrol show
+    hostnames`` lists first)."""
+    depth, end = 0, len(nodelist)
+    for position, char in enumerate(nodelist):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            end = position
+            break
+    return re.sub(r"\[([^\]]*)\]", lambda ranges: ranges.group(1).split(",")[0].split("-")[0], nodelist[:end])
+
+
+def slurm_task_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """torch.distributed's variables for a rank that ``srun`` started as one of the step's tasks (one task per
+    rank: ``srun --ntasks-per-node=8 python pretrain/train.py ...``), or {} when a launcher already set
+    ``RANK``/``WORLD_SIZE`` (DeepSpeed's, torchrun, or ``hostfiles/slurm.sbatch``'s one task per node) or srun
+    started a single task. RANK, WORLD_SIZE and LOCAL_RANK come from ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``
+    (set by srun only, not by sbatch: a plain ``python`` in a batch script stays a 1-rank run) and
+    ``SLURM_LOCALID``; ``MASTER_ADDR``, unless set, is the step's first node, where task 0 runs; ``MASTER_PORT``,
+    unless set, is derived from the job id, so two jobs sharing a node do not collide."""
+    tasks, task = environ.get("SLURM_STEP_NUM_TASKS", ""), environ.get("SLURM_PROCID", "")
+    if ("RANK" in environ and "WORLD_SIZE" in environ) or not (tasks.isdigit() and task.isdigit()) or int(tasks) < 2:
+        return {}
+    values = {"RANK": task, "WORLD_SIZE": tasks, "LOCAL_RANK": environ.get("SLURM_LOCALID", "0")}
+    if "MASTER_ADDR" not in environ:
+        nodes = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
+        if not nodes:
+            raise RuntimeError("srun started this rank (SLURM_STEP_NUM_TASKS set) without SLURM_STEP_NODELIST or "
+                               "SLURM_JOB_NODELIST: set MASTER_ADDR to the host of task 0")
+        values["MASTER_ADDR"] = first_slurm_host(nodes)
+    if "MASTER_PORT" not in environ:
+        job = environ.get("SLURM_JOB_ID", "")
+        values["MASTER_PORT"] = str(20000 + int(job) % 20000) if job.isdigit() else "29500"
+    return values
+
+
 def init_distributed() -> tuple[int, int]:
-    """Join the process group of whichever launcher started us; plain ``python`` becomes a 1-rank group.
-    Returns (rank, world size).
+    """Join the process group of whichever launcher started us: DeepSpeed's, torchrun, mpirun (DeepSpeed's MPI
+    discovery) or ``srun`` with one task per rank (`slurm_task_environment`); plain ``python`` becomes a 1-rank
+    group. Returns (rank, world size).
 
     First binds the rank's device (``LOCAL_RANK``, `pretrain.accelerator.bind_local_device`) and puts
     ``TORCH_CUDA_ARCH_LIST`` in the form DeepSpeed's op builder reads; on a CPU-only machine keeps freed memory in
     the process instead (`pretrain.kernels.retain_freed_memory`)."""
+    os.environ.update(slurm_task_environment(os.environ))
     device = bind_local_device()
     if device.type == "cpu":
         retain_freed_memory()

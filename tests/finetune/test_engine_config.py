@@ -7,6 +7,7 @@ from deepspeed.accelerator import get_accelerator
 
 from finetune.config import CPU_DEEPSPEED_CONFIG, GPU_DEEPSPEED_CONFIGS, default_deepspeed_config, load_config
 from finetune.engine import deepspeed_config
+from pretrain.accelerator import native_bf16
 from pretrain.batch_plan import plan_batch
 from pretrain.config import REPO_ROOT
 from pretrain.engine import read_engine_json
@@ -17,11 +18,10 @@ REQUIRED = {"task": "classify", "train": "t.jsonl", "dev": "d.jsonl", "init": "m
 def test_no_config_named_means_the_machines_default() -> None:
     cfg = load_config(None, REQUIRED)
     assert cfg.deepspeed_config is None  # recorded as "auto" in run_config.json
-    accelerator = get_accelerator()
-    if accelerator.device_name() == "cpu":
+    if get_accelerator().device_name() == "cpu":
         assert default_deepspeed_config() == CPU_DEEPSPEED_CONFIG
     else:
-        assert default_deepspeed_config() == GPU_DEEPSPEED_CONFIGS["bf16" if accelerator.is_bf16_supported() else "fp16"]
+        assert default_deepspeed_config() == GPU_DEEPSPEED_CONFIGS["bf16" if native_bf16() else "fp16"]
     assert cfg.deepspeed_config_path.resolve() == (REPO_ROOT / default_deepspeed_config()).resolve()
     for path in (CPU_DEEPSPEED_CONFIG, *GPU_DEEPSPEED_CONFIGS.values()):
         assert (REPO_ROOT / path).is_file(), path

@@ -128,6 +128,26 @@ def test_a_rank_binds_the_device_of_its_local_rank_and_one_without_it_is_refused
     assert gpu.bound == [0]  # nothing bound by a refused rank
 
 
+def test_bf16_counts_as_native_from_compute_capability_8_and_on_the_local_ranks_gpu(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.cuda.is_bf16_supported() (what DeepSpeed's accelerator answers) says yes on a V100 too, which emulates
+    bf16; the capability of GPU LOCAL_RANK decides, read without touching GPU 0."""
+    import deepspeed.accelerator
+
+    gpu = OneVisibleGpu()
+    gpu.is_bf16_supported = lambda: True
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: gpu)
+    monkeypatch.setattr(torch.version, "hip", None)
+    asked: list[int] = []
+    capabilities = {0: (7, 0), 2: (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: asked.append(index) or capabilities[index])
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert accelerator.native_bf16() is False  # V100: fine-tuning's default engine is then fp16
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    assert accelerator.native_bf16() is True
+    assert asked == [0, 2]
+
+
 def test_on_the_cpu_accelerator_binding_is_a_no_op_and_collectives_use_cpu_tensors(one_rank_group) -> None:
     from pretrain.model import REPORTED_OBJECTIVES, PretrainOutput
     from pretrain.trainer import StepSums

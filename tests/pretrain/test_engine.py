@@ -13,6 +13,7 @@ import torch
 
 from pretrain import engine
 from pretrain.config import REPO_ROOT
+from pretrain.engine import first_slurm_host, slurm_task_environment
 
 
 def draws() -> tuple[torch.Tensor, np.ndarray, float]:
@@ -49,6 +50,25 @@ def test_resume_rng_continues_on_the_same_world_size_and_reseeds_on_another() ->
     other_size = draws()
     engine.seed_everything(1 * 1_000_003 + 4 * 1_009 + 0)
     assert_same(other_size, draws())
+
+
+def test_srun_tasks_get_rank_world_size_and_master_from_slurm() -> None:
+    task = {"SLURM_STEP_NUM_TASKS": "16", "SLURM_PROCID": "11", "SLURM_LOCALID": "3", "SLURM_JOB_ID": "123456",
+            "SLURM_STEP_NODELIST": "gpu-[007-010,12],cpu1", "SLURM_JOB_NODELIST": "gpu-[001-020]"}
+    assert slurm_task_environment(task) == {"RANK": "11", "WORLD_SIZE": "16", "LOCAL_RANK": "3",
+                                            "MASTER_ADDR": "gpu-007", "MASTER_PORT": "23456"}
+    assert slurm_task_environment(dict(task, MASTER_ADDR="ib-gpu-007", MASTER_PORT="6000")) == {
+        "RANK": "11", "WORLD_SIZE": "16", "LOCAL_RANK": "3"}
+    # a launcher inside the step already named the ranks (DeepSpeed's, torchrun; slurm.sbatch's one task per node)
+    assert slurm_task_environment(dict(task, RANK="5", WORLD_SIZE="16")) == {}
+    # sbatch's own shell sets SLURM_NTASKS and SLURM_PROCID but no step: a plain python there is one rank
+    assert slurm_task_environment({"SLURM_NTASKS": "16", "SLURM_PROCID": "0", "SLURM_JOB_NODELIST": "a[1-2]"}) == {}
+    assert slurm_task_environment(dict(task, SLURM_STEP_NUM_TASKS="1")) == {}
+    without_nodes = {k: v for k, v in task.items() if not k.endswith("NODELIST")}
+    with pytest.raises(RuntimeError, match="set MASTER_ADDR to the host of task 0"):
+        slurm_task_environment(without_nodes)
+    assert [first_slurm_host(n) for n in ("node1,node2", "n[1-3]-ib", "a[3,1]b[5-6]", "single")] == [
+        "node1", "n1-ib", "a3b5", "single"]
 
 
 def test_engine_json_that_sets_injected_values_is_refused(tmp_path: Path) -> None:

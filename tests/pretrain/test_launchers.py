@@ -81,6 +81,21 @@ def test_mpirun_zero3(unilm_shards: Path, tmp_path: Path) -> None:
     assert_trained(tmp_path, zero_stage=3)
 
 
+def test_srun_style_one_task_per_rank(unilm_shards: Path, tmp_path: Path) -> None:
+    """Ranks started as srun starts them, one task each (SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID, the
+    step's node list; no RANK/WORLD_SIZE): they form one 2-rank run, not two 1-rank runs."""
+    env = subprocess_env(SLURM_STEP_NUM_TASKS="2", SLURM_STEP_NODELIST="localhost", SLURM_JOB_ID="1",
+                         MASTER_PORT=str(free_port()))
+    processes = [subprocess.Popen([sys.executable, "-m", "pretrain.train",
+                                   *train_args(unilm_shards, tmp_path, "ds_configs/zero2_fp32_cpu.json")],
+                                  cwd=ROOT, env=dict(env, SLURM_PROCID=str(task), SLURM_LOCALID=str(task)),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for task in range(2)]
+    outputs = [process.communicate(timeout=300)[0] for process in processes]
+    assert [process.returncode for process in processes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert_trained(tmp_path, world_size=2, zero_stage=2)
+
+
 def test_torchrun_zero2_bf16(unilm_shards: Path, tmp_path: Path) -> None:
     """Also: neither DeepSpeed's scheduler asking for its rate before the engine starts it nor torch's deprecation
     of the collective DeepSpeed's ZeRO-2 calls reaches the user (one line per rank each, nothing to act on)."""
