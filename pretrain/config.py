@@ -175,8 +175,9 @@ class TrainConfig:
     """Save and exit cleanly once this much wall time has passed (time-limited allocations)."""
     eval_interval: int = 0
     """Evaluate on ``data.eval_shards`` every this many steps; 0 disables."""
-    eval_batches: int = 4
-    """Micro-batches per rank per evaluation."""
+    eval_samples: int | None = None
+    """Held-out samples per evaluation: the first this many of ``data.eval_shards``' fixed order, each once, spread
+    over the ranks (the same set and loss at any world size and micro-batch size). Null: all of them."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward (less memory, about one extra forward of compute); may
     change when resuming."""
@@ -208,8 +209,11 @@ class TrainConfig:
             raise ValueError(f"train.exit_at_step must be in [1, max_steps={self.max_steps}], got {self.exit_at_step}")
         if self.exit_after_minutes is not None and self.exit_after_minutes <= 0:
             raise ValueError(f"train.exit_after_minutes must be > 0, got {self.exit_after_minutes}")
-        if self.eval_interval < 0 or self.eval_batches < 1:
-            raise ValueError("train.eval_interval must be >= 0 and train.eval_batches >= 1")
+        if self.eval_interval < 0:
+            raise ValueError(f"train.eval_interval must be >= 0, got {self.eval_interval}")
+        if self.eval_samples is not None and self.eval_samples < 1:
+            raise ValueError(f"train.eval_samples must be >= 1 (or null: the whole held-out set), got "
+                             f"{self.eval_samples}")
 
 
 @dataclass(frozen=True)
@@ -312,8 +316,16 @@ def _build(cls: type, values: dict[str, Any], prefix: str) -> Any:
     return cls(**kwargs)
 
 
+REPLACED_KEYS = {"train.eval_batches": "train.eval_samples (held-out samples per evaluation, each counted once; "
+                                       "null: all of them)"}
+"""Keys earlier versions read, with what replaced them."""
+
+
 def _suggest(prefix: str, key: str, known: Iterable[str]) -> str:
-    """``prefix + key``, with the closest known key when one is close (a typo)."""
+    """``prefix + key``, with what replaced it (`REPLACED_KEYS`) or the closest known key when one is close (a
+    typo)."""
+    if prefix + key in REPLACED_KEYS:
+        return f"{prefix + key} (replaced by {REPLACED_KEYS[prefix + key]})"
     close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.75)
     return prefix + key + (f" (did you mean {prefix + close[0]}?)" if close else "")
 

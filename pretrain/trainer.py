@@ -261,8 +261,10 @@ class StepSums:
         objectives[:, 1].add_(output.objective_counts.to(torch.float64))
 
     def reduce(self, stop: bool) -> dict[str, Any]:
-        """Sum over ranks in one all-reduce: mean loss per micro-batch, tokens (and the sum of squared sample
-        lengths), per-objective mean losses, whether any rank asked to stop, and this rank's own loss sum."""
+        """Sum over ranks in one all-reduce: mean loss per micro-batch, ``set_loss`` (the objective over every
+        micro-batch added on every rank: mean loss per predicted token plus mean NSP loss per NSP sample), tokens
+        (and the sum of squared sample lengths), per-objective mean losses, whether any rank asked to stop, and this
+        rank's own loss sum."""
         self._field("stop").fill_(float(stop))
         reduced = self.values.to(collective_device(), copy=True)
         torch_dist.all_reduce(reduced)
@@ -272,7 +274,11 @@ class StepSums:
         objectives = {name: pairs[2 * i] / pairs[2 * i + 1] for i, name in enumerate(REPORTED_OBJECTIVES)
                       if pairs[2 * i + 1] > 0}
         predictions = sum(pairs[2 * i + 1] for i, name in enumerate(REPORTED_OBJECTIVES) if name != "nsp")
-        return {"loss": totals["loss"] / totals["micro_batches"], "tokens": int(totals["tokens"]),
+        token_sum = sum(pairs[2 * i] for i, name in enumerate(REPORTED_OBJECTIVES) if name != "nsp")
+        nsp = REPORTED_OBJECTIVES.index("nsp")
+        nsp_sum, nsp_count = pairs[2 * nsp], pairs[2 * nsp + 1]
+        set_loss = token_sum / max(predictions, 1) + nsp_sum / max(nsp_count, 1)
+        return {"loss": totals["loss"] / totals["micro_batches"], "set_loss": set_loss, "tokens": int(totals["tokens"]),
                 "squared_lengths": totals["squared_lengths"], "predictions": predictions, "stop": totals["stop"] > 0,
                 "objectives": objectives, "local_loss": local_loss}
 
@@ -636,29 +642,44 @@ def _maybe_float(value: Any) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def eval_passes(indices: np.ndarray, rank: int, world_size: int, micro: int) -> list[tuple[np.ndarray, bool]]:
+    """Rank ``rank``'s forward passes over the held-out samples ``indices``: (sample indices, counted). The rank
+    takes every ``world_size``-th sample, ``micro`` per pass; every rank runs as many passes (ZeRO-3 gathers the
+    parameters in each, a collective), a rank whose samples ran out repeating its first pass uncounted. Over the
+    ranks, each sample is counted exactly once."""
+    mine = indices[rank::world_size]
+    passes = math.ceil(math.ceil(len(indices) / world_size) / micro)
+    return [(mine[k * micro:(k + 1) * micro], True) if k * micro < len(mine) else (indices[:1], False)
+            for k in range(passes)]
+
+
 class EvalSet:
-    """Per-objective loss on a fixed slice of the held-out shards (the first eval_batches × micro × dp
-    samples of its epoch-0 order), averaged over ranks."""
+    """The held-out loss on a fixed set of samples: the first ``train.eval_samples`` of the held-out shards'
+    epoch-0 order (all of them when null), each evaluated once, spread over the ranks (`eval_passes`). Reported
+    as the training objective over that whole set, the mean loss over its predicted tokens plus the mean NSP loss
+    over its NSP samples (``eval_loss``), and per objective: the same numbers at any world size and micro-batch
+    size, so a run resumed on another cluster continues its curve."""
 
     def __init__(self, cfg: RunConfig, plan: BatchPlan, rank: int, world_size: int, pad_id: int,
                  max_len: int) -> None:
         self.dataset = ShardDataset(cfg.data.eval_shards)
         order = SampleOrder(sample_objectives(self.dataset), cfg.train.seed)
-        micro = plan.micro_batch_size
-        self.batches = [
-            collate([self.dataset[int(i)] for i in order.indices((k * world_size + rank) * micro, micro)],
-                    pad_id, max_len)
-            for k in range(cfg.train.eval_batches)]
+        count = len(order) if cfg.train.eval_samples is None else min(cfg.train.eval_samples, len(order))
+        self.passes = eval_passes(order.indices(0, count), rank, world_size, plan.micro_batch_size)
+        self.pad_id, self.max_len = pad_id, max_len
 
     @torch.no_grad()
     def evaluate(self, engine: Any) -> dict[str, float]:
         engine.eval()
         sums = StepSums(engine.device)
-        for batch in self.batches:
-            batch = to_device(batch, engine.device)
-            sums.add(batch, engine(**batch))
+        for indices, counted in self.passes:
+            batch = to_device(collate([self.dataset[int(i)] for i in indices], self.pad_id, self.max_len),
+                              engine.device)
+            output = engine(**batch)
+            if counted:
+                sums.add(batch, output)
         stats = sums.reduce(stop=False)
         if not stats["objectives"]:
-            raise ValueError(f"data.eval_shards {self.dataset.directory}: the held-out batches have no predicted "
+            raise ValueError(f"data.eval_shards {self.dataset.directory}: the held-out samples have no predicted "
                              "token, so their loss would be a meaningless 0; check them with data_prep.inspect")
-        return {"eval_loss": stats["loss"], **{f"eval_loss_{k}": v for k, v in stats["objectives"].items()}}
+        return {"eval_loss": stats["set_loss"], **{f"eval_loss_{k}": v for k, v in stats["objectives"].items()}}

@@ -61,6 +61,7 @@ class Demo(Stages):
         self.half = args.steps // 2
         self.warmup = max(1, args.steps // 20)
         self.eval_interval = max(1, args.steps // 12)
+        self.eval_samples = 256  # of the held-out news samples: a steady curve for a few % of the training time
         self.vocab_size = args.vocab_size
         self.vocab = self.out / "vocab" / "vocab.txt"
         self.shards = self.out / "shards" / "unilm-128"
@@ -84,7 +85,8 @@ class Demo(Stages):
         return [*self.launcher(max_gpus=2), "pretrain/train.py", "--config", CONFIG,
                 f"out_dir={self.run_dir}", f"data.shards={self.shards}", f"data.eval_shards={self.heldout}",
                 f"train.max_steps={self.steps}", f"optim.warmup_steps={self.warmup}",
-                f"train.eval_interval={self.eval_interval}", f"train.save_interval={self.half}", *overrides]
+                f"train.eval_interval={self.eval_interval}", f"train.eval_samples={self.eval_samples}",
+                f"train.save_interval={self.half}", *overrides]
 
     def metrics(self) -> list[dict[str, Any]]:
         path = self.run_dir / "metrics.jsonl"
@@ -250,7 +252,7 @@ def render_report(demo: Demo) -> str:
     lines += ["## Pre-training", "",
               f"`tiny` preset, DeepSpeed ZeRO-2 fp32 on two local ranks (gloo), {demo.steps} steps × "
               f"{_global_batch(demo.run_dir) if records else '?'} sequences of ≤ 128 tokens, "
-              f"warm-up {demo.warmup} steps, held-out evaluation every {demo.eval_interval} steps.", "",
+              f"warm-up {demo.warmup} steps, held-out evaluation of {demo.eval_samples} samples every {demo.eval_interval} steps.", "",
               "![loss curves](loss.png)", ""]
     if records:
         lines += throughput_lines(records, demo.half)

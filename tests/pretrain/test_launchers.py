@@ -68,7 +68,7 @@ def test_deepspeed_launcher_on_one_node_with_core_binding(unilm_shards: Path, tm
 def test_torchrun_zero1_with_held_out_eval(unilm_shards: Path, tmp_path: Path) -> None:
     run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "pretrain.train",
          *train_args(unilm_shards, tmp_path, "ds_configs/zero1_fp32_cpu.json", f"data.eval_shards={unilm_shards}",
-                     "train.eval_interval=2", "train.eval_batches=2")])
+                     "train.eval_interval=2", "train.eval_samples=13")])
     records = assert_trained(tmp_path, zero_stage=1)
     assert "eval_loss" in records[1] and "eval_loss_seq2seq" in records[1] and "eval_loss" not in records[0]
 

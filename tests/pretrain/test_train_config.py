@@ -47,6 +47,8 @@ def test_overrides_parse_types_and_the_config_is_frozen(tmp_path: Path) -> None:
     ("train.exit_at_step=500", "exit_at_step must be in"),
     ("optim.warmup_steps=100", "must be < train.max_steps"),
     ("train.eval_interval=5", "needs data.eval_shards"),
+    ("train.eval_samples=0", r"train.eval_samples must be >= 1 \(or null"),
+    ("train.eval_batches=4", r"train.eval_batches \(replaced by train.eval_samples \(held-out samples"),
     ("optim.betas=[0.9]", "two numbers"),
     ("train.peak_tflops=0", "train.peak_tflops must be > 0"),
     ("train.peak_tflops=fast", "train.peak_tflops='fast' is not a valid"),
