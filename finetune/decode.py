@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -396,6 +397,16 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def refuse_distributed_launch(parser: argparse.ArgumentParser) -> None:
+    """Stop a one-process tool started by a distributed launcher (torchrun, DeepSpeed's, mpirun: a world size
+    above 1), where every rank would do all the work and all but the first would find the output written."""
+    for name in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE"):
+        size = os.environ.get(name, "1")
+        if size.isdigit() and int(size) > 1:
+            parser.error(f"runs in one process, on one device (its GPU, or --device), but a launcher started "
+                         f"{size} ranks ({name}={size}): run it as `{parser.prog} ...` itself")
+
+
 def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(prog="python -m finetune.decode",
@@ -423,6 +434,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="torch device to decode on (default: this process's GPU when there is one, else cpu)")
     parser.add_argument("--force", action="store_true", help="replace an existing non-empty --output")
     args = parser.parse_args(argv)
+    refuse_distributed_launch(parser)
     try:
         check_output(args.output, [args.input, args.model], force=args.force)
     except (ValueError, FileExistsError) as error:

@@ -29,7 +29,7 @@ from pretrain.accelerator import default_device
 from pretrain.outputs import check_output, write_file_atomically
 
 from . import classify, qa
-from .decode import int_at_least
+from .decode import int_at_least, refuse_distributed_launch
 from .glue import GLUE_TASKS, read_records, record_format
 from .model_io import Finetuned, load_finetuned
 from .tasks import check_positions
@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="torch device (default: this process's GPU when there is one, else cpu)")
     parser.add_argument("--force", action="store_true", help="replace an existing non-empty --output")
     args = parser.parse_args(argv)
+    refuse_distributed_launch(parser)
     try:
         check_output(args.output, [args.input, args.model], force=args.force)
         finetuned = load_finetuned(args.model)

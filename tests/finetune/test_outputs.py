@@ -54,6 +54,21 @@ def test_predict_refuses_a_count_below_its_minimum_and_writes_nothing(tiny_init,
     assert not output.exists()
 
 
+@pytest.mark.parametrize("variable", ["WORLD_SIZE", "OMPI_COMM_WORLD_SIZE"])
+def test_decode_and_predict_refuse_a_distributed_launch(tiny_init, sources, tmp_path, variable, monkeypatch, capsys):
+    """Under torchrun every rank would decode everything and all but the first would fail on the written output."""
+    monkeypatch.setenv(variable, "2")
+    for tool, args in ((decode, decode_args(tiny_init, sources, tmp_path / "out.jsonl")),
+                       (predict, ["--model", str(tiny_init), "--input", str(sources), "--output",
+                                  str(tmp_path / "out.jsonl")])):
+        with pytest.raises(SystemExit) as exit_info:
+            tool.main(args)
+        assert exit_info.value.code == 2
+        assert f"a launcher started 2 ranks ({variable}=2): run it as `python -m {tool.__name__} ...` itself" \
+            in capsys.readouterr().err
+    assert not (tmp_path / "out.jsonl").exists()
+
+
 def test_decode_refuses_settings_and_inputs_it_cannot_decode_before_decoding_any(tiny_init, sources, tmp_path,
                                                                                  capsys):
     output = tmp_path / "out.jsonl"
