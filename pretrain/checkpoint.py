@@ -48,6 +48,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -563,9 +564,12 @@ def to_universal(checkpoint_dir: Path, tag: str, save_id: str | None = None) -> 
         if save_id is not None and converted_from == save_id:
             return universal
     shutil.rmtree(target, ignore_errors=True)
+    # the other ranks wait in a collective meanwhile (DeepSpeed's timeout: DEEPSPEED_TIMEOUT minutes, default 10),
+    # so the conversion uses the machine's cores: one process per rank file read, per parameter merged
+    workers = str(max(1, min(8, os.cpu_count() or 1)))
     subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
                     "--input_folder", str(checkpoint_dir / tag), "--output_folder", str(target),
-                    "--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1"],
+                    "--inject_missing_state", "--num_extract_workers", workers, "--num_merge_workers", workers],
                    check=True)
     fsync_tree(target)
     _write_durably(target / MARKER, json.dumps({"source": tag, "source_save_id": save_id}))
@@ -686,10 +690,30 @@ def check_stage_change(saved: int, stage: int, where: Path) -> None:
         f"--init {where})")
 
 
+def _resume_decision(checkpoint_dir: Path, resume: str, report: Callable[[str], None] | None
+                     ) -> tuple[str, dict[str, Any]] | None:
+    """(tag, marker) of the hash-verified checkpoint ``resume`` names, or None when ``auto`` finds none; ``latest``
+    is repaired to name an auto-resumed tag."""
+    if resume == "auto":
+        tag = choose_resume_tag(checkpoint_dir, report=report)  # hash-verifies the tag it returns
+        if tag is None:
+            return None
+        if read_latest(checkpoint_dir) != tag:  # `latest` always names a valid checkpoint
+            update_latest(checkpoint_dir, tag)
+        directory, hashes = checkpoint_dir, False
+    else:
+        (directory, tag), hashes = resolve_tag_dir(resume), True
+    meta, problem = verify_tag(directory / tag, hashes=hashes)
+    if meta is None:
+        raise FileNotFoundError(f"{directory / tag} is not a complete checkpoint: {problem}")
+    return tag, meta
+
+
 def find_resume_point(checkpoint_dir: Path, resume: str, identity: dict[str, Any], world_size: int,
                       zero_stage: int, report: Callable[[str], None] | None = None,
                       restart: str = PRETRAINING_RESTART) -> ResumePoint | None:
-    """The checkpoint to resume (a collective when a conversion is needed).
+    """The checkpoint to resume (a collective: rank 0 reads and hash-verifies it, once, and every other rank checks
+    that it sees the same save, by its marker).
 
     ``resume``: ``auto`` (`choose_resume_tag`'s checkpoint of ``checkpoint_dir``, ``latest`` repaired to name
     it; ``report(line)`` hears which tags were skipped and why), ``never``, or a tag directory. The choice is
@@ -699,18 +723,30 @@ def find_resume_point(checkpoint_dir: Path, resume: str, identity: dict[str, Any
     """
     if resume == "never":
         return None
-    if resume == "auto":
-        directory = Path(checkpoint_dir)
-        tag = choose_resume_tag(directory, report=report)
-        if tag is None:
-            return None
-        if torch_dist.get_rank() == 0 and read_latest(directory) != tag:  # `latest` always names a valid checkpoint
-            update_latest(directory, tag)
-    else:
-        directory, tag = resolve_tag_dir(resume)
-    meta, problem = verify_tag(directory / tag, hashes=True)
-    if meta is None:
-        raise FileNotFoundError(f"{directory / tag} is not a complete checkpoint: {problem}")
+    rank = torch_dist.get_rank()
+    # Rank 0 reads and hashes the checkpoint files once and decides (every rank doing so would read the whole
+    # checkpoint world-size times from a shared filesystem); the others take its decision and check that they see
+    # the same save there.
+    decision: Any = None
+    if rank == 0:
+        try:
+            decision = _resume_decision(Path(checkpoint_dir), resume, report)
+        except (ValueError, OSError) as error:
+            decision = error
+    decision = gather_objects(decision)[0]
+    if isinstance(decision, Exception):
+        raise decision
+    if decision is None:
+        return None
+    tag, meta = decision
+    directory = Path(checkpoint_dir) if resume == "auto" else resolve_tag_dir(resume)[0]  # this rank's view of it
+    if rank != 0:
+        mine, problem = verify_tag(directory / tag, hashes=False)
+        if mine is None or mine.get("save_id") != meta.get("save_id"):
+            raise FileNotFoundError(
+                f"rank {rank} on {socket.gethostname()} does not see the checkpoint rank 0 resumes, "
+                f"{directory / tag}, as rank 0 does ({problem or 'another save is there'}): out_dir must be one "
+                "shared directory, at the same path, on every node")
     check_compatible(meta, identity, str(directory / tag), restart)
     check_stage_change(meta["zero_stage"], zero_stage, directory / tag)
     load_tag = tag

@@ -333,16 +333,21 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any]) -> bool:
     """Restore ``rng_state()``'s values. The accelerator generator is restored when the state has one for this
-    process's device type; a state without one (saved before it was recorded, or on a CPU) leaves it as seeded."""
+    process's device type; a state without one (saved before it was recorded, or on a CPU) leaves it as it was.
+    Returns whether this process's accelerator generator (if it has one) was restored."""
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
     saved, found = state.get("accelerator"), _accelerator_generator()
-    if saved is not None and found is not None and saved["device"] == found[1]:
+    if found is None:
+        return True
+    if saved is not None and saved["device"] == found[1]:
         accelerator, _, index = found
         accelerator.set_rng_state(saved["state"].cpu(), index)
+        return True
+    return False
 
 
 def portable_rng_state() -> dict[str, Any]:
@@ -353,19 +358,23 @@ def portable_rng_state() -> dict[str, Any]:
     return state
 
 
-def restore_rng_state(state: dict[str, Any]) -> None:
-    """Set the RNG states saved by `portable_rng_state`."""
+def restore_rng_state(state: dict[str, Any]) -> bool:
+    """Set the RNG states saved by `portable_rng_state`; returns `set_rng_state`'s answer."""
     name, keys, pos, has_gauss, cached = state["numpy"]
-    set_rng_state(dict(state, numpy=(name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached)))
+    return set_rng_state(dict(state, numpy=(name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached)))
 
 
 def resume_rng(saved_states: Sequence[dict[str, Any]], seed: int, step: int, rank: int, world_size: int) -> None:
     """Continue this rank's dropout stream from a checkpoint's gathered RNG states; saved by another world size
-    they cannot continue, so fresh ones are derived from (seed, step, rank)."""
-    if len(saved_states) == world_size:
-        restore_rng_state(saved_states[rank])
-    else:
-        seed_everything(seed * 1_000_003 + step * 1_009 + rank)
+    they cannot continue, so fresh ones are derived from (seed, step, rank). A state without this device's
+    generator (saved on a CPU, or before GPU generators were saved) restores the rest and seeds the GPU's from
+    (seed, step, rank): it would otherwise stay where the identical start-up seed of every rank put it, giving
+    every rank the same dropout."""
+    derived = seed * 1_000_003 + step * 1_009 + rank
+    if len(saved_states) != world_size:
+        seed_everything(derived)
+    elif not restore_rng_state(saved_states[rank]):
+        get_accelerator().manual_seed(derived)
 
 
 # --------------------------------------------------------------------------------------- one optimizer step

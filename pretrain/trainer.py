@@ -26,13 +26,13 @@ import torch
 import torch.distributed as torch_dist
 from tqdm import tqdm
 
-from data_prep.shard_format import MANIFEST_NAME, ShardDataset, sha256_file
+from data_prep.shard_format import MANIFEST_NAME, ShardDataset, ShardError, sha256_file
 from pretrain import checkpoint as ckpt
 from pretrain.batch_plan import BatchPlan, plan_batch
 from pretrain.config import RunConfig
 from pretrain.accelerator import accelerator_name, collective_device, matmul_peak_tflops
 from pretrain.data import PretrainLoader, SampleOrder, collate, sample_objectives, to_device
-from pretrain.engine import (NonFiniteLossError, SetupError, build_engine, engine_config, init_distributed,
+from pretrain.engine import (NonFiniteLossError, SetupError, build_engine, engine_config, first_error, init_distributed,
                              nonfinite_gradient_norm, optimizer_step, precision, read_engine_json,
                              seed_everything, zero_stage)
 from pretrain.hf import hf_model_config, load_hf_bert
@@ -328,7 +328,7 @@ def _train_locked(cfg: RunConfig, rank: int, world_size: int, started: float) ->
     # to resume do not fit this run: one line naming what and the fix (`SetupError`), not a traceback per rank.
     try:
         plan = plan_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
-        dataset = open_shards(cfg, rank)
+        dataset = open_shards(cfg, rank, world_size)
         model_cfg = model_for_shards(cfg, dataset, rank)
         identity = dict(shard_identity(dataset), model_config=dataclasses.asdict(model_cfg), seed=cfg.train.seed)
         engine_json = read_engine_json(cfg.deepspeed_config_path)
@@ -367,15 +367,23 @@ def _train_locked(cfg: RunConfig, rank: int, world_size: int, started: float) ->
             "wall_s": time.monotonic() - started}
 
 
-def open_shards(cfg: RunConfig, rank: int) -> ShardDataset:
-    """The training shard set; with ``data.verify`` rank 0 checks every shard's hash first (the other ranks wait
-    at DeepSpeed's initialisation; a failure here ends the launch)."""
+def open_shards(cfg: RunConfig, rank: int, world_size: int) -> ShardDataset:
+    """The training shard set; with ``data.verify`` the ranks check the shards' hashes first, each every
+    world-size-th shard (a collective: a bad shard found by any rank stops every rank, naming it)."""
     dataset = ShardDataset(cfg.data.shards)
-    if cfg.data.verify and rank == 0:
+    if cfg.data.verify:
         verify_started = time.monotonic()
-        dataset.verify()
-        print(f"[data] verified {len(dataset.manifest['shards'])} shard(s) against the manifest hashes in "
-              f"{time.monotonic() - verify_started:.1f}s", flush=True)
+        problem = None
+        try:
+            dataset.verify(rank, world_size)
+        except ShardError as error:
+            problem = str(error)
+        problem = first_error(problem)
+        if problem is not None:
+            raise ShardError(problem)
+        if rank == 0:
+            print(f"[data] verified {len(dataset.manifest['shards'])} shard(s) against the manifest hashes in "
+                  f"{time.monotonic() - verify_started:.1f}s ({world_size} rank(s) sharing them)", flush=True)
     return dataset
 
 

@@ -52,6 +52,36 @@ def test_resume_rng_continues_on_the_same_world_size_and_reseeds_on_another() ->
     assert_same(other_size, draws())
 
 
+class RecordingGpu:
+    """A GPU's generator as DeepSpeed's accelerator exposes it, recording what is done to it."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def manual_seed(self, seed: int) -> None:
+        self.calls.append(("seed", seed))
+
+    def set_rng_state(self, state: torch.Tensor, index: int) -> None:
+        self.calls.append(("restore", index))
+
+
+def test_a_state_without_the_gpus_generator_seeds_it_per_rank_on_resume(monkeypatch) -> None:
+    """Left alone, the GPU generator would keep the start-up seed, the same on every rank: the same dropout on
+    all of them. Restored where saved; seeded from (seed, step, rank) where not."""
+    cpu_saved = [engine.portable_rng_state() for _ in range(2)]  # on the CPU: no "accelerator" entry
+    gpu = RecordingGpu()
+    monkeypatch.setattr(engine, "get_accelerator", lambda: gpu)
+    monkeypatch.setattr(engine, "_accelerator_generator", lambda: (gpu, "cuda", 0))
+    for rank in (0, 1):
+        engine.resume_rng(cpu_saved, seed=1, step=4, rank=rank, world_size=2)
+    assert gpu.calls == [("seed", 1 * 1_000_003 + 4 * 1_009), ("seed", 1 * 1_000_003 + 4 * 1_009 + 1)]
+    gpu.calls.clear()
+    gpu_saved = [dict(state, accelerator={"device": "cuda", "state": torch.zeros(8, dtype=torch.uint8)})
+                 for state in cpu_saved]
+    engine.resume_rng(gpu_saved, seed=1, step=4, rank=1, world_size=2)
+    assert gpu.calls == [("restore", 0)]
+
+
 def test_srun_tasks_get_rank_world_size_and_master_from_slurm() -> None:
     task = {"SLURM_STEP_NUM_TASKS": "16", "SLURM_PROCID": "11", "SLURM_LOCALID": "3", "SLURM_JOB_ID": "123456",
             "SLURM_STEP_NODELIST": "gpu-[007-010,12],cpu1", "SLURM_JOB_NODELIST": "gpu-[001-020]"}

@@ -11,6 +11,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -472,3 +473,59 @@ def test_a_rolled_back_run_with_a_torn_metrics_line_resumes_from_its_own_latest(
     assert (checkpoints / ckpt.LATEST).read_text() == "global_step8"
     assert json.loads((checkpoints / "global_step6" / ckpt.MARKER).read_text())["parent_save_id"] == \
         json.loads((checkpoints / "global_step5" / ckpt.MARKER).read_text())["save_id"]
+
+
+_RESUME_DECISION = """
+import json, sys
+from pathlib import Path
+import torch.distributed as dist
+from pretrain import checkpoint as ckpt
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+hashed = []
+real_sha256 = ckpt.sha256_file
+ckpt.sha256_file = lambda path: hashed.append(Path(path).name) or real_sha256(path)
+directory = Path(sys.argv[1 + rank])
+identity = json.loads(sys.argv[3])
+try:
+    point = ckpt.find_resume_point(directory, "auto", identity, world_size=2, zero_stage=0)
+    outcome = point.tag
+except (OSError, ValueError) as error:
+    outcome = f"{type(error).__name__}: {error}"
+Path(sys.argv[4], f"rank{rank}.json").write_text(json.dumps({"outcome": outcome, "hashed": sorted(hashed)}))
+dist.destroy_process_group()
+"""
+
+
+def test_rank_0_alone_hashes_the_resumed_checkpoint_and_a_rank_seeing_another_save_stops(tmp_path: Path) -> None:
+    """Two gloo ranks resume: rank 0 hashes each file once, rank 1 none (it checks the marker's save id). A rank
+    whose out_dir holds another save at that path (another node's disk) is stopped, naming rank and host."""
+    identity = {"model_config": TINY, "world_size": 2, "zero_stage": 0}
+    shared, other = tmp_path / "shared", tmp_path / "other"
+    for directory in (shared, other):
+        directory.mkdir()
+        tag_dir = directory / "global_step4"
+        tag_dir.mkdir()
+        (tag_dir / "mp_rank_00_model_states.pt").write_bytes(b"x" * 100)
+        ckpt.write_marker(tag_dir, dict(identity, step=4))  # each its own save id
+        ckpt.update_latest(directory, "global_step4")
+    script = tmp_path / "resume.py"
+    script.write_text(_RESUME_DECISION)
+
+    def launch(rank0_dir: Path, rank1_dir: Path) -> dict[int, dict]:
+        results = Path(tempfile.mkdtemp(dir=tmp_path))
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                               str(script), str(rank0_dir), str(rank1_dir), json.dumps(identity), str(results)],
+                              env=subprocess_env(PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return {rank: json.loads((results / f"rank{rank}.json").read_text()) for rank in (0, 1)}
+
+    same = launch(shared, shared)
+    assert same[0]["outcome"] == same[1]["outcome"] == "global_step4"
+    assert same[0]["hashed"] == ["mp_rank_00_model_states.pt"] and same[1]["hashed"] == []
+    split = launch(shared, other)
+    assert split[0]["outcome"] == "global_step4"
+    assert split[1]["outcome"].startswith(f"FileNotFoundError: rank 1 on {os.uname().nodename} does not see the "
+                                          f"checkpoint rank 0 resumes, {other / 'global_step4'}, as rank 0 does")
+    assert "out_dir must be one shared directory, at the same path, on every node" in split[1]["outcome"]
