@@ -281,7 +281,7 @@ def end_epoch(cfg: FinetuneConfig, engine: Any, task: TaskSetup, tokenizer: Toke
     improved = progress.best is None or scores[task.primary_metric] > progress.best[task.primary_metric]
     if improved:
         progress.best = record
-        weights = ckpt.gather_full_weights(engine.module)  # collective under ZeRO-3
+        weights = ckpt.gather_full_weights(engine.module, keep=rank == 0)  # collective under ZeRO
         if rank == 0:
             save_finetuned(out, task.module.backbone, task.head, tokenizer, task=cfg.task,
                            extra_meta={"settings": cfg.to_dict(), "best": record, **task.meta}, weights=weights)

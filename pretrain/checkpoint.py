@@ -355,22 +355,26 @@ def prune(checkpoint_dir: Path, keep_last: int, just_written: str | None = None)
 WEIGHTS = "model_weights.safetensors"
 
 
-def gather_full_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+def gather_full_weights(module: torch.nn.Module, keep: bool = True) -> dict[str, torch.Tensor]:
     """The module's full state dict on CPU, every parameter in fp32 from the optimizer's master copy where
     DeepSpeed keeps one (ZeRO-1/2/3, bf16) and gathered from every partition (ZeRO-3). Collective: every rank
     calls it, in the same order. Without a master copy (ZeRO-0 fp32, where the module holds fp32 weights, or
-    ZeRO-0 fp16, whose fp32 copy DeepSpeed does not expose per parameter) the module's own values are taken."""
-    full: dict[int, torch.Tensor] = {}
+    ZeRO-0 fp16, whose fp32 copy DeepSpeed does not expose per parameter) the module's own values are taken.
+    ``keep=False`` (the ranks that do not write it): takes part in the gathering and returns {}, holding no host
+    copy of the model (an fp32 copy per rank is GBs of a node's memory for a large model)."""
+    full: dict[int, torch.Tensor | None] = {}  # per distinct parameter (tied ones are gathered once, on every rank)
     state: dict[str, torch.Tensor] = {}
     for name, parameter in module.named_parameters(remove_duplicate=False):
         if id(parameter) not in full:
             master = safe_get_full_fp32_param(parameter) if parameter.requires_grad else None
             if master is None:
                 master = parameter.detach()
-            full[id(parameter)] = master.detach().float().cpu().clone()
-        state[name] = full[id(parameter)]
-    for name, buffer in module.named_buffers():
-        state[name] = buffer.detach().cpu().clone()
+            full[id(parameter)] = master.detach().float().cpu().clone() if keep else None
+        if keep:
+            state[name] = full[id(parameter)]
+    if keep:
+        for name, buffer in module.named_buffers():
+            state[name] = buffer.detach().cpu().clone()
     return state
 
 
@@ -620,7 +624,7 @@ def save(engine: Any, checkpoint_dir: Path, step: int, meta: dict[str, Any], cli
                                    "is intact")
     try:
         engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state=state, save_latest=False)
-        weights = gather_full_weights(engine.module)  # collective under ZeRO
+        weights = gather_full_weights(engine.module, keep=rank == 0)  # collective under ZeRO
         if rank == 0:
             write_weights(tag_dir, weights)
         fsync_tree(tag_dir)  # this rank's files are on disk before they count
