@@ -82,8 +82,9 @@ class DataConfig:
     max_seq_len: int | None = None
     """Longest sequence accepted; default: the model's ``max_position_embeddings``."""
     verify: bool = True
-    """Check every shard's sha256 against the manifest before training (rank 0, one sequential read of the
-    shard set) so a flipped byte never trains silently; opening always checks sizes, headers and the vocab."""
+    """Check every shard's sha256 against the manifest before training (one read of the shard set, shared by the
+    ranks: each hashes every world-size-th shard) so a flipped byte never trains silently; opening always checks
+    sizes, headers and the vocab."""
 
     def __post_init__(self) -> None:
         check_field_types(self, "data.")
