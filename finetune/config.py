@@ -46,7 +46,8 @@ class FinetuneConfig:
     out: str
     """Output directory: the best model (HF export + head + vocab), metrics.jsonl (per step), summary.json, checkpoints/."""
     vocab: str | None = None
-    """vocab.txt to tokenise with; default: the one in `init` (a checkpoint needs it given)."""
+    """vocab.txt to tokenise with; default: `init`'s (a pre-training checkpoint's: the vocabulary of the shards its
+    run config names; give it when those moved)."""
     from_scratch: bool = False
     """Use only `init`'s architecture (config) and start from random weights: the no-pre-training baseline."""
     deepspeed_config: str | None = None

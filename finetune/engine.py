@@ -87,11 +87,13 @@ TASK_IDENTITY = ("labels", "regression", "multiple_choice", "version_2")
 def run_identity(cfg: FinetuneConfig, model_config: dict, tokenizer: Tokenizer,
                  task_meta: dict[str, Any]) -> dict[str, Any]:
     """What ties a checkpoint to this run (checked on resume by `pretrain.checkpoint.check_compatible`): the
-    model, vocabulary, training file, seed, and the task with its label space."""
+    model, vocabulary, training file, seed, the task with its label space, and where its weights started (the
+    ``--init`` directory, or its architecture alone with ``--from-scratch``)."""
     train_hash = hashlib.sha256(Path(cfg.train).read_bytes()).hexdigest()  # stands for the shard manifest
     task = {"task": cfg.task, **{k: task_meta[k] for k in TASK_IDENTITY if k in task_meta}}
     return {"model_config": model_config, "vocab_hash": tokenizer.vocab.sha256, "manifest_hash": train_hash,
-            "seed": cfg.seed, "task": task}
+            "seed": cfg.seed, "task": task,
+            "init": {"path": str(Path(cfg.init).resolve()), "from_scratch": cfg.from_scratch}}
 
 
 @dataclasses.dataclass

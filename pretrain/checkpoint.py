@@ -481,7 +481,8 @@ PRETRAINING_RESTART = "another out_dir or train.resume=never"
 def check_compatible(saved: dict[str, Any], current: dict[str, Any], where: str,
                      restart: str = PRETRAINING_RESTART) -> None:
     """Refuse to resume a checkpoint made for another model, vocabulary, shard set (a fine-tuning run's: training
-    file), seed or, in fine-tuning, task and label space; ``restart`` says how to start a new run instead.
+    file), seed or, in fine-tuning, task and label space or initial weights (``--init``, ``--from-scratch``);
+    ``restart`` says how to start a new run instead.
 
     ``saved`` / ``current`` carry ``model_config`` (dict), ``vocab_hash``, ``manifest_hash`` and ``seed``, and
     optionally ``task`` (a fine-tuning run's task and labels).
@@ -504,8 +505,8 @@ def check_compatible(saved: dict[str, Any], current: dict[str, Any], where: str,
             f"{_shards_named(saved, current)}): they were rebuilt (another seed, input or setting) or replaced since, "
             f"which is another data stream; point data.shards at the shards it was trained on, or start a new run "
             f"({restart})")
-    for name in ("vocab_hash", "seed", "task"):
-        if saved.get(name, current.get(name)) != current.get(name):  # "task": not in older fine-tuning markers
+    for name in ("vocab_hash", "seed", "task", "init"):  # "task", "init": not in older fine-tuning markers
+        if saved.get(name, current.get(name)) != current.get(name):
             raise CheckpointMismatchError(
                 f"{where} was trained with {name}={saved.get(name)!r}, this run has {name}={current.get(name)!r}; "
                 f"refusing to resume ({restart})")

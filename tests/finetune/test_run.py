@@ -133,6 +133,10 @@ def test_a_changed_run_is_refused_on_resume(small_tasks, tiny_init, tmp_path):
     with pytest.raises(run.InputError, match="seed") as refused:
         run.main(classify_args(small_tasks, tiny_init, tmp_path, "--epochs", "1", "--seed", "4"))
     assert fix in str(refused.value) and "data.shards" not in str(refused.value)
+    # the no-pre-training baseline in the same --out would continue the pre-trained weights it finds there
+    with pytest.raises(run.InputError, match=r"was trained with init=\{'path': .*'from_scratch': False\}, this run "
+                                             r"has init=\{'path': .*'from_scratch': True\}"):
+        run.main(classify_args(small_tasks, tiny_init, tmp_path, "--epochs", "1", "--from-scratch"))
     regression = tmp_path / "scores.jsonl"  # integer labels: classes by default, scores with regression=true
     regression.write_text("".join(json.dumps({"text": f"text number {i}", "label": i % 3}) + "\n" for i in range(16)))
     scored = tmp_path / "scored"
