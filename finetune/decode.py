@@ -421,13 +421,17 @@ def main(argv: list[str] | None = None) -> None:
                         help="shortest target in word pieces (default 1; at most --max-tgt-len)")
     parser.add_argument("--max-src-len", type=int_at_least(1), default=None,
                         help="default: the fine-tuning run's, else 448")
-    parser.add_argument("--length-penalty", type=float, default=0.0, help="GNMT alpha (default 0: none)")
-    parser.add_argument("--no-repeat-ngram", type=int_at_least(0), default=3, metavar="N",
+    parser.add_argument("--length-penalty", type=float, default=None,
+                        help="GNMT alpha (default: the fine-tuning run's eval_length_penalty, e.g. 1.0 for CNN/DM, "
+                             "else 0: none)")
+    parser.add_argument("--no-repeat-ngram", type=int_at_least(0), default=None, metavar="N",
                         help="forbid repeating an n-gram of N word pieces (3: trigram blocking, the paper's; "
-                             "1: no word piece twice, for headlines; 0: off)")
-    parser.add_argument("--no-repeat-ignore", default=NO_REPEAT_IGNORE, metavar="TOKENS",
-                        help="word pieces the blocking exempts, separated by | (default '.', UniLM's: nothing is "
-                             "blocked after one, and it is never blocked; '' for none)")
+                             "1: no word piece twice, for headlines; 0: off; default: the fine-tuning run's "
+                             "eval_no_repeat_ngram, else 3)")
+    parser.add_argument("--no-repeat-ignore", default=None, metavar="TOKENS",
+                        help="word pieces the blocking exempts, separated by | ('.', UniLM's: nothing is blocked "
+                             "after one, and it is never blocked; '' for none; default: the fine-tuning run's "
+                             "eval_no_repeat_ignore, else '.')")
     parser.add_argument("--no-cache", action="store_true", help="recompute everything each step (proves the cache)")
     parser.add_argument("--batch-size", type=int_at_least(1), default=8, help="sources decoded together (>= 1)")
     parser.add_argument("--device", default=None,
@@ -453,12 +457,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.min_tgt_len > max_tgt_len:
         parser.error(f"--min-tgt-len {args.min_tgt_len} exceeds the longest target, {max_tgt_len} word pieces "
                      "(--max-tgt-len, default the fine-tuning run's max_tgt_len)")
+    run = finetuned.run_settings  # what the run evaluated with decides what the command line leaves open
+    length_penalty = args.length_penalty if args.length_penalty is not None else run.get("eval_length_penalty", 0.0)
+    no_repeat_ngram = args.no_repeat_ngram if args.no_repeat_ngram is not None else run.get("eval_no_repeat_ngram", 3)
+    no_repeat_ignore = args.no_repeat_ignore if args.no_repeat_ignore is not None else \
+        run.get("eval_no_repeat_ignore", NO_REPEAT_IGNORE)
     try:
-        ignore = ignore_ids(finetuned.tokenizer, args.no_repeat_ignore, "--no-repeat-ignore")
+        ignore = ignore_ids(finetuned.tokenizer, no_repeat_ignore, "--no-repeat-ignore")
     except ValueError as error:
         parser.error(str(error))
-    config = DecodeConfig(args.beam_size, max_tgt_len, args.min_tgt_len, args.length_penalty,
-                          args.no_repeat_ngram, ignore, not args.no_cache)
+    config = DecodeConfig(args.beam_size, max_tgt_len, args.min_tgt_len, length_penalty, no_repeat_ngram, ignore,
+                          not args.no_cache)
     try:
         max_src_len = source_budget(finetuned.model.cfg.max_position_embeddings,
                                     args.max_src_len if args.max_src_len is not None else

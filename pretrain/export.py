@@ -53,6 +53,7 @@ def shard_vocabulary(checkpoint: str | Path, shards: str | Path | None = None) -
     meta, problem = ckpt.verify_tag(directory / tag, hashes=False)
     if meta is None:
         raise FileNotFoundError(f"{directory / tag} is not a valid checkpoint: {problem}")
+    recorded = None
     if shards is None:
         recorded = meta.get("run_config", {}).get("data", {}).get("shards")
         if recorded is None:
@@ -60,7 +61,13 @@ def shard_vocabulary(checkpoint: str | Path, shards: str | Path | None = None) -
                              "on; pass --shards DIR (the shard directory whose vocabulary the model uses)")
         shards = recorded
     shards = Path(shards)
-    manifest = read_manifest(shards)  # names the directory when the shards moved: pass --shards DIR then
+    try:
+        manifest = read_manifest(shards)
+    except (OSError, ValueError) as error:
+        if recorded is None:
+            raise
+        raise type(error)(f"{error}; the run's shards were at {shards} when it trained: if they moved, pass "
+                          "--shards DIR (the shard directory whose vocabulary the model uses)") from error
     vocab = shards / manifest["vocab"]["file"]
     digest = sha256_file(vocab) if vocab.is_file() else None
     if digest is None or digest != meta.get("vocab_hash", digest):

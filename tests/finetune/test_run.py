@@ -196,6 +196,20 @@ def test_seq2seq_run_then_decode_with_and_without_cache(small_tasks, tiny_init, 
                      "--beam-size", "1", "--no-repeat-ngram", "0", *flag])
         decoded[" ".join(flag)] = [json.loads(line)["prediction"] for line in output.read_text().splitlines()]
     assert decoded[""] == decoded["--max-tgt-len 16"] != decoded["--max-tgt-len 64"]
+    # no --length-penalty / --no-repeat-*: the run's eval_* decoding settings (CNN/DM's length penalty 1.0, ...)
+    tuned = tmp_path / "tuned"
+    shutil.copytree(out, tuned)
+    meta = json.loads((tuned / "finetune.json").read_text())
+    meta["settings"].update(eval_length_penalty=1.0, eval_no_repeat_ngram=1, eval_no_repeat_ignore="")
+    (tuned / "finetune.json").write_text(json.dumps(meta))
+    settled = {}
+    for name, flags in (("run's", []), ("same", ["--length-penalty", "1.0", "--no-repeat-ngram", "1",
+                                                  "--no-repeat-ignore", ""]), ("cli", ["--no-repeat-ngram", "3"])):
+        output = tmp_path / f"tuned-{name}.jsonl"
+        decode.main(["--model", str(tuned), "--input", str(small_tasks["bbc_headline.dev"]), "--output", str(output),
+                     "--beam-size", "3", *flags])
+        settled[name] = [json.loads(line)["prediction"] for line in output.read_text().splitlines()]
+    assert settled["run's"] == settled["same"] != settled["cli"]
     with pytest.raises(ValueError, match="fine-tuned for 'seq2seq', not 'classify'"):
         load_finetuned(out, expect_task="classify")
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -162,3 +164,44 @@ def test_preflight_checks_model_init_from_on_each_host(unilm_shards: Path, minil
 
 def test_slurm_script_is_valid_bash() -> None:
     subprocess.run(["bash", "-n", str(ROOT / "hostfiles/slurm.sbatch")], check=True)
+
+
+_FAKE_MAKE = """#!/bin/bash
+# make preflight: passes; make pretrain: a launcher (this shell, which dies on SIGTERM as DeepSpeed's one-node
+# launcher does) waiting for one "rank" that saves and exits on SIGTERM, as pretrain/train.py does
+[ "$1" = preflight ] && exit 0
+python3 -c '
+import pathlib, signal, sys, time
+out = pathlib.Path(sys.argv[3])
+signal.signal(signal.SIGTERM, lambda *_: (out.joinpath("saved").write_text("step"), sys.exit(0)))
+out.joinpath("started").write_text("")
+time.sleep(120)
+' pretrain/train.py --local_rank=0 "$RANK_OUT"
+"""
+
+
+def test_the_slurm_scripts_sigterm_reaches_the_ranks_which_save_and_exit(tmp_path: Path) -> None:
+    """SBATCH --signal=B:TERM signals the batch shell alone (DeepSpeed's one-node launcher would die on it and
+    leave the ranks training): the script passes it to the ranks, waits for them, and ends with their status."""
+    fakes = tmp_path / "bin"
+    fakes.mkdir()
+    (fakes / "make").write_text(_FAKE_MAKE)
+    (fakes / "scontrol").write_text("#!/bin/bash\nhostname\n")
+    for fake in fakes.iterdir():
+        fake.chmod(0o755)
+    (tmp_path / "hostfiles").mkdir()
+    env = subprocess_env(PATH=f"{fakes}:{subprocess_env()['PATH']}", SLURM_SUBMIT_DIR=str(tmp_path),
+                         SLURM_JOB_ID="7", SLURM_JOB_NODELIST="here", SLURM_GPUS_ON_NODE="1",
+                         RANK_OUT=str(tmp_path))
+    script = subprocess.Popen(["bash", str(ROOT / "hostfiles/slurm.sbatch"), "pretrain/configs/tiny.yaml"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "started").exists():
+        assert script.poll() is None and time.monotonic() < deadline, script.communicate()
+        time.sleep(0.1)
+    script.send_signal(signal.SIGTERM)
+    _, stderr = script.communicate(timeout=60)
+    assert script.returncode == 0, stderr
+    assert "[slurm] SIGTERM: every rank saves its step and exits" in stderr
+    assert (tmp_path / "saved").read_text() == "step"
+    assert (tmp_path / "hostfiles" / "slurm-7").read_text().split()[1] == "slots=1"

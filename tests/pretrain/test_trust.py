@@ -529,3 +529,18 @@ def test_rank_0_alone_hashes_the_resumed_checkpoint_and_a_rank_seeing_another_sa
     assert split[1]["outcome"].startswith(f"FileNotFoundError: rank 1 on {os.uname().nodename} does not see the "
                                           f"checkpoint rank 0 resumes, {other / 'global_step4'}, as rank 0 does")
     assert "out_dir must be one shared directory, at the same path, on every node" in split[1]["outcome"]
+
+
+def test_an_export_whose_shards_moved_is_told_to_pass_shards(tmp_path: Path) -> None:
+    """The run config names shards that are gone: the message says --shards DIR, not "rebuild them"."""
+    from pretrain.export import shard_vocabulary
+
+    tag_dir = tmp_path / "checkpoints" / "global_step2"
+    tag_dir.mkdir(parents=True)
+    (tag_dir / "mp_rank_00_model_states.pt").write_bytes(b"x" * 10)
+    moved = tmp_path / "shards-before-the-move"
+    ckpt.write_marker(tag_dir, {"step": 2, "run_config": {"data": {"shards": str(moved)}}})
+    ckpt.update_latest(tmp_path / "checkpoints", "global_step2")
+    with pytest.raises(ValueError, match=rf"the run's shards were at {moved} when it trained: if they moved, pass "
+                                         r"--shards DIR"):
+        shard_vocabulary(tmp_path / "checkpoints")
