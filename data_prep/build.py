@@ -928,7 +928,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--objective-mix", default="", help="unilm only: e.g. bidirectional=0.5,seq2seq=0.5")
     p.add_argument("--max-seq-len", type=int, default=128, help="tokens per sample, [CLS]/[SEP] included (default 128)")
     p.add_argument("--short-seq-prob", type=float, default=0.1,
-                   help="share of pair samples built to a random shorter length, as BERT (default 0.1)")
+                   help="share of samples (every objective) built to a random shorter length, as BERT's "
+                        "short_seq_prob (default 0.1)")
     p.add_argument("--mask-prob", type=float, default=0.15, help="share of tokens masked (default 0.15)")
     p.add_argument("--max-predictions", type=int,
                    help="cap on masked tokens per sample (default round(--mask-prob x --max-seq-len): 19 at 128, 77 at "

@@ -101,7 +101,8 @@ def plan_batch(global_batch_size: int, micro_batch_size: int, data_parallel_size
     with_micro = nearest_feasible_globals(global_batch_size, data_parallel_size, micro_batch_size)
     if with_micro != nearest:
         lines.append(f"Keeping micro-batch {micro_batch_size}: " + ", ".join(map(str, with_micro)))
-    lines.append(f"Opt in with {keys[0]}=N (or change the number of ranks).")
+    lines.append((f"Set {keys[1]} to a micro-batch of a pair above, or opt" if pairs else "Opt")
+                 + f" into another global batch with {keys[0]}=N (or change the number of ranks).")
     raise InfeasibleBatchError("\n".join(lines))
 
 
