@@ -230,8 +230,8 @@ def train_step(cfg: FinetuneConfig, engine: Any, task: TaskSetup, plan: BatchPla
     """One optimizer step on this rank's slice of the step's global batch. Its loss is the mean over the global
     batch whatever the (micro-batch, accumulation, ranks) split: a mean over examples in equal micro-batches, or,
     for a task with `TaskSetup.predicted_count`, each micro-batch's summed token loss over the step's tokens per
-    micro-batch. Returns the step's loss, the mean over ranks (what one rank holding the whole batch would report), and whether any rank's ``stop_requested`` was set
-    by the end of its backward passes. A NaN/inf loss on any rank (before the update) or gradient (after it)
+    micro-batch. Returns the step's loss, the mean over ranks (what one rank holding the whole batch would report),
+    and whether any rank's ``stop_requested`` was set by the end of its backward passes. A NaN/inf loss on any rank (before the update) or gradient (after it)
     raises `NonFiniteLossError`."""
     order = np.random.default_rng([cfg.seed, epoch]).permutation(task.train_size)
     global_batch = order[index_in_epoch * cfg.batch_size: (index_in_epoch + 1) * cfg.batch_size]

@@ -32,9 +32,9 @@ from pretrain.batch_plan import BatchPlan, plan_batch
 from pretrain.config import RunConfig
 from pretrain.accelerator import accelerator_name, collective_device, matmul_peak_tflops
 from pretrain.data import PretrainLoader, SampleOrder, collate, sample_objectives, to_device
-from pretrain.engine import (NonFiniteLossError, SetupError, build_engine, engine_config, first_error, init_distributed,
-                             nonfinite_gradient_norm, optimizer_step, precision, read_engine_json,
-                             seed_everything, zero_stage)
+from pretrain.engine import (NonFiniteLossError, SetupError, build_engine, engine_config, first_error,
+                             init_distributed, nonfinite_gradient_norm, optimizer_step, precision,
+                             read_engine_json, seed_everything, zero_stage)
 from pretrain.hf import hf_model_config, load_hf_bert
 from pretrain.model import REPORTED_OBJECTIVES, ModelConfig, build_model, preset, training_flops
 from pretrain.outputs import write_file_atomically
@@ -270,17 +270,15 @@ class StepSums:
         torch_dist.all_reduce(reduced)
         *values, local_loss = torch.cat([reduced, self._field("loss").view(1).to(reduced.device)]).tolist()
         totals = dict(zip(self._FIELDS, values))
-        pairs = values[len(self._FIELDS):]
-        objectives = {name: pairs[2 * i] / pairs[2 * i + 1] for i, name in enumerate(REPORTED_OBJECTIVES)
-                      if pairs[2 * i + 1] > 0}
-        predictions = sum(pairs[2 * i + 1] for i, name in enumerate(REPORTED_OBJECTIVES) if name != "nsp")
-        token_sum = sum(pairs[2 * i] for i, name in enumerate(REPORTED_OBJECTIVES) if name != "nsp")
+        sums, counts = values[len(self._FIELDS)::2], values[len(self._FIELDS) + 1::2]  # per REPORTED_OBJECTIVES slot
+        objectives = {name: sums[i] / counts[i] for i, name in enumerate(REPORTED_OBJECTIVES) if counts[i] > 0}
         nsp = REPORTED_OBJECTIVES.index("nsp")
-        nsp_sum, nsp_count = pairs[2 * nsp], pairs[2 * nsp + 1]
-        set_loss = token_sum / max(predictions, 1) + nsp_sum / max(nsp_count, 1)
-        return {"loss": totals["loss"] / totals["micro_batches"], "set_loss": set_loss, "tokens": int(totals["tokens"]),
-                "squared_lengths": totals["squared_lengths"], "predictions": predictions, "stop": totals["stop"] > 0,
-                "objectives": objectives, "local_loss": local_loss}
+        predictions = sum(counts) - counts[nsp]
+        set_loss = (sum(sums) - sums[nsp]) / max(predictions, 1) + sums[nsp] / max(counts[nsp], 1)
+        return {"loss": totals["loss"] / totals["micro_batches"], "set_loss": set_loss,
+                "tokens": int(totals["tokens"]), "squared_lengths": totals["squared_lengths"],
+                "predictions": predictions, "stop": totals["stop"] > 0, "objectives": objectives,
+                "local_loss": local_loss}
 
 
 def nonfinite_diagnostic(step: int, consumed_samples: int, stats: dict[str, Any], lr: float,

@@ -252,7 +252,8 @@ def render_report(demo: Demo) -> str:
     lines += ["## Pre-training", "",
               f"`tiny` preset, DeepSpeed ZeRO-2 fp32 on two local ranks (gloo), {demo.steps} steps × "
               f"{_global_batch(demo.run_dir) if records else '?'} sequences of ≤ 128 tokens, "
-              f"warm-up {demo.warmup} steps, held-out evaluation of {demo.eval_samples} samples every {demo.eval_interval} steps.", "",
+              f"warm-up {demo.warmup} steps, held-out evaluation of {demo.eval_samples} samples every "
+              f"{demo.eval_interval} steps.", "",
               "![loss curves](loss.png)", ""]
     if records:
         lines += throughput_lines(records, demo.half)

@@ -162,8 +162,8 @@ def test_on_the_cpu_accelerator_binding_is_a_no_op_and_collectives_use_cpu_tenso
         objective_sums[seq2seq], objective_counts[seq2seq] = 1.5, 1.0
         sums.add({"length": torch.tensor(lengths)}, PretrainOutput(torch.tensor(loss), objective_sums, objective_counts))
     stats = sums.reduce(stop=False)
-    assert stats == {"loss": 3.0, "set_loss": 1.5, "tokens": 40, "squared_lengths": 450.0, "predictions": 2.0, "stop": False,
-                     "objectives": {"seq2seq": 1.5}, "local_loss": 6.0}
+    assert stats == {"loss": 3.0, "set_loss": 1.5, "tokens": 40, "squared_lengths": 450.0, "predictions": 2.0,
+                     "stop": False, "objectives": {"seq2seq": 1.5}, "local_loss": 6.0}
 
 
 def test_child_processes_get_the_cpu_accelerator_only_without_a_gpu_or_a_choice() -> None:
