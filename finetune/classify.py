@@ -206,6 +206,11 @@ def encode_examples(records: list[dict], tokenizer: Tokenizer, labels: LabelSpac
     return examples, truncated
 
 
+def lm_predictions(examples: list[ClassifyExample]) -> int:
+    """The next tokens the auxiliary LM loss predicts in `examples`: each view's length - 1."""
+    return sum(len(view) - 1 for example in examples for view in example.views)
+
+
 def collate(examples: list[ClassifyExample], pad_id: int, regression: bool) -> dict[str, torch.Tensor]:
     """input_ids Long[B, K, L], len_a / length Long[B, K] (K views), labels Long[B] or Float[B]."""
     views = len(examples[0].views)
@@ -271,7 +276,10 @@ class ClassifierModel(nn.Module):
                 logits = logits.squeeze(-1)
         return logits, hidden, flat_ids, flat_length
 
-    def forward(self, input_ids, len_a, length, labels):
+    def forward(self, input_ids, len_a, length, labels, token_normalizer=None):
+        """The task loss, a mean over the examples, plus ``aux_lm_weight`` × the LM loss, a mean over the
+        predicted next tokens: this batch's, or its summed token loss over ``token_normalizer`` (a training step's
+        count per micro-batch, `lm_predictions`)."""
         logits, hidden, flat_ids, flat_length = self.scores(input_ids, len_a, length)
         if self.labels.regression:
             loss = F.mse_loss(logits.float(), labels)
@@ -279,7 +287,7 @@ class ClassifierModel(nn.Module):
             loss = F.cross_entropy(logits.float(), labels)
         if self.aux_lm_weight:
             loss = loss + self.aux_lm_weight * self.backbone.causal_lm_loss(
-                flat_ids, flat_length, hidden if self.causal else None)
+                flat_ids, flat_length, hidden if self.causal else None, token_normalizer)
         return loss
 
 

@@ -228,7 +228,7 @@ def reduce_step(losses: list[torch.Tensor], accumulation_steps: int, stop: bool)
 def train_step(cfg: FinetuneConfig, engine: Any, task: TaskSetup, plan: BatchPlan, progress: Progress, epoch: int,
                index_in_epoch: int, rank: int, log: Any, stop_requested: StopRequest) -> tuple[float, bool]:
     """One optimizer step on this rank's slice of the step's global batch. Its loss is the mean over the global
-    batch whatever the (micro-batch, accumulation, ranks) split: a mean over examples in equal micro-batches, or,
+    batch whatever the (micro-batch, accumulation, ranks) split: a mean over examples in equal micro-batches, and,
     for a task with `TaskSetup.predicted_count`, each micro-batch's summed token loss over the step's tokens per
     micro-batch. Returns the step's loss, the mean over ranks (what one rank holding the whole batch would report),
     and whether any rank's ``stop_requested`` was set by the end of its backward passes. A NaN/inf loss on any rank (before the update) or gradient (after it)

@@ -35,9 +35,10 @@ class TaskSetup:
     meta: dict[str, Any] = field(default_factory=dict)
     """Saved into finetune.json: labels, counts of truncated inputs, ..."""
     predicted_count: Callable[[list[int], int], int] | None = None
-    """(item indices, epoch) → the tokens a loss that is a mean over tokens averages over, so that a step's loss is
-    the mean over its whole global batch (`finetune.engine.train_step`); None where the loss is a mean over
-    examples, which micro-batches of equal size already weigh alike."""
+    """(item indices, epoch) → the tokens a loss term that is a mean over tokens averages over (seq2seq's masked
+    targets, the auxiliary LM's next tokens), so that a step's loss is the mean over its whole global batch
+    (`finetune.engine.train_step`); None where the loss is a mean over examples, which micro-batches of equal size
+    already weigh alike."""
 
 
 def _limit(items: list, count: int | None) -> list:
@@ -85,6 +86,8 @@ def build_classify(cfg: FinetuneConfig, backbone: UniLMModel, tokenizer: Tokeniz
         primary_metric=_primary_metric(cfg, classify.metrics_of(labels, positive), fmt.metric),
         meta={"labels": list(labels.classes), "positive_label": None if positive is None else labels.classes[positive],
               "regression": labels.regression, "multiple_choice": labels.multiple_choice, "truncated": {"train": train_cut, "dev": dev_cut}},
+        predicted_count=(lambda indices, epoch: classify.lm_predictions([train[i] for i in indices]))
+        if cfg.aux_lm_weight else None,
     )
 
 

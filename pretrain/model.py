@@ -387,13 +387,15 @@ class UniLMModel(nn.Module):
         return self.mean_token_loss(gather_positions(hidden, masked_positions), masked_labels, label_smoothing,
                                     normalizer)
 
-    def causal_lm_loss(self, input_ids: torch.Tensor, length: torch.Tensor,
-                       hidden: torch.Tensor | None = None) -> torch.Tensor:
+    def causal_lm_loss(self, input_ids: torch.Tensor, length: torch.Tensor, hidden: torch.Tensor | None = None,
+                       normalizer: torch.Tensor | None = None) -> torch.Tensor:
         """Mean next-token cross-entropy of Long[B, L] sequences (Long[B] lengths) under the left-to-right mask;
-        ``hidden``: that pass's Float[B, L, H] when the caller already ran it."""
+        ``hidden``: that pass's Float[B, L, H] when the caller already ran it; ``normalizer``: see
+        `mean_token_loss`."""
         if hidden is None:
             hidden = self.encode_objective(input_ids, LEFT_TO_RIGHT, length, length)
-        return self.mean_token_loss(hidden[:, :-1], causal_lm_labels(input_ids, length))  # t predicts token t + 1
+        # position t predicts token t + 1
+        return self.mean_token_loss(hidden[:, :-1], causal_lm_labels(input_ids, length), normalizer=normalizer)
 
     def pooled(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float[B, L, H] → Float[B, H]: tanh(dense(first token)), BERT's pooler (the NSP head's input)."""

@@ -214,22 +214,26 @@ def test_seq2seq_run_then_decode_with_and_without_cache(small_tasks, tiny_init, 
         load_finetuned(out, expect_task="classify")
 
 
-def test_a_seq2seq_step_is_the_mean_over_its_global_batchs_targets_whatever_its_split(small_tasks, tiny_init,
-                                                                                       tmp_path):
-    """Examples mask different numbers of targets: one micro-batch of 8 and four of 2 train the same steps (a mean
-    per micro-batch would weigh a target by its micro-batch's count and change the first step's loss already)."""
+@pytest.mark.parametrize("task", ["seq2seq", "classify"])
+def test_a_token_loss_is_the_mean_over_its_global_batchs_tokens_whatever_its_split(small_tasks, tiny_init, tmp_path,
+                                                                                    task):
+    """Examples mask different numbers of targets (seq2seq) or have different lengths (the auxiliary LM's next
+    tokens): one micro-batch of 8 and four of 2 train the same steps (a mean per micro-batch would weigh a token by
+    its micro-batch's count and change the first step's loss already)."""
     no_dropout = tmp_path / "init"
     shutil.copytree(tiny_init, no_dropout)
     config = json.loads((no_dropout / "config.json").read_text())
     config.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     (no_dropout / "config.json").write_text(json.dumps(config))
+    files, flags = {"seq2seq": ("bbc_headline", ["--max-src-len", "48", "--max-tgt-len", "16"]),
+                    "classify": ("rotten", ["--max-seq-len", "64", "--aux-lm-weight", "0.5", "--set", "dropout=0"])}[task]
     runs = {}
     for micro in (8, 2):
         out = tmp_path / f"micro{micro}"
-        run.main(["--task", "seq2seq", "--train", str(small_tasks["bbc_headline.train"]), "--dev",
-                  str(small_tasks["bbc_headline.dev"]), "--init", str(no_dropout), "--out", str(out),
-                  "--max-src-len", "48", "--max-tgt-len", "16", "--batch-size", "8", "--micro-batch-size", str(micro),
-                  "--lr", "1e-3", "--seed", "3", "--max-steps", "4", "--set", "eval_max_examples=2"])
+        run.main(["--task", task, "--train", str(small_tasks[f"{files}.train"]), "--dev",
+                  str(small_tasks[f"{files}.dev"]), "--init", str(no_dropout), "--out", str(out), *flags,
+                  "--batch-size", "8", "--micro-batch-size", str(micro), "--lr", "1e-3", "--seed", "3",
+                  "--max-steps", "4", "--set", "eval_max_examples=2"])
         runs[micro] = losses(out)
     assert len(runs[8]) == 4
     assert runs[2] == pytest.approx(runs[8], rel=1e-5)
