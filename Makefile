@@ -118,10 +118,10 @@ OVERRIDES   ?=
 RUN         ?= runs/tiny
 # Hosts of HOSTFILE in file order. One local host: no ssh, rendezvous on 127.0.0.1. Several: the first host is
 # the master (override MASTER_ADDR when the other nodes reach it under another name).
-# A first word that is not a host name or IP address (letters, digits, '.', ':', '-'; no leading '-') becomes
+# A first word that is not a host name or IP address (letters, digits, '.', ':', '-', '_'; no leading '-') becomes
 # !invalid-host, and the pretrain recipe stops with $(error) before any shell line runs.
 HOSTFILE_HOSTS = $(if $(HOSTFILE),$(shell awk '$$1 !~ /^\#/ && NF && !seen[$$1]++ { \
-  if ($$1 ~ /^[A-Za-z0-9]([A-Za-z0-9.:-]*[A-Za-z0-9])?$$/) print $$1; else print "!invalid-host" }' '$(HOSTFILE)' 2>/dev/null))
+  if ($$1 ~ /^[A-Za-z0-9_]([A-Za-z0-9_.:-]*[A-Za-z0-9_])?$$/) print $$1; else print "!invalid-host" }' '$(HOSTFILE)' 2>/dev/null))
 CHECK_HOSTS    = $(if $(filter !invalid-host,$(HOSTFILE_HOSTS)),$(error $(HOSTFILE): a host entry is not a host \
   name or IP address; run `make preflight HOSTFILE=$(HOSTFILE)` for the line))
 REMOTE_HOSTS   = $(filter-out localhost 127.0.0.1,$(HOSTFILE_HOSTS))

@@ -52,9 +52,10 @@ SSH_TIMEOUT_S = 120
 LAUNCHER_GRACE_S = 30  # deepspeed.launcher.launch.terminate_process_tree: psutil.wait_procs(timeout=30), then kill
 WRITE_PROBE_BYTES = 64 * 2**20
 LOCAL_NAMES = {"localhost", "127.0.0.1", socket.gethostname(), socket.getfqdn()}
-# RFC 1123 host names: dot-separated labels of letters, digits and inner hyphens (so never an ssh option "-o...")
-_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-                       r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+# Host names: dot-separated labels of letters, digits, inner hyphens (RFC 1123) and underscores (ssh config aliases,
+# container names), so never an ssh option "-o..." or a shell word
+_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+                       r"(?:\.[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*$")
 _SLOTS = re.compile(r"^slots=([1-9][0-9]{0,3})$")
 
 

@@ -353,8 +353,10 @@ def test_valid_hostfile_entries_are_accepted(tmp_path: Path) -> None:
     from pretrain.preflight import read_hostfile
 
     hostfile = tmp_path / "hostfile"
-    hostfile.write_text("node-001 slots=8  # first\n10.0.0.2 slots=8\nfd00::2 slots=1\nn3.cluster.local slots=2\n")
-    assert read_hostfile(hostfile) == {"node-001": 8, "10.0.0.2": 8, "fd00::2": 1, "n3.cluster.local": 2}
+    hostfile.write_text("node-001 slots=8  # first\n10.0.0.2 slots=8\nfd00::2 slots=1\nn3.cluster.local slots=2\n"
+                        "gpu_node_7 slots=4\n")
+    assert read_hostfile(hostfile) == {"node-001": 8, "10.0.0.2": 8, "fd00::2": 1, "n3.cluster.local": 2,
+                                       "gpu_node_7": 4}
 
 
 # torch.load calls allowed to unpickle: none (exports and --init read model_weights.safetensors; only DeepSpeed's

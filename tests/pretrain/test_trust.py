@@ -444,7 +444,7 @@ def test_make_pretrain_refuses_a_hostfile_word_that_is_not_a_host_before_any_she
     assert process.returncode != 0 and "a host entry is not a host name or IP address" in process.stderr
     assert "deepspeed" not in process.stdout and "preflight" not in process.stdout
     good = tmp_path / "good"
-    good.write_text("node-1 slots=1\nnode-2 slots=1\n")
+    good.write_text("node-1 slots=1\nnode_2 slots=1\n")
     process = make_pretrain(good)
     assert process.returncode == 0 and "--master_addr 'node-1'" in process.stdout
 
