@@ -103,9 +103,11 @@ def test_make_builds_deepspeeds_ops_into_one_folder_per_torch_build(tmp_path: Pa
 
 def test_the_slurm_script_gives_the_preflight_the_runs_overrides() -> None:
     script = (ROOT / "hostfiles/slurm.sbatch").read_text()
-    preflight = next(line for line in script.splitlines() if line.startswith("make preflight"))
-    launch = next(line for line in script.splitlines() if "make pretrain" in line)
-    assert 'OVERRIDES="$OVERRIDES"' in preflight and 'OVERRIDES="$OVERRIDES"' in launch
+    launch = next(line for line in script.splitlines() if line.startswith("make pretrain"))
+    assert 'OVERRIDES="$OVERRIDES"' in launch and "make preflight" not in script  # make pretrain runs it, once
+    recipe = (ROOT / "Makefile").read_text().split("\npretrain:", 1)[1].split("\n\n", 1)[0]
+    preflight, launcher = recipe.splitlines()[1:3]  # the preflight first, with the run's overrides
+    assert "-m pretrain.preflight" in preflight and preflight.endswith("$(OVERRIDES)") and "deepspeed" in launcher
     subprocess.run(["bash", "-n", str(ROOT / "hostfiles/slurm.sbatch")], check=True)
 
 

@@ -167,9 +167,8 @@ def test_slurm_script_is_valid_bash() -> None:
 
 
 _FAKE_MAKE = """#!/bin/bash
-# make preflight: passes; make pretrain: a launcher (this shell, which dies on SIGTERM as DeepSpeed's one-node
+# make pretrain: a launcher (this shell, which dies on SIGTERM as DeepSpeed's one-node
 # launcher does) waiting for one "rank" that saves and exits on SIGTERM, as pretrain/train.py does
-[ "$1" = preflight ] && exit 0
 python3 -c '
 import pathlib, signal, sys, time
 out = pathlib.Path(sys.argv[3])
