@@ -5,9 +5,10 @@ Pipeline: every ``--input`` is split into units (a file, or a shard of a Hugging
 ``--chunk-chars`` characters (a chunk boundary depends only on the input, never on workers). In a worker
 process each chunk is cleaned (Wikipedia markup too), sentence-split, batch-encoded with ``tokenizers``,
 turned into instances (``data_prep.instances``) and masked, with randomness seeded by (seed, unit, document
-index in the unit); it is written as a part file in the shard format. A chunk that holds a single document
-(a book longer than ``--chunk-chars``, a unit's last document) also carries text of the next chunk of its
-unit (else the previous one), where NSP draws its random next segments. ``finalize`` joins the parts in
+index in the unit); it is written as a part file in the shard format. NSP draws its random next segments from the
+chunk's other documents; a chunk whose documents cannot serve (a single document: a book longer than
+``--chunk-chars``, a unit's last document; pieces of one running text under ``--rows-as-sentences``) also
+carries text from elsewhere: a neighbouring or a far chunk of its unit, or the next unit (``iter_chunks``). ``finalize`` joins the parts in
 (unit, chunk) order into shards of balanced size (their sample counts differ by at most one) and writes
 ``manifest.json`` last. Hence the output is byte-identical for any ``--workers`` and any ``--num-builders``
 split: builder i of K reads only units i, i+K, …, and ``--finalize`` (run once after all builders)
@@ -72,7 +73,11 @@ RANDOM_NEXT_WARNING = 0.4
 ENCODE_BATCH = 4096
 """sentences encoded at once: bounds the memory of one huge document (tokenizers' Encoding objects are large)"""
 DONOR_CHARS = 20_000
-"""at least this many characters of the neighbouring chunk go with a single-document chunk (NSP random B)"""
+"""at least this many characters of text from elsewhere go with a chunk that draws NSP random B segments from it"""
+FAR_CHUNKS = 4
+"""the documents of a running text (``--rows-as-sentences``: consecutive pieces of one text, likely of one book)
+take their NSP random B segments from text at least this many chunks away in their unit (2M characters at the
+default ``chunk_chars``, several books), not from their own chunk's documents"""
 
 
 @dataclass(frozen=True)
@@ -207,19 +212,124 @@ class Chunk:
     """for a chunk of one document: text of the neighbouring chunk, where NSP draws random next segments"""
 
 
-def iter_chunks(unit_index: int, unit: Unit, options: ReadOptions, chunk_chars: int) -> Iterator[Chunk]:
+def iter_chunks(unit_index: int, unit: Unit, options: ReadOptions, chunk_chars: int,
+                elsewhere: tuple[Unit, ReadOptions] | None = None, donors: bool = True) -> Iterator[Chunk]:
     """Stream one unit as chunks of about ``chunk_chars`` characters (raw; Wikipedia markup counts) and at least
-    one chunk; only the input decides boundaries. A chunk of a single document gets text of the next chunk of
-    the unit, else of the previous one, as its ``donor`` (so one chunk is read ahead)."""
+    one chunk; only the input decides boundaries. With ``donors`` (NSP is drawn) a chunk whose documents cannot
+    give each other random next segments gets text from elsewhere as its ``donor``:
+
+    * a running text's chunk (``rows_as_sentences``): text of the chunk at least `FAR_CHUNKS` chunks ahead in the
+      unit, else behind it (so up to that many chunks are read ahead); in a unit shorter than that, text of
+      ``elsewhere`` (another unit of the build), else the unit's farthest chunk;
+    * a chunk of a single document: text of the next chunk of the unit, else the previous one, else of
+      ``elsewhere``.
+
+    ``elsewhere``'s text is handed out in consecutive pieces, from its start, so the donors depend on the inputs
+    alone, never on the builders or workers."""
     chunks = _read_chunks(unit_index, unit, options, chunk_chars)
+    text_elsewhere = _TextElsewhere(*elsewhere) if elsewhere is not None and donors else None
+    if not donors:
+        yield from chunks
+    elif options.rows_as_sentences:
+        yield from _with_far_donors(chunks, FAR_CHUNKS * chunk_chars, text_elsewhere)
+    else:
+        yield from _with_neighbour_donors(chunks, text_elsewhere)
+
+
+def _characters(chunk: Chunk) -> int:
+    return sum(len(r) for r, _ in chunk.records if isinstance(r, str))
+
+
+def _budget(chunk: Chunk) -> int:
+    """Donor characters for ``chunk``: a quarter of its text, at least `DONOR_CHARS` (NSP draws B for about a
+    sixth of the samples, each about half a sample long)."""
+    return max(_characters(chunk) // 4, DONOR_CHARS)
+
+
+def _with_neighbour_donors(chunks: Iterator[Chunk], elsewhere: _TextElsewhere | None) -> Iterator[Chunk]:
     previous, current = None, next(chunks)
     for following in itertools.chain(chunks, [None]):
         neighbour = following if following is not None else previous
         texts = [r for r, _ in current.records if isinstance(r, str) and r.strip()]
-        if neighbour is not None and len(texts) == 1:
-            current = dataclasses.replace(current, donor=_donor(neighbour, max(len(texts[0]) // 4, DONOR_CHARS)))
+        if len(texts) == 1:
+            budget = max(len(texts[0]) // 4, DONOR_CHARS)
+            donor = _donor(neighbour, budget) if neighbour is not None else \
+                elsewhere.take(budget) if elsewhere is not None else ()
+            current = dataclasses.replace(current, donor=donor)
         yield current
         previous, current = current, following
+
+
+def _with_far_donors(chunks: Iterator[Chunk], far: int, elsewhere: _TextElsewhere | None) -> Iterator[Chunk]:
+    window: list[tuple[int, Chunk]] = []  # (first character in the unit, chunk): from the farthest behind to ahead
+    read_to, ended, k = 0, False, 0
+    while True:
+        while not ended and (k >= len(window) or window[-1][0] - window[k][0] < far):
+            chunk = next(chunks, None)
+            if chunk is None:
+                ended = True
+            else:
+                window.append((read_to, chunk))
+                read_to += _characters(chunk)
+        if k >= len(window):
+            return
+        start, chunk = window[k]
+        source = next((c for s, c in window[k + 1:] if s - start >= far), None) or \
+            next((c for s, c in reversed(window[:k]) if start - s >= far), None)
+        if source is not None:
+            donor = _donor(source, _budget(chunk))
+        elif elsewhere is not None:
+            donor = elsewhere.take(_budget(chunk))
+        else:  # a lone unit shorter than `far`, all of it in the window: its farthest chunk
+            ends = [(abs(s - start), i) for i, (s, _) in ((0, window[0]), (len(window) - 1, window[-1])) if i != k]
+            donor = _donor(window[max(ends)[1]][1], _budget(chunk)) if ends else ()
+        yield dataclasses.replace(chunk, donor=donor)
+        k += 1
+        # chunks before the last one `far` behind the next chunk can serve no later chunk
+        if k < len(window):
+            behind = [i for i, (s, _) in enumerate(window[:k]) if window[k][0] - s >= far]
+            if behind:
+                del window[:behind[-1]]
+                k -= behind[-1]
+
+
+class _TextElsewhere:
+    """The documents of another unit, handed out in consecutive pieces (from its start again once all is given)."""
+
+    def __init__(self, unit: Unit, options: ReadOptions):
+        self.unit, self.options = unit, options
+        self.records: Iterator[str | Skipped] | None = None
+        self.next: str | None = None  # a document read but left for the next piece (longer than what was left)
+
+    def take(self, budget: int) -> tuple[str, ...]:
+        """Whole documents up to ``budget`` characters, or the middle of one longer than that."""
+        texts: list[str] = []
+        for _ in range(2):  # on to the unit's end, then once more from its start
+            if self.records is None:
+                self.records = read_unit(self.unit, self.options)
+            while (record := self.next or next(self.records, None)) is not None:
+                self.next = None
+                if not (isinstance(record, str) and record.strip()):
+                    continue
+                if texts and len(record) > budget:
+                    self.next = record
+                    return tuple(texts)
+                texts.append(_middle(record, budget))
+                budget -= len(texts[-1])
+                if budget <= 0:
+                    return tuple(texts)
+            self.records = None
+            if texts:
+                break
+        return tuple(texts)
+
+
+def _middle(record: str, budget: int) -> str:
+    """``record``, or its middle ``budget`` characters when longer (a Wikipedia page stays `Wikitext`)."""
+    if len(record) <= budget:
+        return record
+    start = (len(record) - budget) // 2
+    return (Wikitext if isinstance(record, Wikitext) else str)(record[start:start + budget])
 
 
 def _donor(neighbour: Chunk, budget: int) -> tuple[str, ...]:
@@ -229,11 +339,8 @@ def _donor(neighbour: Chunk, budget: int) -> tuple[str, ...]:
         if budget <= 0:
             break
         if isinstance(record, str) and record.strip():
-            if len(record) > budget:
-                start = (len(record) - budget) // 2
-                record = (Wikitext if isinstance(record, Wikitext) else str)(record[start:start + budget])
-            texts.append(record)
-            budget -= len(record)
+            texts.append(_middle(record, budget))
+            budget -= len(texts[-1])
     return tuple(texts)
 
 
@@ -329,6 +436,11 @@ def _encode(tokenizer, sentences: list[str]) -> list[list[int]]:
             for e in tokenizer.encode_batch_fast(sentences[start:start + ENCODE_BATCH], add_special_tokens=False)]
 
 
+def uses_nsp(cfg: BuildConfig) -> bool:
+    """Whether the build draws NSP pairs (bidirectional samples), which may take random next segments."""
+    return cfg.instances.mix.get(Objective.BIDIRECTIONAL, 0) > 0
+
+
 def process_chunk(cfg: BuildConfig, chunk: Chunk, out_path: Path) -> tuple[DocumentStats, int]:
     """Chunk → part file in shard format. Returns its document stats and sample count."""
     stats = DocumentStats(read=len(chunk.records))
@@ -370,14 +482,14 @@ def process_chunk(cfg: BuildConfig, chunk: Chunk, out_path: Path) -> tuple[Docum
             kept_indices.append(doc_index)
     del encoded
 
-    donors: list[list[list[int]]] = []  # a lone document's random next segments come from the neighbour chunk
-    if len(kept_documents) == 1 and cfg.instances.mix.get(Objective.BIDIRECTIONAL, 0) > 0:
+    donors: list[list[list[int]]] = []  # random next segments from text elsewhere (`iter_chunks`)
+    if kept_documents and uses_nsp(cfg):
         for text in chunk.donor:
             sentences = split_sentences(clean_document(document_text(text)))
             if ids := [s for s in _encode(tokenizer, sentences) if s]:
                 donors.append(ids)
-    per_document = [document_instances(ids, _OtherDocuments(kept_documents, own) if len(kept_documents) > 1
-                                       else donors, cfg.instances,
+    per_document = [document_instances(ids, donors or (_OtherDocuments(kept_documents, own)
+                                                       if len(kept_documents) > 1 else []), cfg.instances,
                                        Uniforms(np.random.default_rng([cfg.seed, chunk.unit, doc_index, 0])))
                     for own, (doc_index, ids) in enumerate(zip(kept_indices, kept_documents))]
     arrays = _pack(cfg, vocab, random_ids, chunk.unit, kept_indices, per_document)
@@ -671,8 +783,9 @@ def _run_builder(cfg: BuildConfig, out: Path, workers: int, builder_index: int, 
 
     def chunks() -> Iterator[Chunk]:
         for unit_index, (unit, options) in enumerate(units):
-            if unit_index % num_builders == builder_index:  # other builders' units are never read here
-                for chunk in iter_chunks(unit_index, unit, options, cfg.chunk_chars):
+            if unit_index % num_builders == builder_index:  # other builders' units are read only for NSP donors
+                elsewhere = units[(unit_index + 1) % len(units)] if len(units) > 1 else None
+                for chunk in iter_chunks(unit_index, unit, options, cfg.chunk_chars, elsewhere, uses_nsp(cfg)):
                     unit_chunks[unit_index] = chunk.index + 1
                     yield chunk
 

@@ -91,8 +91,8 @@ TABLE_SUFFIXES = (".parquet", ".csv", ".tsv")
 TEXT_FIELD = "text"
 ROWS_PER_DOCUMENT = 1000
 """default --rows-per-document: ~70k characters of book sentences, ~30 samples of 512 tokens, so the one short
-sample at each document's end costs little padding, and a 500k-character chunk still holds several documents
-for NSP's random next segments"""
+sample at each document's end costs little padding (NSP's random next segments of such documents come from
+far away in the text, `data_prep.build.iter_chunks`)"""
 UNIT_BYTES = 1 << 28
 """a .jsonl file larger than this is read as several units (byte ranges), so several builders can share it"""
 

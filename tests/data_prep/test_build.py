@@ -387,6 +387,85 @@ def test_documents_alone_in_their_chunk_get_random_next_segments(samples_dir, vo
         "[build] warning: only 1.0% of the 1000 NSP pairs have a random next segment")
 
 
+BOOK_WORDS = ["apple", "river", "stone", "cloud", "green", "house", "music", "paper", "table", "water", "light",
+              "horse"]
+
+
+def random_next_pairs(out: Path, vocab: Path) -> tuple[int, int, int]:
+    """(NSP pairs, random-next pairs, random-next pairs whose B comes from A's own book) of a build of `book_rows`
+    text, a book's sentences made of its marker word alone."""
+    word_ids = {load_vocab(vocab).tokens.index(w) for w in BOOK_WORDS}
+    pairs = random_next = same_book = 0
+    for sample in ShardDataset(out):
+        if sample.is_random_next == -1:
+            continue
+        ids = restored(sample)
+        book_a = set(ids[1:sample.segment_a_length - 1].tolist()) & word_ids
+        book_b = set(ids[sample.segment_a_length:-1].tolist()) & word_ids
+        pairs += 1
+        random_next += sample.is_random_next
+        same_book += sample.is_random_next == 1 and bool(book_a & book_b)
+    return pairs, random_next, same_book
+
+
+def book_rows(word: str, rows: int = 400) -> list[str]:
+    """A book of one sentence per row (BookCorpus on the hub), ~26 characters a row."""
+    return [f"{word.title()} {word} {word} {word}." for _ in range(rows)]
+
+
+def test_random_next_segments_of_a_running_text_come_from_other_books(minilm_dir, tmp_path):
+    """Rows of consecutive books (no book boundaries, as BookCorpus on the hub): a chunk's documents are pieces of
+    one or two books, so B comes from `FAR_CHUNKS` chunks away (past the 10k-character books here), never from A's
+    book; books in files of their own (one document, one unit each) take B from the next file."""
+    vocab = minilm_dir / "vocab.txt"
+    common = ["--vocab", vocab, "--uncased", "--recipe", "bert", "--max-seq-len", 48]
+    (tmp_path / "rows.txt").write_text("\n".join(row for word in BOOK_WORDS for row in book_rows(word)) + "\n")
+    run_build("--input", tmp_path / "rows.txt", *common, "--rows-as-sentences", "--rows-per-document", 20,
+              "--chunk-chars", 3000, "--out", tmp_path / "rows")
+    pairs, random_next, same_book = random_next_pairs(tmp_path / "rows", vocab)
+    assert pairs > 300 and random_next / pairs == pytest.approx(0.5, abs=0.06)
+    assert same_book == 0  # drawn from the chunk's other documents: most were A's book
+    books = tmp_path / "books"
+    books.mkdir()
+    for word in BOOK_WORDS:
+        (books / f"{word}.txt").write_text("\n".join(book_rows(word)) + "\n")
+    run_build("--input", books, *common, "--txt-documents", "file", "--out", tmp_path / "files")
+    pairs, random_next, same_book = random_next_pairs(tmp_path / "files", vocab)
+    assert pairs > 300 and random_next / pairs == pytest.approx(0.5, abs=0.06)
+    assert same_book == 0  # drawn from the book's own sentences, away from A: all were A's book
+    for index in range(2):  # a builder reads the next unit's text for its own units' donors: the same bytes
+        build.main([str(a) for a in ["--input", books, *common, "--txt-documents", "file", "--num-builders", 2,
+                                     "--builder-index", index, "--out", tmp_path / "split", "--quiet"]])
+    build.main(["--finalize", "--out", str(tmp_path / "split"), "--quiet"])
+    assert directory_bytes(tmp_path / "split") == directory_bytes(tmp_path / "files")
+
+
+def test_far_donors_come_from_far_in_the_unit_else_elsewhere(tmp_path):
+    rows = tmp_path / "rows.txt"
+    rows.write_text("".join(f"Row {i:05d} of the text.\n" for i in range(3000)))  # 24 characters a row
+    other = tmp_path / "other.txt"
+    other.write_text("".join(f"Other {i:05d} of the text.\n" for i in range(3000)))
+    options = build.ReadOptions(rows_as_sentences=True, rows_per_document=10)
+    plain = list(build.iter_chunks(0, build.Unit(str(rows)), options, 2400, donors=False))
+    starts = dict(zip([c.records[0][0] for c in plain],
+                      np.cumsum([0] + [sum(len(r) for r, _ in c.records) for c in plain[:-1]])))
+    where = {record: starts[c.records[0][0]] for c in plain for record, _ in c.records}
+    chunks = list(build.iter_chunks(0, build.Unit(str(rows)), options, 2400))
+    assert [c.records for c in chunks] == [c.records for c in plain] and len(chunks) > 20
+    for chunk in chunks:  # every donor piece is a document of a chunk at least 4 chunks (9,600 characters) away
+        assert chunk.donor  # (a whole chunk here: smaller than the budget)
+        assert all(abs(where[text] - where[chunk.records[0][0]]) >= 4 * 2400 for text in chunk.donor)
+    short = list(build.iter_chunks(0, build.Unit(str(rows)), options, 24_000,
+                                   elsewhere=(build.Unit(str(other)), options)))
+    assert len(short) == 3  # shorter than 4 chunks: the other unit's documents, in order, on from its start
+    given = [text for chunk in short for text in chunk.donor]
+    assert given[0].startswith("Other 00000") and all(t.startswith("Other") for t in given)
+    assert len(set(given)) == len(given)
+    alone = list(build.iter_chunks(0, build.Unit(str(rows)), options, 24_000))
+    assert alone[0].donor[0] in {r for r, _ in alone[-1].records}  # nowhere else: the unit's farthest chunk
+    assert alone[-1].donor[0] in {r for r, _ in alone[0].records}
+
+
 def test_unk_share_is_recorded_and_a_wrong_casing_is_warned_about(samples_dir, minilm_dir, tmp_path, capsys):
     shutil.copy(minilm_dir / "vocab.txt", tmp_path / "vocab.txt")  # an uncased vocab, alone
     args = ["--input", samples_dir / "news/lee.txt", "--vocab", tmp_path / "vocab.txt"]
