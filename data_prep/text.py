@@ -81,9 +81,12 @@ def clean_document(text: str) -> str:
     return "\n\n".join(p for p in paragraphs if p)
 
 
-def split_sentences(document: str) -> list[str]:
-    """Sentences of a cleaned document, in order; never empty strings."""
-    uncased = len(document) >= UNCASED_MIN_CHARS and document == document.lower()  # no capital: ~1 GB/s
+def split_sentences(document: str, uncased: bool | None = None) -> list[str]:
+    """Sentences of a cleaned document, in order; never empty strings. ``uncased``: whether the document's
+    sentences may start with a lowercase letter (None: when it is long enough to tell, `UNCASED_MIN_CHARS`, and
+    has no capital; a lowercasing model's output, however short, is uncased)."""
+    if uncased is None:
+        uncased = len(document) >= UNCASED_MIN_CHARS and document == document.lower()  # no capital: ~1 GB/s
     boundary = _BOUNDARY_UNCASED if uncased else _BOUNDARY
     parts = boundary.split(document)  # one regex pass per document; paragraph ends are handled below
     parts.append("")  # split alternates text and the punctuation that ends it

@@ -375,9 +375,15 @@ def score_predictions(tokenizer: Tokenizer, predictions: list[str], references: 
     """ROUGE and BLEU of decoded `predictions` against `references`, both in the model's word form
     (`Tokenizer.words`: an uncased model is scored on lower-cased, accent-stripped references; punctuation split
     off on both sides), the tokenised, lower-cased comparison UniLM's generation results use; one sentence per
-    line for `rougeLsum` (a text's lines, each split as shard building splits sentences)."""
+    line for `rougeLsum` (a text's lines, each split as shard building splits sentences; under an uncased model,
+    whose predictions have no capitals to tell where a sentence starts, both sides are split lowercased, as
+    shard building splits text without capitals)."""
+    def sentences_of(line: str) -> list[str]:
+        line = " ".join(line.split())
+        return split_sentences(line.lower(), uncased=True) if tokenizer.lowercase else split_sentences(line)
+
     def word_form(text: str) -> str:
-        sentences = (s for line in text.splitlines() for s in split_sentences(" ".join(line.split())))
+        sentences = (s for line in text.splitlines() for s in sentences_of(line))
         return "\n".join(filter(None, map(tokenizer.words, sentences)))
     return generation_metrics([word_form(p) for p in predictions], [word_form(r) for r in references])
 

@@ -108,9 +108,16 @@ def test_rouge_lsum_is_summary_level_rouge_l_over_sentences(minilm_dir):
     swapped = "The men were charged with fraud on Monday. Police arrested two men in London."
     scores = score_predictions(tokenizer, [swapped], [reference])
     assert scores["rougeLsum"] == pytest.approx(100) and scores["rougeL"] < 60 and scores["rouge1"] == pytest.approx(100)
+    # an uncased model's output has no capitals, nor have lowercased tokenised references (CNN/DM's common
+    # releases), short as they are: their sentences are split all the same
+    lowercase = tokenizer.decode(tokenizer.encode(swapped))
+    assert lowercase == lowercase.lower() and len(lowercase) < 200
+    tokenised = "police arrested two men in london . the men were charged with fraud on monday ."
+    scores = score_predictions(tokenizer, [lowercase], [tokenised])
+    assert scores["rougeLsum"] == pytest.approx(100) and scores["rougeL"] < 60
 
 
-def test_generated_text_is_scored_in_the_model_word_form(minilm_dir, samples_dir):
+def test_generated_text_is_scored_in_the_model_word_form(minilm_dir, samples_dir, caplog):
     """A perfect uncased model's output (its own decoding of the reference) scores 100 BLEU and ROUGE against the
     real cased references; the raw comparison would count case and the decoder's spacing as errors."""
     import json
@@ -123,5 +130,8 @@ def test_generated_text_is_scored_in_the_model_word_form(minilm_dir, samples_dir
     raw = generation_metrics(perfect, references)
     scored = score_predictions(tokenizer, perfect, references)
     assert scored["bleu"] == pytest.approx(100) and scored["rougeL"] == pytest.approx(100), json.dumps(scored)
+    assert scored["rougeLsum"] == pytest.approx(100), json.dumps(scored)
+    generation_metrics(["the men were charged ."] * 100, ["the men were charged ."] * 100)
+    assert "detokenize" not in caplog.text  # word form ends sentences in " ." on purpose: no warning at each scoring
     assert raw["bleu"] < 80
     assert tokenizer.words("BA's $280bn") == "ba ' s $ 280bn" == tokenizer.words("ba ' s $ 280bn")
