@@ -325,11 +325,16 @@ class _TextElsewhere:
 
 
 def _middle(record: str, budget: int) -> str:
-    """``record``, or its middle ``budget`` characters when longer (a Wikipedia page stays `Wikitext`)."""
+    """``record``, or its middle ``budget`` characters when longer: its whole paragraphs there when it has any,
+    so that a Wikipedia page (which stays `Wikitext`) is not cut inside a template, link or table."""
     if len(record) <= budget:
         return record
     start = (len(record) - budget) // 2
-    return (Wikitext if isinstance(record, Wikitext) else str)(record[start:start + budget])
+    stop = start + budget
+    first, last = record.find("\n\n", start, stop), record.rfind("\n\n", start, stop)
+    if 0 <= first < last:
+        start, stop = first + 2, last
+    return (Wikitext if isinstance(record, Wikitext) else str)(record[start:stop])
 
 
 def _donor(neighbour: Chunk, budget: int) -> tuple[str, ...]:

@@ -466,6 +466,22 @@ def test_far_donors_come_from_far_in_the_unit_else_elsewhere(tmp_path):
     assert alone[-1].donor[0] in {r for r, _ in alone[0].records}
 
 
+def test_donor_pieces_of_wikipedia_pages_are_whole_paragraphs(samples_dir):
+    """The middle of a long page that goes with another chunk as NSP donor text is cut at paragraph breaks: cut
+    anywhere, its raw wikitext began or ended inside templates and links, which cleaning then left as text."""
+    import re
+    from data_prep.sources import Unit, document_text, read_unit
+    from data_prep.text import clean_document
+
+    pages = [r for r in read_unit(Unit(str(samples_dir / "wiki/enwiki-excerpt.xml.bz2"))) if isinstance(r, str)
+             and len(r) > 40_000]
+    markup = re.compile(r"\{\{|\}\}|\[\[|\]\]|\|\s*\w+\s*=|^\s*\||<ref|cite ", re.M)
+    pieces = [build._middle(page, budget) for page in pages for budget in (20_000, 30_000)]
+    assert len(pieces) > 50 and all(len(p) <= b for p, b in zip(pieces, [20_000, 30_000] * len(pages)))
+    assert sum(len(piece) for piece in pieces) > 0.8 * 25_000 * len(pieces)
+    assert [m.group(0) for piece in pieces for m in markup.finditer(clean_document(document_text(piece)))] == []
+
+
 def test_unk_share_is_recorded_and_a_wrong_casing_is_warned_about(samples_dir, minilm_dir, tmp_path, capsys):
     shutil.copy(minilm_dir / "vocab.txt", tmp_path / "vocab.txt")  # an uncased vocab, alone
     args = ["--input", samples_dir / "news/lee.txt", "--vocab", tmp_path / "vocab.txt"]
