@@ -1135,7 +1135,7 @@ def main(argv: list[str] | None = None) -> None:
                 raise ValueError("--train-vocab needs --vocab-out PATH")
             _check_vocab_out(args.vocab_out, args.overwrite)
             args.uncased = bool(args.uncased)  # the build below encodes as the vocab was trained
-            vocab = train_vocab(training_documents(args.input, settings), args.train_vocab, args.vocab_out,
+            vocab = train_vocab(lambda: training_documents(args.input, settings), args.train_vocab, args.vocab_out,
                                 args.uncased)
             print(f"[build] trained a {vocab.size}-entry {'uncased' if args.uncased else 'cased'} WordPiece vocab "
                   f"-> {args.vocab_out} (its casing in {args.vocab_out.parent / HF_TOKENIZER_CONFIG})")

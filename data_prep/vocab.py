@@ -22,7 +22,7 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
@@ -135,23 +135,39 @@ def _encoder(tokens: Iterable[str], uncased: bool) -> Tokenizer:
     return tokenizer
 
 
-def train_vocab(documents: Iterable[str], size: int, out: Path, uncased: bool) -> Vocab:
-    """Train a WordPiece vocab of ``size`` entries on ``documents`` (streamed) and write it to ``out``, with the
-    tokenizer config that states its casing beside it: a later ``--vocab out`` encodes as it was trained, even
-    when no word piece shows the casing (lowercased text, scripts without case)."""
+def train_vocab(documents: Callable[[], Iterable[str]], size: int, out: Path, uncased: bool) -> Vocab:
+    """Train a WordPiece vocab of ``size`` entries on the documents ``documents()`` streams and write it to
+    ``out``, with the tokenizer config that states its casing beside it: a later ``--vocab out`` encodes as it was
+    trained, even when no word piece shows the casing (lowercased text, scripts without case).
+
+    The same documents give the same file. ``documents()`` is read twice: first for the characters, whose
+    continuing pieces (``##c``) are numbered in sorted order before training, since the trainer numbers those it
+    meets in hash-map order, and its choice between merges of equal counts follows those numbers: two trainings
+    on the same text gave different vocabularies."""
     if size < 100:
         raise VocabError(f"--train-vocab {size}: too small; use at least 100 (BERT uses ~30,000)")
     tokenizer = Tokenizer(models.WordPiece(unk_token=SPECIAL_TOKENS["unk"]))
     tokenizer.normalizer = _normalizer(uncased)
     tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    trainer = trainers.WordPieceTrainer(vocab_size=size, special_tokens=list(SPECIAL_TOKENS.values()),
+    continuing = _continuing_pieces(documents(), tokenizer)
+    trainer = trainers.WordPieceTrainer(vocab_size=size, special_tokens=[*SPECIAL_TOKENS.values(), *continuing],
                                         show_progress=False, continuing_subword_prefix="##")
-    tokenizer.train_from_iterator(documents, trainer=trainer)
+    tokenizer.train_from_iterator(documents(), trainer=trainer)
     by_id = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(f"{token}\n" for token, _ in by_id), encoding="utf-8")
     write_tokenizer_config(out.parent, uncased)
     return load_vocab(out)
+
+
+def _continuing_pieces(documents: Iterable[str], tokenizer: Tokenizer) -> list[str]:
+    """``##c`` for every character c of the normalised documents that can stand inside a word (not whitespace,
+    punctuation or a CJK character, which the pre-tokeniser splits off), in sorted order."""
+    characters: set[str] = set()
+    for document in documents:
+        characters.update(tokenizer.normalizer.normalize_str(document))
+    return [f"##{c}" for c in sorted(characters)
+            if len(tokenizer.pre_tokenizer.pre_tokenize_str(tokenizer.normalizer.normalize_str(f"a{c}a"))) == 1]
 
 
 HF_TOKENIZER_CONFIG = "tokenizer_config.json"

@@ -115,7 +115,7 @@ def vocab_file(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     from data_prep.vocab import train_vocab
 
     path = tmp_path_factory.mktemp("vocab") / "vocab.txt"
-    train_vocab(training_documents([str(small_corpus)]), 4000, path, uncased=False)
+    train_vocab(lambda: training_documents([str(small_corpus)]), 4000, path, uncased=False)
     return path
 
 

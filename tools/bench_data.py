@@ -59,7 +59,7 @@ def measure(inputs: list[str] = DEFAULT_INPUTS, vocab: Path | None = None, recip
                         f.write(json.dumps({"text": record}, ensure_ascii=False) + "\n")
         vocab_path = vocab or work / "vocab.txt"
         if vocab is None:
-            train_vocab((clean_document(json.loads(line)["text"]) for line in open(corpus, encoding="utf-8")),
+            train_vocab(lambda: (clean_document(json.loads(line)["text"]) for line in open(corpus, encoding="utf-8")),
                         8000, vocab_path, uncased=False)
         vocab_file = load_vocab(vocab_path)
         tokenizer = load_encoder(str(vocab_path), vocab_file.sha256, False)

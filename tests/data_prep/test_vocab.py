@@ -64,8 +64,29 @@ def test_literal_special_token_text_stays_ordinary_text(vocab_file):
 
 def test_train_vocab_writes_a_valid_cased_vocab(tmp_path, samples_dir):
     text = (samples_dir / "news/lee.txt").read_text().split("\n\n")
-    vocab = train_vocab(iter(text), 600, tmp_path / "v" / "vocab.txt", uncased=False)
+    vocab = train_vocab(lambda: iter(text), 600, tmp_path / "v" / "vocab.txt", uncased=False)
     assert vocab.size == 600 and vocab.tokens[:5] == tuple(SPECIALS)
     assert "The" in vocab.tokens  # cased
     with pytest.raises(VocabError, match="too small"):
-        train_vocab(iter(text), 10, tmp_path / "small.txt", uncased=False)
+        train_vocab(lambda: iter(text), 10, tmp_path / "small.txt", uncased=False)
+
+
+def test_training_a_vocab_twice_gives_the_same_file(tmp_path, samples_dir):
+    """The trainer numbers the continuing pieces it meets in hash-map order, which differs between processes (and
+    with it the choice between merges of equal counts): each training runs in a process of its own."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, subprocess_env
+    script = ("import sys; from pathlib import Path; from data_prep.build import training_documents; "
+              "from data_prep.vocab import train_vocab; "
+              f"train_vocab(lambda: training_documents([{str(samples_dir / 'news/lee.txt')!r}]), 2000, "
+              "Path(sys.argv[1]), uncased=sys.argv[2] == 'uncased')")
+    for casing in ("cased", "uncased"):
+        files = [tmp_path / casing / str(run) / "vocab.txt" for run in range(3)]
+        for path in files:
+            subprocess.run([sys.executable, "-c", script, str(path), casing], check=True, cwd=ROOT, env=subprocess_env(),
+                           timeout=300)
+        assert len({path.read_bytes() for path in files}) == 1
+        tokens = files[0].read_text().split("\n")
+        assert len(tokens) == 2001 and "##s" in tokens and "##." not in tokens  # punctuation never continues
