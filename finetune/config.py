@@ -186,9 +186,10 @@ class FinetuneConfig:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.task == "seq2seq":
             for path in (self.train, self.dev):
-                if Path(path).suffix.lower() in (".tsv", ".csv", ".parquet"):
+                if Path(path).suffix.lower() in (".tsv", ".csv", ".parquet", ".tgt"):
                     raise ValueError(f"{path}: seq2seq reads JSONL files, one {{\"src\": ..., \"tgt\": ...}} "
-                                     "object per line")
+                                     "object per line, or UniLM's line files: give NAME.src, with NAME.tgt beside "
+                                     "it")
 
     @property
     def deepspeed_config_path(self) -> Path:

@@ -42,7 +42,7 @@ from pretrain.accelerator import default_device
 from pretrain.masks import SEQ2SEQ, build_segment_ids
 from pretrain.outputs import check_output, write_file_atomically
 
-from .task_files import read_jsonl, write_jsonl
+from .task_files import read_seq2seq, write_jsonl
 from .metrics import generation_metrics
 from .seq2seq import source_budget
 from .model_io import check_vocab, load_finetuned
@@ -418,7 +418,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m finetune.decode",
                                      description="UniLM seq2seq decoding (greedy / beam search with a KV cache)")
     parser.add_argument("--model", required=True, help="a fine-tuning output directory (or an HF BERT directory)")
-    parser.add_argument("--input", required=True, help="JSONL with `src` (and optionally `tgt` references)")
+    parser.add_argument("--input", required=True, help="JSONL with `src` (and optionally `tgt` references), or "
+                        "UniLM's line files: NAME.src (and NAME.tgt beside it)")
     parser.add_argument("--output", required=True)
     parser.add_argument("--beam-size", type=int_at_least(1), default=5, help="1: greedy (default 5)")
     parser.add_argument("--max-tgt-len", type=int_at_least(1), default=None,
@@ -481,7 +482,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as error:
         parser.error(f"--max-tgt-len: {error}")
     try:
-        records = read_jsonl(args.input)
+        records = read_seq2seq(args.input, targets=False)
     except (ValueError, OSError) as error:
         parser.error(f"--input {args.input}: {error.strerror if isinstance(error, OSError) else error}")
     began = time.perf_counter()

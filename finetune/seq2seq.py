@@ -64,7 +64,8 @@ def encode_examples(records: list[dict], tokenizer: Tokenizer, max_src_len: int,
     for number, record in enumerate(records, 1):
         for field in ("src", "tgt"):
             if not isinstance(record.get(field), str) or not record[field].strip():
-                raise ValueError(f"{where}: record {number} has an empty or missing {field!r}")
+                fields = "" if field in record else f" (its fields: {', '.join(record)}; name them src and tgt)"
+                raise ValueError(f"{where}: record {number} has an empty or missing {field!r}{fields}")
     sources = tokenizer.encode_batch([r["src"] for r in records])
     targets = tokenizer.encode_batch([r["tgt"] for r in records])
     source_budget(max_positions, max_src_len, max_tgt_len)  # a target of max_tgt_len leaves the source room

@@ -3,7 +3,7 @@
 Formats (one JSON object per line):
 - classify: `{"text", "text_b"?, "label"}` (label a string, or a number for regression), or multiple choice
   `{"context", "choices": [...], "label": index}`;
-- seq2seq: `{"src", "tgt"}`;
+- seq2seq: `{"src", "tgt"}`, or UniLM's line files: `NAME.src` with `NAME.tgt` beside it, one example per line;
 - qa: SQuAD 1.1/2.0 JSON (not JSONL), read by `finetune.qa`.
 
 Converters (`python -m finetune.task_files --samples data/samples --out data/finetune`):
@@ -60,6 +60,36 @@ def read_jsonl_numbered(path: str | Path) -> list[tuple[int, dict]]:
     if not records:
         raise ValueError(f"{path}: no records")
     return records
+
+
+def read_seq2seq(path: str | Path, targets: bool = True) -> list[dict]:
+    """`{"src", "tgt"}` records of a JSONL file, or of UniLM's line files: ``NAME.src`` (the path given) and
+    ``NAME.tgt`` beside it, line i of each one example (``targets=False``: the ``.tgt`` file may be absent, as
+    for decoding)."""
+    path = Path(path)
+    if path.suffix != ".src":
+        return read_jsonl(path)
+    paired = path.with_suffix(".tgt")
+    sources = _lines(path)
+    if not paired.exists():
+        if targets:
+            raise ValueError(f"{path}: a .src line file needs its targets beside it in {paired.name}")
+        return [{"src": line} for line in sources]
+    references = _lines(paired)
+    if len(references) != len(sources):
+        raise ValueError(f"{path} has {len(sources)} lines and {paired} {len(references)}: line i of each is one "
+                         "example")
+    return [{"src": src, "tgt": tgt} for src, tgt in zip(sources, references)]
+
+
+def _lines(path: Path) -> list[str]:
+    """The lines of a UTF-8 text file, without their line ends (a final newline ends the last line)."""
+    try:
+        text = path.read_bytes().decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as err:
+        line = path.read_bytes()[:err.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 text; re-encode the file as UTF-8") from None
+    return text.removesuffix("\n").split("\n") if text else []
 
 
 def write_jsonl(records: Iterable[dict], path: str | Path) -> int:

@@ -13,7 +13,7 @@ from pretrain.model import UniLMModel
 
 from . import classify, qa, seq2seq
 from .config import TASK_METRICS, FinetuneConfig
-from .task_files import read_jsonl
+from .task_files import read_seq2seq
 from .decode import DecodeConfig, decode_records, ignore_ids, score_predictions
 from .glue import read_records, record_format
 from .tokenizer import Tokenizer
@@ -110,7 +110,7 @@ def build_qa(cfg: FinetuneConfig, backbone: UniLMModel, tokenizer: Tokenizer) ->
 
 
 def build_seq2seq(cfg: FinetuneConfig, backbone: UniLMModel, tokenizer: Tokenizer) -> TaskSetup:
-    train_records, dev_records = read_jsonl(cfg.train), _limit(read_jsonl(cfg.dev), cfg.eval_max_examples)
+    train_records, dev_records = read_seq2seq(cfg.train), _limit(read_seq2seq(cfg.dev), cfg.eval_max_examples)
     lengths = (cfg.max_src_len, cfg.max_tgt_len, backbone.cfg.max_position_embeddings)
     train, cut = seq2seq.encode_examples(train_records, tokenizer, *lengths, where=cfg.train)
     dev, _ = seq2seq.encode_examples(dev_records, tokenizer, *lengths, where=cfg.dev)
