@@ -5,7 +5,9 @@ Sample order (independent of world size)
     samples. Each epoch's order is a seeded permutation that keeps the manifest's objective proportions in every
     window: every objective is permuted on its own (seed, epoch, objective), and its k-th sample gets the ideal
     fractional position (k + ½) / n_objective; merging the objectives by that position interleaves them evenly,
-    so each global batch holds each objective within ±1 of its share (UniLM: 1/3, 1/3, 1/6, 1/6).
+    so each global batch holds each objective within ±2 of its share (UniLM: 1/3, 1/3, 1/6, 1/6): the merge
+    bounds the error by 1 + share·(K − 2) for K objectives, 1.67 for a share of 1/3, an epoch boundary
+    included.
 
 Per-rank slice
     Optimizer step s covers positions [s·G, (s+1)·G) for global batch G = micro × accumulation × dp. Rank r
