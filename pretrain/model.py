@@ -84,7 +84,8 @@ class ModelConfig:
     attention_dropout: float = 0.1
     """Dropout on attention probabilities."""
     layer_norm_eps: float = 1e-12
-    """LayerNorm epsilon (BERT's value)."""
+    """LayerNorm epsilon (BERT's value, and that of the BERT checkpoints UniLM starts from; UniLM v1's own code
+    uses 1e-5 in every LayerNorm: set it to continue from, or compare with, its released checkpoints)."""
     initializer_range: float = 0.02
     """Standard deviation of the normal init of weights and embeddings."""
     causal_lm: bool = False
