@@ -39,9 +39,10 @@ it cannot use — a JSON line that is not UTF-8 or not JSON, a record without a 
 is counted with its reason and size. In ``.txt`` files bytes that are not UTF-8 become U+FFFD (which the
 tokenizer drops), so one bad byte costs a character, not the document; such a document comes as
 ``RepairedText`` saying how many of its lines were repaired. A UTF-8 byte-order mark at the start of a file is
-ignored. Problems with the input as a whole (missing file, unknown suffix, a parquet file or dataset without
-the text column) raise ``SourceError`` naming the input and the fix. ``--text-field NAME`` picks another column
-than ``text``.
+ignored; a ``.txt`` or WikiExtractor file that starts with a UTF-16 byte-order mark (Windows Notepad's "Unicode")
+or a UTF-32 one is decoded as such, streamed; a JSON file that does is refused (re-encode it as UTF-8). Problems
+with the input as a whole (missing file, unknown suffix, a parquet file or dataset without the text column) raise
+``SourceError`` naming the input and the fix. ``--text-field NAME`` picks another column than ``text``.
 
 Work is split into units (``input_units``): one per local file, one per ``unit_bytes`` byte range of a large
 uncompressed ``.jsonl`` file (a range holds the lines that start in it), one per shard of a Hugging Face dataset
@@ -55,6 +56,7 @@ For ``.txt`` inputs a row is a line.
 from __future__ import annotations
 
 import bz2
+import codecs
 import functools
 import gzip
 import io
@@ -84,6 +86,8 @@ SUPPORTED = (f"{', '.join(FILE_SUFFIXES)} ({', '.join(_COMPRESSIBLE)} also compr
 """every file type read here, for messages"""
 _DUMP_PIECE = re.compile(r"\.xml-p\d+p\d+\.bz2$")  # enwiki-20231101-pages-articles1.xml-p1p41242.bz2
 _BOM = b"\xef\xbb\xbf"
+_WIDE_BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"),  # before UTF-16 LE: FF FE 00 00
+              (codecs.BOM_UTF16_LE, "UTF-16"), (codecs.BOM_UTF16_BE, "UTF-16"))
 DATASET_FOLDER_FILES = ("dataset_dict.json", "dataset_info.json", "state.json")
 """files that ``Dataset.save_to_disk`` writes: a folder holding one is read with ``datasets``"""
 TABLE_SUFFIXES = (".parquet", ".csv", ".tsv")
@@ -520,6 +524,10 @@ def _read_jsonl(path: Path, text_field: str, start: int = 0, stop: int = -1) -> 
             raw = f.readline()
             if not raw:
                 return
+            if position == 0 and (encoding := _wide_encoding(raw)):
+                raise SourceError(f"--input {path}: a {encoding} file (it starts with the {encoding} byte-order mark), "
+                                  f"and JSON is read as UTF-8: re-encode it (iconv -f {encoding} -t UTF-8 OLD > NEW) "
+                                  "and pass the new file")
             if position == 0 and raw.startswith(_BOM):
                 raw = raw[len(_BOM):]
                 position += len(_BOM)
@@ -598,12 +606,26 @@ def _read_parquet(path: Path, text_field: str) -> Iterator[str | Skipped]:
             row += 1
 
 
+def _wide_encoding(head: bytes) -> str:
+    """The encoding ("UTF-16", "UTF-32") whose byte-order mark ``head``, a file's first bytes, starts with; else ""."""
+    return next((encoding for bom, encoding in _WIDE_BOMS if head.startswith(bom)), "")
+
+
+def _utf8_lines(f: BinaryIO, encoding: str) -> Iterator[bytes]:
+    """The lines of a UTF-16 or UTF-32 file, streamed, as UTF-8 without the byte-order mark; code units that are not
+    text (a lone surrogate, an odd last byte) become U+FFFD."""
+    for line in io.TextIOWrapper(f, encoding=encoding, errors="replace", newline=""):  # ends kept: LF, CRLF, CR
+        yield line.encode("utf-8")
+
+
 def _txt_lines(path: Path) -> Iterator[tuple[int, bytes]]:
-    """(line number, line with its end) of a text file. A line ends at LF, CRLF or a lone CR
-    (old Mac files); a UTF-8 byte-order mark at the start is dropped."""
+    """(line number, line with its end, UTF-8) of a text file. A line ends at LF, CRLF or a lone CR (old Mac
+    files); a UTF-8 byte-order mark at the start is dropped; a file that starts with a UTF-16 byte-order mark
+    (Windows Notepad's "Unicode") or a UTF-32 one is decoded as such."""
     number = 0
     with _open_binary(path) as f:
-        for raw in f:  # splits after b"\n" only
+        encoding = _wide_encoding(f.peek(4)[:4])
+        for raw in _utf8_lines(f, encoding) if encoding else f:  # f splits after b"\n" only
             if number == 0:
                 raw = raw.removeprefix(_BOM)
             for line in raw.splitlines(keepends=True) if b"\r" in raw.rstrip(b"\r\n") else (raw,):

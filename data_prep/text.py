@@ -3,22 +3,24 @@
 ``clean_document`` normalises line ends, drops control characters and lone surrogates, turns every whitespace
 run inside a paragraph into one space (joining its lines); paragraphs (blank-line separated) stay separate.
 ``split_sentences`` cuts each paragraph after ``.``/``!``/``?`` (plus closing quotes or brackets) followed by
-whitespace and a capital letter (any script: ``str.isupper``), digit or opening quote, except after common
-abbreviations and initials; and after the terminators of scripts that do not use ``.`` (plus closing quotes or
-brackets), with or without whitespace after them: the full-width ``。！？．`` of Chinese and Japanese, the
-Devanagari ``।``/``॥`` (Hindi, Marathi, Nepali; Bengali uses the same), the Arabic ``؟`` and Urdu ``۔``, the
-Ethiopic ``።``/``፧``, the Armenian ``։`` and the Myanmar ``။``. A document of at least
-``UNCASED_MIN_CHARS`` characters with no capital letter at all (lower-casing changes nothing in it: lowercased
-prose, as uncased corpora ship; scripts without case) is cut after ``.``/``!``/``?`` followed by whitespace and
-any letter or digit instead, with the same exceptions lowercased; a shorter one may be a fragment of cased text,
-so the cased rule stays. Text with neither capitals nor terminators stays one sentence per paragraph.
-Sentences longer than ``MAX_SENTENCE_CHARS`` are cut at whitespace so one huge line cannot become one
-unbounded sequence.
+whitespace and a capital letter (any script: ``str.isupper``), a letter of a script without case (Unicode category
+Lo: Arabic, Hebrew, Hangul, Thai, Devanagari, CJK, …; so a Latin acronym in Arabic prose leaves its sentences
+split), digit or opening quote, except after common abbreviations and initials; and after the terminators of
+scripts that do not use ``.`` (plus closing quotes or brackets), with or without whitespace after them: the
+full-width ``。！？．`` of Chinese and Japanese, the Devanagari ``।``/``॥`` (Hindi, Marathi, Nepali; Bengali uses
+the same), the Arabic ``؟`` and Urdu ``۔``, the Ethiopic ``።``/``፧``, the Armenian ``։`` and the Myanmar ``။``.
+A document of at least ``UNCASED_MIN_CHARS`` characters with no capital letter at all (lower-casing changes nothing
+in it: lowercased prose, as uncased corpora ship; scripts without case) is cut after ``.``/``!``/``?`` followed by
+whitespace and any letter or digit instead, with the same exceptions lowercased; a shorter one may be a fragment of
+cased text, so the cased rule stays. Text with neither capitals nor terminators stays one sentence per paragraph.
+Sentences longer than ``MAX_SENTENCE_CHARS`` are cut at whitespace so one huge line cannot become one unbounded
+sequence.
 """
 from __future__ import annotations
 
 import re
 import sys
+import unicodedata
 
 MAX_SENTENCE_CHARS = 2000
 UNCASED_MIN_CHARS = 200
@@ -45,6 +47,7 @@ def _character_class(predicate) -> str:
 
 
 _UPPER = _character_class(str.isupper)  # A-Z, À-Þ, Α-Ω, А-Я, …: ~1,900 code points in ~650 ranges
+_CASELESS = _character_class(lambda c: unicodedata.category(c) == "Lo")  # ا, א, 한, ก, क, 中, …: ~400 ranges
 _CLOSERS = "\"')\\]\u201d\u2019\u00bb"                # " ' ) ] ” ’ »
 _OPENERS = "\"'(\\[\u201c\u2018\u00ab\u201e\u00bf\u00a1"  # " ' ( [ “ ‘ « „ ¿ ¡
 _TERMINATORS = ("\u3002\uff01\uff1f\uff0e"  # 。！？． (Chinese, Japanese)
@@ -67,16 +70,22 @@ def _boundary(abbreviations: list[str], initial: str, starter: str) -> re.Patter
         + rf"|[{_TERMINATORS}]+[{_TERMINATOR_CLOSERS}]*)\s*")
 
 
-# Cased text: a capital or digit starts the next sentence. A document without capitals: any letter or digit, and
-# the abbreviations and one-letter initials it must not end at are the lowercased ones.
-_BOUNDARY = _boundary(_ABBREVIATIONS, _UPPER, f"{_UPPER}0-9")
+# Cased text: a capital, a letter without case or a digit starts the next sentence. A document without capitals: any
+# letter or digit, and the abbreviations and one-letter initials it must not end at are the lowercased ones.
+_BOUNDARY = _boundary(_ABBREVIATIONS, _UPPER, f"{_UPPER}{_CASELESS}0-9")
 _BOUNDARY_UNCASED = _boundary(sorted({a.lower() for a in _ABBREVIATIONS}), r"^\W\d_", r"^\W_")
 _LONG_PIECE = re.compile(r"\S.{0,%d}(?=\s|$)|\S{%d}" % (MAX_SENTENCE_CHARS - 2, MAX_SENTENCE_CHARS))
 
 
+def replace_control_characters(text: str, replacement: str = "") -> str:
+    """``text`` with its control characters, lone surrogates and non-characters replaced (dropped by default).
+    Fine-tuning replaces them by U+FFFD, which BERT's normaliser drops, so offsets into ``text`` stay right."""
+    return _CONTROL.sub(replacement, text)
+
+
 def clean_document(text: str) -> str:
     """Normalised text: paragraphs separated by one blank line, each paragraph on one line, single spaces."""
-    text = _CONTROL.sub("", text.replace("\r\n", "\n").replace("\r", "\n"))
+    text = replace_control_characters(text.replace("\r\n", "\n").replace("\r", "\n"))
     paragraphs = (" ".join(p.split()) for p in _PARAGRAPH_BREAK.split(text))
     return "\n\n".join(p for p in paragraphs if p)
 

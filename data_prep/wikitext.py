@@ -2,9 +2,11 @@
 
 ``iter_pages`` streams ``<page>`` elements (constant memory, any dump size). ``wikitext_to_text`` keeps the
 prose only: it drops comments, references, templates (``{{…}}``), tables (``{|…|}``), file/image/category
-links, math/galleries and other non-prose tags, headings, lists, indented lines and table rows; it keeps
-the visible text of internal and external links and removes bold/italic quote marks. Paragraphs come out
-separated by blank lines.
+links, links to Wikipedia's own pages (``WP:``, ``Template:``, …), interlanguage links, math/galleries and other
+non-prose tags, headings, lists, indented lines and table rows; it keeps the visible text of internal, external and
+sister-project links (``[[wikt:compound|compound]]``) and removes bold/italic quote marks. Tags are stripped
+before character references are decoded, so ``&lt;div&gt;`` stays as the text ``<div>``; a ``<br>`` becomes a
+space. Paragraphs come out separated by blank lines.
 
 Hostile markup costs linear time: no pattern scans past the next ``<``/``[`` that could start another match
 (so unterminated ``<ref>``, ``[[`` or ``[http://`` cannot make a page quadratic), and nested templates, tables
@@ -27,25 +29,41 @@ _DROP_TAGS = re.compile(
     r"templatedata|nowiki)\b[^<>]*?(?:/>|>(?:(?!<\1\b).)*?</\1\s*>)", re.S | re.I)  # these tags never nest
 _SELF_CLOSING_REF = re.compile(r"<ref\b[^<>]*/>", re.I)
 _ANY_TAG = re.compile(r"</?[a-zA-Z][^<>]*>")
+_LINE_BREAK = re.compile(r"</?br\b[^<>]*>", re.I)  # <br>, <br/>, <br />, </br>
 _TEMPLATE = re.compile(r"\{\{(?:(?!\{\{|\}\}).)*\}\}", re.S)
 _TABLE = re.compile(r"\{\|(?:(?!\{\||\|\}).)*\|\}", re.S)
 _INNER_LINK = re.compile(r"\[\[((?:[^\[\]]|\[[^\[\]]*\])*)\]\]")  # may hold [single brackets]
 _EXTERNAL_LINK = re.compile(r"\[(?:https?:|ftp:)?//[^\s\[\]]+(?:\s+([^\[\]]*))?\]")  # MediaWiki URLs exclude [ ]
 _BOLD_ITALIC = re.compile(r"'{2,}")
 _MAGIC_WORD = re.compile(r"__[A-Z]+__")
-_DROPPED_LINK_PREFIXES = ("file", "image", "media", "category", "wikipedia", "wp", "template", "help",
-                          "portal", "special", "talk", "user", "wikt", "wiktionary", "commons", "s", "q", "n")
-_LANGUAGE_PREFIX = re.compile(r"^:?[a-z]{2,3}(?:-[a-z]+)?$")
+_HIDDEN_LINK_PREFIXES = ("file", "image", "media", "category",  # pictures and categories: not part of the prose
+                         "wikipedia", "wp", "template", "help", "portal", "special", "talk", "user")  # editors' pages
+_SISTER_PROJECT_PREFIXES = ("wikt", "wiktionary", "s", "wikisource", "q", "wikiquote", "n", "wikinews", "b",
+                            "wikibooks", "v", "wikiversity", "voy", "wikivoyage", "species", "wikispecies", "commons",
+                            "d", "wikidata", "w")
+_LANGUAGE_CODE = re.compile(r"[a-z]{2,3}(?:-[a-z]+)*")  # fr, zh-yue, be-x-old
 _NON_PROSE_LINE = re.compile(r"^\s*(?:=.*=|[*#:;!|{}]|----)")
 
 
 def _link_text(match: re.Match) -> str:
-    target, _, label = match.group(1).partition("|")
-    prefix = target.split(":", 1)[0].strip().lower() if ":" in target else ""
-    if prefix.lstrip(":") in _DROPPED_LINK_PREFIXES or (prefix and _LANGUAGE_PREFIX.match(prefix)):
-        return ""
+    """What a link shows: its label, else its target (a sister project's without the prefix: ``[[wikt:word]]``);
+    nothing for a picture, a category, an editors' page or an interlanguage link (``[[fr:Paris]]``: a language code,
+    no space after the colon, no label; ``[[CSI: Miami]]`` is an article). A leading colon makes any link shown
+    (``[[:fr:Paris|Paris]]``, ``[[:Category:Poets]]``)."""
+    target, pipe, label = match.group(1).partition("|")
     if "|" in label:  # only file links carry several options; a plain link's label is its last part
         label = label.rsplit("|", 1)[-1]
+    shown = target.lstrip().startswith(":")
+    target = target.strip().lstrip(":")
+    prefix, colon, page = target.partition(":")
+    namespace = prefix.strip().lower() if colon else ""
+    if namespace in _SISTER_PROJECT_PREFIXES:
+        return (label or page).strip()
+    if namespace and not shown:
+        if namespace in _HIDDEN_LINK_PREFIXES:
+            return ""
+        if not pipe and not page.startswith(" ") and _LANGUAGE_CODE.fullmatch(prefix):
+            return ""
     return (label or target).strip()
 
 
@@ -67,7 +85,7 @@ def wikitext_to_text(wikitext: str) -> str:
     text = _replace_nested(_TABLE, "", text)
     text = _replace_nested(_INNER_LINK, _link_text, text)  # a caption's links resolve before its file link is dropped
     text = _EXTERNAL_LINK.sub(lambda m: m.group(1) or "", text)
-    text = _ANY_TAG.sub("", html.unescape(text))
+    text = html.unescape(_ANY_TAG.sub("", _LINE_BREAK.sub(" ", text)))  # tags first: "&lt;div&gt;" is shown text
     text = _MAGIC_WORD.sub("", _BOLD_ITALIC.sub("", text))
     paragraphs, current = [], []
     for line in text.split("\n"):

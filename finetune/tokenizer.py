@@ -10,6 +10,8 @@ Exports and fine-tuning outputs carry both files (`data_prep.vocab.write_hf_toke
 BERT's special tokens written in fine-tuning text are read as themselves, as transformers' BertTokenizer reads
 them: "passage [SEP] answer" (the source of UniLM's question-generation data) keeps its [SEP]. Pre-training text
 is read by the shard builder, which splits such strings like any other words.
+Lone surrogates (JSON allows "\\ud83d", half of a cut-off emoji), which the encoder refuses, and the other characters
+the shard builder drops (`data_prep.text.replace_control_characters`) are dropped here too.
 """
 from __future__ import annotations
 
@@ -19,9 +21,16 @@ from pathlib import Path
 from tokenizers import Tokenizer as WordPieceEncoder
 from tokenizers import decoders
 
+from data_prep.text import replace_control_characters
 from data_prep.vocab import SPECIAL_TOKENS, Vocab, encoder_of, resolve_casing, resolve_vocab_source
 
 _DECODER = decoders.WordPiece(prefix="##", cleanup=True)
+
+
+def _encodable(text: str) -> str:
+    """`text` with the characters the shard builder drops replaced by U+FFFD, which BERT's normaliser drops: the ids
+    are those of the text without them, and character offsets still point into `text`."""
+    return replace_control_characters(text, "\ufffd")
 
 
 @dataclass(frozen=True)
@@ -48,14 +57,14 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Word-piece ids of `text` (no [CLS]/[SEP] added)."""
-        return self.encoder.encode(text).ids
+        return self.encoder.encode(_encodable(text)).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [encoding.ids for encoding in self.encoder.encode_batch(texts)]
+        return [encoding.ids for encoding in self.encoder.encode_batch([_encodable(text) for text in texts])]
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """Ids and (start, end) character offsets into `text` of each word piece."""
-        encoding = self.encoder.encode(text)
+        encoding = self.encoder.encode(_encodable(text))
         return encoding.ids, encoding.offsets
 
     def words(self, text: str) -> str:
@@ -63,7 +72,7 @@ class Tokenizer:
         stripped for an uncased vocabulary) and split into words and punctuation, joined by single spaces. A
         decoded prediction and its reference compare in this form: "$280bn" and the decoder's "$ 280bn" both give
         "$ 280bn", so a score measures the model, not the detokeniser."""
-        normalised = self.encoder.normalizer.normalize_str(text)
+        normalised = self.encoder.normalizer.normalize_str(_encodable(text))
         return " ".join(piece for piece, _ in self.encoder.pre_tokenizer.pre_tokenize_str(normalised))
 
     def decode(self, ids: list[int]) -> str:

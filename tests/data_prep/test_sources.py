@@ -296,6 +296,27 @@ def test_a_byte_order_mark_is_ignored_in_every_text_input(tmp_path):
     assert list(read_documents(str(tmp_path / "c.txt"))) == ["First doc. Second sentence.\n", "Next doc. More text.\n"]
 
 
+def test_a_utf16_txt_file_reads_as_its_utf8_self_and_utf16_json_is_refused_by_name(samples_dir, tmp_path):
+    """Windows Notepad saves "Unicode" as UTF-16 LE with a byte-order mark and CRLF line ends."""
+    news = samples_dir / "news/lee.txt"
+    notepad = news.read_text(encoding="utf-8").replace("\n", "\r\n")
+    (tmp_path / "le.txt").write_bytes(notepad.encode("utf-16"))  # byte-order mark + this machine's order (LE)
+    (tmp_path / "be.txt.gz").write_bytes(gzip.compress(b"\xfe\xff" + notepad.encode("utf-16-be")))
+    expected = [document.replace("\n", "\r\n") for document in read_documents(str(news))]
+    for name in ("le.txt", "be.txt.gz"):
+        records = list(read_documents(str(tmp_path / name)))
+        assert records == expected and len(records) == 300, name
+        assert not any(isinstance(r, RepairedText) for r in records), name
+    rows = list(read_documents(str(tmp_path / "le.txt"), ReadOptions(rows_as_sentences=True)))
+    assert [r.replace("\r", "") for r in rows] == list(read_documents(str(news), ReadOptions(rows_as_sentences=True)))
+    docs = [{"text": "Première ligne. Deuxième phrase."}]
+    (tmp_path / "a.jsonl").write_bytes("\n".join(json.dumps(r, ensure_ascii=False) for r in docs).encode("utf-16"))
+    (tmp_path / "b.json").write_bytes(json.dumps(docs, ensure_ascii=False).encode("utf-16"))
+    for name in ("a.jsonl", "b.json"):
+        with pytest.raises(SourceError, match=rf"{name}: a UTF-16 file .*re-encode it \(iconv -f UTF-16 -t UTF-8"):
+            list(read_documents(str(tmp_path / name)))
+
+
 def test_a_record_whose_text_is_not_a_string_says_what_it_is(tmp_path):
     (tmp_path / "a.jsonl").write_text('{"text": null}\n{"body": "x"}\n{"text": 3}\n{"text": ["a"]}\n[1]\n')
     records = list(read_documents(str(tmp_path / "a.jsonl")))

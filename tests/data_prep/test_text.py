@@ -45,6 +45,29 @@ She was born in [[London]] in 1815. See [http://example.org the site].
                     "She was born in London in 1815. See the site.")
 
 
+def test_links_show_the_text_the_article_shows():
+    """Sister-project links and article titles with a colon keep their text; interlanguage links, pictures and
+    categories do not appear in an article's text."""
+    wikitext = """The term ''anarchism'' is a [[wikt:compound|compound]] word from the [[wiktionary:suffix|suffix]] -ism.
+Critics compared her novels to books such as [[Ben-Hur: A Tale of the Christ|Ben-Hur]] and the [[Left Behind]] series.
+She appeared in [[CSI: Miami]] and read from [[s:The Republic|The Republic]] and [[q:Plato]] in [[2001]].
+The painter [[:fr:Mohamed Racim|Mohamed Racim]] is listed among the [[:Category:Algerian painters|Algerian painters]].
+[[File:Racim.jpg|thumb|A portrait]][[Category:Painters]][[fr:Agronomie]][[be-x-old:Аграномія]][[zh-yue:農學]]
+"""
+    assert wikitext_to_text(wikitext).split("\n\n") == [
+        "The term anarchism is a compound word from the suffix -ism. Critics compared her novels to books such as "
+        "Ben-Hur and the Left Behind series. She appeared in CSI: Miami and read from The Republic and Plato in 2001. "
+        "The painter Mohamed Racim is listed among the Algerian painters."]
+
+
+def test_escaped_markup_stays_text_and_line_breaks_become_spaces():
+    wikitext = ("The HTML &lt;div&gt; element groups content; &lt;br&gt; ends a line.<ref>Spec</ref>\n"
+                "The poem begins: Roses are red,<br />violets are blue,<br>sugar is sweet,<BR/>and so are you.")
+    assert wikitext_to_text(wikitext) == (
+        "The HTML <div> element groups content; <br> ends a line. The poem begins: Roses are red, violets are blue, "
+        "sugar is sweet, and so are you.")
+
+
 def test_real_wikipedia_excerpt(samples_dir):
     records = list(read_documents(str(samples_dir / "wiki/enwiki-excerpt.xml.bz2")))
     articles = [r for r in records if isinstance(r, str)]
@@ -56,6 +79,11 @@ def test_real_wikipedia_excerpt(samples_dir):
         assert markup not in body, markup
     lines = body.split("\n")
     assert not any(line.startswith(("=", "*", "#", "|", "!")) for line in lines)
+    for shown in ("The term anarchism is a compound word",  # [[wikt:anarchism|anarchism]]
+                  "A great brigand becomes a ruler",  # [[wikt:brigand|brigand]]
+                  "such as Ben-Hur and the Left Behind series",  # [[Ben-Hur: A Tale of the Christ|Ben-Hur]]
+                  "Hungarian 6,770 (0.21%). (Figures shown"):  # (0.21%).<br />(Figures
+        assert shown in body, shown
     sentences = list(itertools.chain.from_iterable(split_sentences(clean_document(a)) for a in articles[:5]))
     assert len(sentences) > 300 and all(s.strip() == s and s for s in sentences)
 
@@ -71,7 +99,7 @@ def test_sentences_end_at_the_terminators_of_scripts_without_a_full_stop():
     """Hindi's danda, Arabic's question mark, Amharic's full stop: without them such a corpus is one sentence per
     paragraph and pair recipes skip it."""
     assert split_sentences("भारत एक देश है। यह बड़ा है॥ और") == ["भारत एक देश है।", "यह बड़ा है॥", "और"]
-    assert split_sentences("هل أنت بخير؟ نعم. شكرا") == ["هل أنت بخير؟", "نعم. شكرا"]
+    assert split_sentences("هل أنت بخير؟ نعم. شكرا") == ["هل أنت بخير؟", "نعم.", "شكرا"]
     assert split_sentences("ሰላም ነው። እንዴት ነህ፧ ደህና") == ["ሰላም ነው።", "እንዴት ነህ፧", "ደህና"]
 
 
@@ -82,6 +110,21 @@ def test_a_capital_of_any_script_starts_a_sentence():
                                          "Émile Zola schrieb « Oui ».", "Это дом.", "Здесь живёт Ж. Петров.",
                                          "Ελλάδα.", "¿Qué?", "Fin."]
     assert split_sentences("It ends. here it goes on.") == ["It ends. here it goes on."]  # a cased document
+
+
+def test_a_latin_acronym_leaves_the_sentences_of_scripts_without_case_split():
+    """Letters without case start a sentence in a document that has a capital (an acronym, a brand), as they do in
+    one without."""
+    arabic = ("أطلقت وكالة NASA مسبارا جديدا إلى المريخ. يحمل المسبار أجهزة لدراسة التربة. وصل المسبار بعد سبعة أشهر. "
+              "أرسل صورا واضحة للسطح. درس العلماء الصور بعناية. وجدوا آثار مياه قديمة. سيعود فريق آخر العام المقبل. "
+              "تأمل الوكالة في إرسال بشر.")
+    hebrew = ("החברה IBM פתחה מרכז מחקר בחיפה. המרכז מעסיק מאות מהנדסים. הם עובדים על מחשוב קוונטי. "
+              "העבודה נמשכת כבר עשר שנים.")
+    korean = ("삼성전자는 새로운 Galaxy 휴대폰을 발표했다. 화면이 더 커졌다. 배터리도 오래간다. 가격은 작년과 같다. "
+              "판매는 다음 달에 시작된다.")
+    for document, sentences in ((arabic, 8), (hebrew, 4), (korean, 5)):
+        assert split_sentences(document) == [s + "." for s in document.removesuffix(".").split(". ")]
+        assert len(split_sentences(document)) == sentences
 
 
 def test_lowercased_prose_is_split_with_the_lowercased_exceptions():

@@ -90,6 +90,23 @@ def test_special_tokens_in_fine_tuning_text_read_as_transformers_reads_them(mini
     assert ours.sep_id not in encoder_of(ours.vocab, ours.lowercase).encode(texts[0]).ids
 
 
+def test_lone_surrogates_in_fine_tuning_text_are_dropped_as_shard_building_drops_them(minilm_dir, tmp_path):
+    """JSON allows "\\ud83d", the first half of an emoji cut off by a scraper; the encoder refuses such a string."""
+    path = tmp_path / "headlines.jsonl"
+    path.write_text('{"src": "Fans cheer as the final whistle blows \\ud83d", "tgt": "Final whistle \\ud83d\\ude00"}\n'
+                    '{"src": "Markets rise", "tgt": "\\udc00 Markets up"}\n', encoding="utf-8")
+    records = read_jsonl(path)
+    assert "\ud83d" in records[0]["src"]
+    tokenizer = load_tokenizer(minilm_dir)
+    examples, _ = encode_examples(records, tokenizer, max_src_len=32, max_tgt_len=16, max_positions=128)
+    assert examples[0].source_ids == tokenizer.encode("Fans cheer as the final whistle blows")
+    assert examples[1].target_ids == tokenizer.encode("Markets up")
+    context = "Kickoff \ud83d at noon."
+    ids, offsets = tokenizer.encode_with_offsets(context)
+    assert ids == tokenizer.encode("Kickoff at noon.")
+    assert [context[start:end] for start, end in offsets] == ["Kickoff", "at", "noon", "."]  # offsets into `context`
+
+
 def test_seq2seq_encoding_truncates_and_counts_and_rejects_empty_fields(tiny_init):
     tokenizer = load_tokenizer(tiny_init)
     records = [{"src": "the market rose sharply " * 20, "tgt": "shares up"}, {"src": "short", "tgt": "x " * 30}]
