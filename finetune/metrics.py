@@ -182,7 +182,8 @@ ROUGE_TYPES = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 
 def generation_metrics(predictions: Sequence[str], references: Sequence[str]) -> dict[str, float]:
     """ROUGE-1/2/L/Lsum F1 (rouge-score, with stemming, mean over examples, in percent; words as `RougeWords`) and
-    corpus BLEU-4 (sacrebleu's defaults). `rougeL` is the LCS of the whole texts; `rougeLsum` is the
+    corpus BLEU-4 (sacrebleu's defaults but case-insensitive, as ROUGE is, and as question generation's BLEU-4 is
+    computed, on lower-cased data). `rougeL` is the LCS of the whole texts; `rougeLsum` is the
     summary-level ROUGE-L over their newline-separated sentences (the union LCS of each reference sentence
     against all predicted ones), the ROUGE-L that CNN/DailyMail results, UniLM's among them, report. Newlines
     matter to `rougeLsum` alone. The fine-tuning tasks score text in the model's word form on both sides, one
@@ -202,5 +203,5 @@ def generation_metrics(predictions: Sequence[str], references: Sequence[str]) ->
     result = {name: 100.0 * totals[name] / len(references) for name in ROUGE_TYPES}
     one_line = [text.replace("\n", " ") for text in predictions], [[text.replace("\n", " ") for text in references]]
     # force: text in word form ends sentences in " ." on purpose, which sacrebleu would warn about at every scoring
-    result["bleu"] = sacrebleu.corpus_bleu(*one_line, force=True).score
+    result["bleu"] = sacrebleu.corpus_bleu(*one_line, lowercase=True, force=True).score
     return result

@@ -73,6 +73,9 @@ def test_generation_metrics_use_rouge_score_and_sacrebleu():
     scores = generation_metrics(["the cat sat on the mat"], ["the cat sat on the mat"])
     assert scores["rouge1"] == pytest.approx(100.0) and scores["rougeL"] == pytest.approx(100.0)
     assert scores["bleu"] == pytest.approx(100.0)
+    # case-insensitive, as ROUGE (and question generation's BLEU-4, on lower-cased data): a cased model is not
+    # scored on what an uncased one could not even produce
+    assert generation_metrics(["The Cat sat on the mat"], ["the cat sat on the Mat"])["bleu"] == pytest.approx(100.0)
     partial = generation_metrics(["sat cats"], ["the cat sat down"])
     assert 0 < partial["rouge1"] < 100 and partial["rouge2"] == 0.0
 
