@@ -16,7 +16,8 @@ A fine-tuning output directory is a Hugging Face BERT directory plus what HF BER
                                      of every file above (written last: it vouches for a complete set)
 
 Saving writes the files beside their names and renames them into place, `finetune.json` last (removed first),
-so an interrupted save is detected on load instead of mixing an old head with new weights.
+so an interrupted save is detected on load instead of mixing an old head with new weights: `load_finetuned` and
+`load_init` check every hash `finetune.json` records, and refuse a `finetune_extra.safetensors` without it.
 
 `load_init` accepts that, a plain HF BERT directory, or a pre-training checkpoint (a DeepSpeed tag directory
 with our `complete.json` marker, or its parent `checkpoints/` directory; its `model_weights.safetensors` is read
@@ -35,12 +36,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from data_prep.vocab import write_hf_tokenizer
 from pretrain import checkpoint as ckpt
 from pretrain.export import load_consolidated, resolve_checkpoint, shard_vocabulary
-from pretrain.hf import HF_TASK_ARCHITECTURES, hf_config_file, load_hf_bert, save_hf_bert, to_hf_name
+from pretrain.hf import (HF_TASK_ARCHITECTURES, git_lfs_pointer, hf_config_file, load_hf_bert, read_weight_file,
+                         save_hf_bert, to_hf_name)
 from pretrain.model import UniLMModel
 
 from .tokenizer import Tokenizer, load_tokenizer
@@ -66,14 +68,38 @@ class Finetuned:
         return self.meta.get("settings", {})
 
 
-def _load_model_dir(directory: Path) -> UniLMModel:
+def _read_meta(directory: Path, expect_task: str | None = None) -> dict[str, Any]:
+    """The `finetune.json` of a fine-tuning output once every file it lists has the sha256 it records; {} for a
+    plain HF BERT directory. A `finetune_extra.safetensors` without `finetune.json` is a save that stopped half-way
+    (saving removes `finetune.json` first and writes it last): its files may be two models', so it is refused."""
+    if not (directory / META_FILE).is_file():
+        if (directory / EXTRA_FILE).is_file():
+            raise ValueError(f"{directory}: {EXTRA_FILE} without {META_FILE}: the save of this fine-tuning output "
+                             "was interrupted, and its files may belong to two models; re-run the fine-tuning, or "
+                             "use an earlier output")
+        return {}
+    meta = json.loads((directory / META_FILE).read_text())
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{directory / META_FILE}: format_version {meta.get('format_version')!r}, "
+                         f"this code reads {FORMAT_VERSION}")
+    if expect_task and meta.get("task") != expect_task:
+        raise ValueError(f"{directory} was fine-tuned for {meta.get('task')!r}, not {expect_task!r}")
+    check_complete(directory, meta)
+    return meta
+
+
+def _read_extra(directory: Path) -> dict[str, torch.Tensor]:
+    """What a fine-tuning output keeps beside its HF file (all six segment rows, heads; our names), {} if none."""
+    extra = directory / EXTRA_FILE
+    return read_weight_file(extra) if extra.is_file() else {}
+
+
+def _load_model_dir(directory: Path, extra: dict[str, torch.Tensor]) -> UniLMModel:
     if hf_config_file(directory) is None:
         raise ValueError(f"{directory} is not a model directory: no config.json (expected a Hugging Face BERT "
                          "export, a fine-tuning output directory or a pre-training checkpoint)")
-    extra = directory / EXTRA_FILE
-    # a fine-tuning output: what its HF file has no place for (all six segment rows, heads) is kept beside it
-    supplement = {k: v for k, v in load_file(extra).items() if not k.startswith("head.")} if extra.is_file() else None
     try:
+        supplement = {k: v for k, v in extra.items() if not k.startswith("head.")} if extra else None
         return load_hf_bert(directory, supplement=supplement)
     except (ValueError, KeyError, FileNotFoundError, OSError) as err:
         raise ValueError(f"{directory} is not a loadable BERT model: {err}") from err
@@ -88,7 +114,8 @@ def load_init(path: str | Path, vocab: str | Path | None = None) -> tuple[UniLMM
     if not directory.is_dir():
         raise FileNotFoundError(f"--init {directory}: no such directory")
     if hf_config_file(directory) is not None:
-        model = _load_model_dir(directory)
+        _read_meta(directory)  # a fine-tuning output: refused unless its files are the ones its save wrote
+        model = _load_model_dir(directory, _read_extra(directory))
     elif (directory / ckpt.MARKER).is_file() or (directory / ckpt.LATEST).is_file():
         tokenizer = checkpoint_tokenizer(directory, vocab)
         model = load_consolidated(directory)
@@ -226,6 +253,9 @@ def check_complete(directory: Path, meta: dict[str, Any]) -> None:
     for name, digest in meta.get("files", {}).items():
         path = directory / name
         if Path(name).name != name or not path.is_file() or sha256_file(path) != digest:
+            if path.is_file() and git_lfs_pointer(path):
+                raise ValueError(f"{path} is a git-lfs pointer, not the file {META_FILE} records: run `git lfs "
+                                 "pull` in the repository it was cloned from")
             raise ValueError(f"{directory}: {name} is missing or is not the file {META_FILE} records (an interrupted "
                              "save, or files from another model); re-run the fine-tuning or restore the directory")
 
@@ -233,20 +263,10 @@ def check_complete(directory: Path, meta: dict[str, Any]) -> None:
 def load_finetuned(path: str | Path, expect_task: str | None = None) -> Finetuned:
     """A fine-tuning output directory (or a plain HF BERT directory with its vocab.txt)."""
     directory = Path(path)
-    meta: dict[str, Any] = {}
-    if (directory / META_FILE).is_file():
-        meta = json.loads((directory / META_FILE).read_text())
-        if meta.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"{directory / META_FILE}: format_version {meta.get('format_version')!r}, "
-                             f"this code reads {FORMAT_VERSION}")
-        if expect_task and meta.get("task") != expect_task:
-            raise ValueError(f"{directory} was fine-tuned for {meta.get('task')!r}, not {expect_task!r}")
-        check_complete(directory, meta)
-    model = _load_model_dir(directory)
+    meta = _read_meta(directory, expect_task)
+    extra = _read_extra(directory)
+    model = _load_model_dir(directory, extra)
     tokenizer = load_tokenizer(directory)
     check_vocab(model, tokenizer)
-    head_state = {}
-    if (directory / EXTRA_FILE).is_file():
-        head_state = {k.removeprefix("head."): v for k, v in load_file(directory / EXTRA_FILE).items()
-                      if k.startswith("head.")}
+    head_state = {k.removeprefix("head."): v for k, v in extra.items() if k.startswith("head.")}
     return Finetuned(model.eval(), tokenizer, meta.get("task"), meta, head_state)

@@ -24,7 +24,8 @@ attention the model trains with:
     gives its row to all six.
 
 Tensors are read safely: `model.safetensors` with safetensors, `pytorch_model.bin` with
-`torch.load(weights_only=True)`, a checkpoint saved in shards through its `*.index.json`. Checkpoints with or
+`torch.load(weights_only=True)`, a checkpoint saved in shards through its `*.index.json`; a file that holds no
+weights (cut short, a git-lfs pointer, a training checkpoint) is refused, naming it. Checkpoints with or
 without the `bert.` prefix and with or without the MLM/NSP heads (and pooler) load; missing heads are freshly
 initialised and a warning names them. The layout of the original releases loads as well: `bert_config.json` for
 `config.json`, TF-era `gamma`/`beta` LayerNorm names, half-precision tensors, and UniLM v1's released checkpoints
@@ -43,10 +44,12 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 import re
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from pretrain.masks import (
@@ -134,6 +137,10 @@ def config_from_hf(config: dict) -> ModelConfig:
     if missing:
         raise ValueError(f"not a BERT config: no integer {', '.join(missing)} (a BERT config.json has "
                          f"{', '.join(_REQUIRED_CONFIG_KEYS)}; keys {sorted(config)[:8]} are another model's?)")
+    if config["num_attention_heads"] <= 0 or config["hidden_size"] % config["num_attention_heads"]:
+        raise ValueError(f"hidden_size={config['hidden_size']} is not divisible by num_attention_heads="
+                         f"{config['num_attention_heads']} (each head takes hidden_size / num_attention_heads "
+                         "dimensions): num_attention_heads is wrong for these weights")
     if config.get("hidden_act", "gelu") not in _EXACT_GELU:
         raise ValueError(f"only the exact (erf) gelu is supported (hidden_act {' or '.join(map(repr, _EXACT_GELU))}), "
                          f"config has hidden_act={config['hidden_act']!r}; tanh approximations such as 'gelu_new' "
@@ -195,12 +202,58 @@ def hf_weight_files(directory: str | Path) -> tuple[list[Path], set[str] | None]
                                "(google-bert/bert-large-cased, ...)" if tensorflow else ""))
 
 
+# The first bytes of a git-lfs pointer.
+_LFS_POINTER = b"version https://git-lfs.github.com/spec/"
+# Where training checkpoints (PyTorch Lightning, fairseq, DeepSpeed's mp_rank_*_model_states.pt) keep the weights,
+# beside optimizer state and step counters.
+_CHECKPOINT_KEYS = ("model", "state_dict", "module")
+
+
+def git_lfs_pointer(path: Path) -> bool:
+    """Whether ``path`` is a git-lfs pointer: the few lines a clone without git-lfs holds in place of a large file."""
+    with open(path, "rb") as handle:
+        return handle.read(len(_LFS_POINTER)) == _LFS_POINTER
+
+
+def read_weight_file(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of one weight file: safetensors, or a `pytorch_model.bin` read by `torch.load(weights_only=True)`
+    (tensors and containers only; nothing else is unpickled). A file that holds no such dict is refused with a
+    ValueError naming it and what it most likely is: cut short, a git-lfs pointer, a training checkpoint."""
+    if git_lfs_pointer(path):
+        raise ValueError(f"{path} is a git-lfs pointer, not the weights: run `git lfs pull` in the repository it "
+                         "was cloned from, or download the file itself")
+    try:
+        state = load_file(path) if path.suffix == ".safetensors" else \
+            torch.load(path, map_location="cpu", weights_only=True)
+    except (SafetensorError, pickle.UnpicklingError, RuntimeError, EOFError) as error:
+        # torch's own text advises weights_only=False, which would run any code the file holds: never passed on
+        pickled = re.findall(r"Unsupported global: GLOBAL ([\w.]+)", str(error))
+        reason = (f"it pickles {pickled[0]}, which model weights do not hold" if pickled else
+                  "not a PyTorch tensor file" if isinstance(error, pickle.UnpicklingError) else
+                  str(error).split(". ")[0] or type(error).__name__)
+        raise ValueError(f"{path} ({path.stat().st_size:,} bytes) cannot be read as model weights ({reason}); "
+                         "most likely it is a download cut short (download it again) or a training checkpoint "
+                         "rather than model weights (export the weights: `python -m pretrain.export` for this "
+                         "project's checkpoints)") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"{path} holds a {type(state).__name__}, not model weights (a dict of tensor name → tensor)")
+    not_tensors = sorted(str(name) for name, value in state.items() if not isinstance(value, torch.Tensor))
+    if not_tensors:
+        nested = next((key for key in _CHECKPOINT_KEYS if isinstance(state.get(key), dict)), None)
+        if nested is not None:
+            raise ValueError(f"{path} is a training checkpoint, not model weights: its weights are nested under "
+                             f"{nested!r} beside {sorted(map(str, state))[:8]}; save that entry alone as the weights "
+                             "file, or export the weights (`python -m pretrain.export` for this project's "
+                             "checkpoints)")
+        raise ValueError(f"{path}: not model weights: {not_tensors[:5]} hold no tensor")
+    return state
+
+
 def _read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
     files, listed = hf_weight_files(directory)
     state: dict[str, torch.Tensor] = {}
     for path in files:
-        state.update(load_file(path) if path.suffix == ".safetensors"
-                     else torch.load(path, map_location="cpu", weights_only=True))
+        state.update(read_weight_file(path))
     absent = sorted((listed or set()) - set(state))
     if absent:
         raise ValueError(f"{directory}: tensors its index lists are in none of its shards: {absent[:5]}"
@@ -235,6 +288,24 @@ def hf_model_config(path: str | Path) -> ModelConfig:
         return config_from_hf(config)
     except ValueError as e:
         raise ValueError(f"{config_file}: {e}") from None
+
+
+# The config.json keys (our ModelConfig's fields of the same name) that set a tensor's dimensions.
+_SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "max_position_embeddings")
+
+
+def _size_hint(stored: torch.Size, needed: torch.Size, cfg: ModelConfig, source: ModelConfig, config_name: str) -> str:
+    """The config key that sets a dimension a checkpoint's tensor differs in (when one alone has that size), where
+    its value came from, and the size the weights need."""
+    hints = []
+    for have, need in zip(stored, needed):
+        keys = [key for key in _SIZE_KEYS if getattr(cfg, key) == need]
+        if have == need or len(keys) != 1:
+            continue
+        origin = config_name if getattr(source, keys[0]) == need else f"set in place of {config_name}'s " \
+            f"{getattr(source, keys[0])}"
+        hints.append(f"{keys[0]}={need} ({origin}), the weights have {have}: make it {have}")
+    return f" ({'; '.join(hints)})" if hints else ""
 
 
 def load_hf_bert(path: str | Path, cfg: ModelConfig | None = None,
@@ -295,13 +366,15 @@ def load_hf_bert(path: str | Path, cfg: ModelConfig | None = None,
                                "all and its different token type 1 is dropped")
             tensor = tensor[list(SEGMENT_ROWS_FROM_HF_DECODER if source.causal_lm else SEGMENT_ROWS_FROM_HF)]
         if tensor.shape != ours[name].shape:
-            raise ValueError(f"{directory}: {hf_name} has shape {tuple(tensor.shape)}, "
-                             f"our {name} needs {tuple(ours[name].shape)}")
+            raise ValueError(f"{directory}: {hf_name} has shape {tuple(tensor.shape)}, our {name} needs "
+                             f"{tuple(ours[name].shape)}"
+                             + _size_hint(tensor.shape, ours[name].shape, cfg, source, hf_config_file(directory).name))
         loaded[name] = tensor
     if unknown:
         layers = {int(m.group(1)) for n in unknown if (m := re.search(r"encoder\.layer\.(\d+)\.", n))}
-        hint = (f" (its layers go up to {max(layers)}, the config builds {cfg.num_layers}: a model with fewer layers "
-                "cannot take a deeper checkpoint's weights)" if layers and max(layers) >= cfg.num_layers else "")
+        hint = (f" (it has {max(layers) + 1} layers (0-{max(layers)}), the config builds {cfg.num_layers} "
+                "(num_hidden_layers): a model with fewer layers cannot take a deeper checkpoint's weights)"
+                if layers and max(layers) >= cfg.num_layers else "")
         raise ValueError(f"{directory}: tensors our model has no place for{hint}: {unknown[:5]}"
                          + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""))
     if task_head and supplement is None:

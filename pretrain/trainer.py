@@ -36,7 +36,7 @@ from pretrain.engine import (NonFiniteLossError, SetupError, build_engine, engin
                              init_distributed, nonfinite_gradient_norm, optimizer_step, precision,
                              read_engine_json, seed_everything, zero_stage)
 from pretrain.hf import hf_model_config, load_hf_bert
-from pretrain.model import REPORTED_OBJECTIVES, ModelConfig, build_model, preset, training_flops
+from pretrain.model import REPORTED_OBJECTIVES, ModelConfig, UniLMModel, build_model, preset, training_flops
 from pretrain.outputs import write_file_atomically
 
 
@@ -335,6 +335,7 @@ def _train_locked(cfg: RunConfig, rank: int, world_size: int, started: float) ->
                                         dict(identity, shards=str(dataset.directory)), world_size,
                                         zero_stage(engine_json), report=print if rank == 0 else None)
         fast_paths = fast_path_settings(cfg, engine_json, model_cfg)
+        model = initial_model(cfg, model_cfg)
     except (ValueError, OSError) as error:
         raise SetupError(str(error)) from error
     if rank == 0:
@@ -342,7 +343,7 @@ def _train_locked(cfg: RunConfig, rank: int, world_size: int, started: float) ->
               + " (null settings resolved for this run's device, precision and model)", flush=True)
     if rank == 0:
         ckpt.report_changed_settings(resume, cfg.to_dict(), print)
-    engine = build_training_engine(cfg, model_cfg, plan, engine_json, resume, fast_paths)
+    engine = build_training_engine(cfg, model, plan, engine_json, resume, fast_paths)
     throughput = Throughput(model_cfg, world_size, cfg.train.peak_tflops or measured_peak_tflops(engine, rank))
     progress = restore_progress(engine, resume, cfg.train.seed, rank, world_size)
     loader = build_loader(cfg, dataset, model_cfg, plan, rank, progress.consumed_samples, engine.device,
@@ -457,11 +458,22 @@ def check_init_vocabulary(dataset: ShardDataset, init_from: str, report: Any = p
                          f"model.init_from {init_from} is {'uncased' if uncased else 'cased'}; {fix}")
 
 
-def build_training_engine(cfg: RunConfig, model_cfg: ModelConfig, plan: BatchPlan, engine_json: dict[str, Any],
-                          resume: ckpt.ResumePoint | None, fast_paths: dict[str, bool]) -> Any:
-    """The DeepSpeed engine around a freshly initialised (or HF-initialised) model."""
+def initial_model(cfg: RunConfig, model_cfg: ModelConfig) -> UniLMModel:
+    """The model the run starts from: freshly initialised, or with the weights of ``model.init_from``, read and
+    checked against ``model_cfg`` (a file that holds no weights, a tensor of another shape, one missing or unknown:
+    a ValueError naming the file and tensor)."""
     seed_everything(cfg.train.seed)  # identical initial weights on every rank
-    model = build_model(model_cfg) if not cfg.model.init_from else load_hf_bert(cfg.model.init_from, model_cfg)
+    if not cfg.model.init_from:
+        return build_model(model_cfg)
+    try:
+        return load_hf_bert(cfg.model.init_from, model_cfg)
+    except (ValueError, OSError) as error:
+        raise ValueError(f"model.init_from: {error}") from error
+
+
+def build_training_engine(cfg: RunConfig, model: UniLMModel, plan: BatchPlan, engine_json: dict[str, Any],
+                          resume: ckpt.ResumePoint | None, fast_paths: dict[str, bool]) -> Any:
+    """The DeepSpeed engine around the run's initial model (`initial_model`)."""
     model.activation_checkpointing = cfg.train.activation_checkpointing
     model.chunked_loss = fast_paths["chunked_loss"]
     if fast_paths["compile"]:

@@ -430,3 +430,72 @@ def test_a_nan_loss_stops_before_the_update_naming_the_step_and_keeping_the_last
     assert f"the last complete checkpoint ({kept}) in {tmp_path / 'checkpoints'} is intact" in err
     assert (tmp_path / "checkpoints" / "latest").read_text() == kept
     assert not (tmp_path / "summary.json").exists() or not json.loads((tmp_path / "summary.json").read_text())["finished"]
+
+
+
+def _save_seq2seq_output(tiny_init: Path, out: Path, shift: float = 0.0) -> None:
+    """A fine-tuning output (seq2seq: no head) of the tiny model, every tensor moved by ``shift``."""
+    from finetune.model_io import save_finetuned
+
+    model, tokenizer = load_init(tiny_init)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(shift)
+    save_finetuned(out, model, None, tokenizer, "seq2seq", {})
+
+
+def test_an_interrupted_save_is_refused_rather_than_loaded_as_two_models(tiny_init, tmp_path, monkeypatch):
+    from finetune import model_io
+
+    out = tmp_path / "out"
+    _save_seq2seq_output(tiny_init, out)
+    replace, renamed = model_io.os.replace, []
+
+    def dies_after_two_files(source, target):  # config.json and finetune_extra.safetensors, not model.safetensors
+        if len(renamed) == 2:
+            raise KeyboardInterrupt
+        renamed.append(target)
+        replace(source, target)
+
+    monkeypatch.setattr(model_io.os, "replace", dies_after_two_files)
+    with pytest.raises(KeyboardInterrupt):
+        _save_seq2seq_output(tiny_init, out, shift=1.0)  # another model's save over it
+    monkeypatch.undo()
+    assert [path.name for path in renamed] == ["config.json", "finetune_extra.safetensors"]
+    assert not (out / "finetune.json").exists()
+    for load in (load_finetuned, load_init):
+        with pytest.raises(ValueError, match=rf"^{out}: finetune_extra.safetensors without finetune.json: the save "
+                                             "of this fine-tuning output was interrupted.*re-run the fine-tuning, or "
+                                             "use an earlier output"):
+            load(out)
+
+
+def test_init_from_a_fine_tuning_output_checks_the_hashes_it_records(tiny_init, tmp_path):
+    out, other = tmp_path / "out", tmp_path / "other"
+    _save_seq2seq_output(tiny_init, out, shift=1.0)
+    _save_seq2seq_output(tiny_init, other)
+    shutil.copy(other / "model.safetensors", out / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"^{out}: model.safetensors is missing or is not the file finetune.json "
+                                         "records"):
+        load_init(out)
+    lfs_pointer = b"version https://git-lfs.github.com/spec/v1\noid sha256:00\nsize 1\n"  # a clone without git-lfs
+    (out / "model.safetensors").write_bytes(lfs_pointer)
+    for load in (load_finetuned, load_init):
+        with pytest.raises(ValueError, match=rf"^{out / 'model.safetensors'} is a git-lfs pointer.*git lfs pull"):
+            load(out)
+
+
+def test_an_unreadable_extra_file_is_named(tiny_init, tmp_path):
+    from data_prep.shard_format import sha256_file
+
+    out = tmp_path / "out"
+    _save_seq2seq_output(tiny_init, out)
+    extra = out / "finetune_extra.safetensors"
+    extra.write_bytes(extra.read_bytes()[:-100])  # cut short before its sha256 was recorded
+    meta = json.loads((out / "finetune.json").read_text())
+    meta["files"]["finetune_extra.safetensors"] = sha256_file(extra)
+    (out / "finetune.json").write_text(json.dumps(meta))
+    for load in (load_finetuned, load_init):
+        with pytest.raises(ValueError, match=rf"^{extra} \({extra.stat().st_size:,} bytes\) cannot be read as "
+                                             r"model weights \(Error while deserializing header: incomplete metadata"):
+            load(out)

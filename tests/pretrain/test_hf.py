@@ -379,7 +379,7 @@ def test_bad_checkpoints_fail_loudly(minilm_dir, tmp_path):
             load_hf_bert(tmp_path)
     torch.save(state, tmp_path / "pytorch_model.bin")  # 6 layers, a config of 2: the usual way to a smaller model
     (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
-    with pytest.raises(ValueError, match=r"its layers go up to 5, the config builds 2.*\['encoder.layer.2.*"
+    with pytest.raises(ValueError, match=r"it has 6 layers \(0-5\), the config builds 2 .*\['encoder.layer.2.*"
                                          r"and \d+ more"):
         load_hf_bert(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"dim": 768, "n_layers": 6, "vocab_size": 30522}))
