@@ -44,12 +44,10 @@ from __future__ import annotations
 
 import json
 import logging
-import pickle
 import re
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from pretrain.masks import (
@@ -225,11 +223,11 @@ def read_weight_file(path: Path) -> dict[str, torch.Tensor]:
     try:
         state = load_file(path) if path.suffix == ".safetensors" else \
             torch.load(path, map_location="cpu", weights_only=True)
-    except (SafetensorError, pickle.UnpicklingError, RuntimeError, EOFError) as error:
+    except Exception as error:  # whatever the file's bytes make the readers raise (pickle's UnpicklingError, ...)
         # torch's own text advises weights_only=False, which would run any code the file holds: never passed on
         pickled = re.findall(r"Unsupported global: GLOBAL ([\w.]+)", str(error))
         reason = (f"it pickles {pickled[0]}, which model weights do not hold" if pickled else
-                  "not a PyTorch tensor file" if isinstance(error, pickle.UnpicklingError) else
+                  "not a PyTorch tensor file" if type(error).__name__ == "UnpicklingError" else
                   str(error).split(". ")[0] or type(error).__name__)
         raise ValueError(f"{path} ({path.stat().st_size:,} bytes) cannot be read as model weights ({reason}); "
                          "most likely it is a download cut short (download it again) or a training checkpoint "

@@ -28,6 +28,13 @@ def tiny_hf_dir(out: Path, **sizes: int) -> Path:
     return out
 
 
+def with_config(directory: Path, **changes: object) -> dict:
+    """Change keys of the directory's config.json; returns the config as it was."""
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, **changes}))
+    return config
+
+
 def as_pytorch_model_bin(directory: Path, content: object) -> None:
     (directory / "model.safetensors").unlink()
     torch.save(content, directory / "pytorch_model.bin")
@@ -85,16 +92,14 @@ def test_a_training_checkpoint_as_pytorch_model_bin_is_named_so(tmp_path):
 
 def test_a_deeper_checkpoint_names_its_layer_count(tmp_path):
     directory = tiny_hf_dir(tmp_path / "two_layers")
-    config = json.loads((directory / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
+    with_config(directory, num_hidden_layers=1)
     with pytest.raises(ValueError, match=r"it has 2 layers \(0-1\), the config builds 1 \(num_hidden_layers\)"):
         load_hf_bert(directory)
 
 
 def test_a_tensor_of_another_size_names_the_config_key(tmp_path):
     directory = tiny_hf_dir(tmp_path / "positions")  # 80 positions
-    config = json.loads((directory / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 128}))
+    config = with_config(directory, max_position_embeddings=128)
     with pytest.raises(ValueError, match=r"position_embeddings.weight has shape \(80, 48\), our "
                                          r"embeddings.position.weight needs \(128, 48\) \(max_position_embeddings="
                                          r"128 \(config.json\), the weights have 80: make it 80\)$"):
@@ -108,8 +113,7 @@ def test_a_tensor_of_another_size_names_the_config_key(tmp_path):
 
 def test_a_head_count_that_does_not_divide_the_width_names_num_attention_heads(tmp_path):
     directory = tiny_hf_dir(tmp_path / "heads")
-    config = json.loads((directory / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps({**config, "num_attention_heads": 5}))
+    with_config(directory, num_attention_heads=5)
     with pytest.raises(ValueError, match=r"config.json: hidden_size=48 is not divisible by num_attention_heads=5"):
         hf_model_config(directory)
 
@@ -117,8 +121,7 @@ def test_a_head_count_that_does_not_divide_the_width_names_num_attention_heads(t
 @pytest.mark.slow  # launches pretrain.train
 def test_a_bad_model_init_from_stops_pretraining_in_one_line_with_exit_code_2(unilm_shards, tmp_path):
     directory = tiny_hf_dir(tmp_path / "init", vocab_size=4000, num_layers=1)  # 80 positions, config says 128
-    config = json.loads((directory / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 128}))
+    with_config(directory, max_position_embeddings=128)
     process = launch([f"data.shards={unilm_shards}", f"out_dir={tmp_path / 'run'}", "model.preset=null",
                       f"model.init_from={directory}", "model.check_init_vocab=false"])
     assert process.returncode == 2, process.stderr[-3000:]

@@ -14,7 +14,7 @@ from pretrain.masks import (
 )
 from data_prep.shard_format import Sample, ShardDataset
 from pretrain.data import collate
-from pretrain.kernels import CPU_LINEAR_VARIABLE
+from pretrain.kernels import CPU_LINEAR_VARIABLE, cpu_linear_backend
 from pretrain.model import IGNORE_INDEX, PretrainOutput, build_model, preset, training_flops
 
 OBJECTIVES = (BIDIRECTIONAL, LEFT_TO_RIGHT, RIGHT_TO_LEFT, SEQ2SEQ)
@@ -231,7 +231,7 @@ def test_nsp_only_on_bidirectional_samples_with_a_label():
 
 
 @pytest.mark.parametrize("causal_lm", [False, True])
-def test_training_flops_are_torchs_count_of_a_forward_and_backward(causal_lm, monkeypatch):
+def test_training_flops_are_torchs_count_of_a_forward_and_backward(causal_lm, monkeypatch, request):
     """MFU's numerator, `training_flops`, against torch's FLOP counter over a real training forward + backward (dropout
     on) of full-length samples of every objective: no padding or unused masked slot, the work it leaves out on
     purpose. torch's Linear, whose GEMMs the counter sees (it does not see oneDNN's); the one small matmul it adds
@@ -239,6 +239,8 @@ def test_training_flops_are_torchs_count_of_a_forward_and_backward(causal_lm, mo
     from torch.utils.flop_counter import FlopCounterMode
 
     monkeypatch.setenv(CPU_LINEAR_VARIABLE, "torch")
+    cpu_linear_backend.cache_clear()  # the process's choice, made by an earlier test: oneDNN on AMD CPUs
+    request.addfinalizer(cpu_linear_backend.cache_clear)  # and this test's is not left to the next ones
     cfg = dataclasses.replace(preset("tiny"), causal_lm=causal_lm)
     torch.manual_seed(0)
     model = build_model(cfg)
