@@ -20,8 +20,10 @@ what any alive beam could still reach (its log-probability can only fall; divide
 left), so stopping early never changes the result of searching to the maximum length, as UniLM's decoder does;
 the batch stops once every example is done. At the maximum length unfinished beams count as finished.
 
-CLI: `python -m finetune.decode --model DIR --input FILE.jsonl --output FILE.jsonl [--beam-size 5] ...`; when every
-record has a `tgt`, ROUGE and BLEU against it go to `FILE.metrics.json` (`score_predictions`).
+CLI: `python -m finetune.decode --model DIR --input FILE.jsonl --output FILE.jsonl [--beam-size 5] ...` (or UniLM's
+line files: `--input NAME.src` and an output not named `.jsonl`, one prediction per line); when every record has a
+`tgt` (or `NAME.tgt` is beside `NAME.src`), ROUGE and BLEU against it go to `FILE.metrics.json`
+(`score_predictions`).
 """
 from __future__ import annotations
 
@@ -371,27 +373,48 @@ def decode_records(model: torch.nn.Module, tokenizer: Tokenizer, records: list[d
     return predictions, truncated
 
 
+X_SEP = "[X_SEP]"
+"""UniLM's sentence separator in its CNN/DailyMail targets (and so in its models' output)"""
+
+
 def score_predictions(tokenizer: Tokenizer, predictions: list[str], references: list[str]) -> dict[str, float]:
     """ROUGE and BLEU of decoded `predictions` against `references`, both in the model's word form
     (`Tokenizer.words`: an uncased model is scored on lower-cased, accent-stripped references; punctuation split
     off on both sides), the tokenised, lower-cased comparison UniLM's generation results use; one sentence per
-    line for `rougeLsum` (a text's lines, each split as shard building splits sentences; under an uncased model,
-    whose predictions have no capitals to tell where a sentence starts, both sides are split lowercased, as
-    shard building splits text without capitals)."""
+    line for `rougeLsum` (a text's lines and `[X_SEP]`s, each piece split as shard building splits sentences;
+    under an uncased model, whose predictions have no capitals to tell where a sentence starts, both sides are
+    split lowercased, as shard building splits text without capitals)."""
     def sentences_of(line: str) -> list[str]:
         line = " ".join(line.split())
         return split_sentences(line.lower(), uncased=True) if tokenizer.lowercase else split_sentences(line)
 
-    def word_form(text: str) -> str:
-        sentences = (s for line in text.splitlines() for s in sentences_of(line))
+    def word_form(text: str) -> str:  # UniLM's CNN/DM files join a summary's sentences with " [X_SEP] "
+        sentences = (s for line in text.replace(X_SEP, "\n").splitlines() for s in sentences_of(line))
         return "\n".join(filter(None, map(tokenizer.words, sentences)))
     return generation_metrics([word_form(p) for p in predictions], [word_form(r) for r in references])
 
 
 def metrics_path(output: str | Path) -> Path:
-    """`out.jsonl` → `out.metrics.json` (beside the output)."""
+    """`out.jsonl` (or `out.txt`, ...) → `out.metrics.json` (beside the output)."""
+    return beside(output, ".metrics.json")
+
+
+def beside(output: str | Path, ending: str) -> Path:
+    """A file beside `output` named after it: `pred.tsv`, `.metrics.json` → `pred.metrics.json`."""
     output = Path(output)
-    return output.with_name(output.name.removesuffix(".jsonl") + ".metrics.json")
+    return output.with_name(output.name.removesuffix(output.suffix) + ending)
+
+
+def write_predictions(output: Path, records: list[dict], predictions: list[str]) -> None:
+    """`output.jsonl`: the input records with their `prediction`; any other name: one prediction per line, in input
+    order (UniLM's decoding output, what files2rouge and the question-generation scripts read beside the
+    references)."""
+    if output.suffix == ".jsonl":
+        write_file_atomically(output, lambda tmp: write_jsonl(
+            ({**record, "prediction": p} for record, p in zip(records, predictions)), tmp))
+    else:
+        write_file_atomically(output, lambda tmp: tmp.write_text(
+            "".join(" ".join(p.split()) + "\n" for p in predictions), encoding="utf-8"))
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:
@@ -420,7 +443,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", required=True, help="a fine-tuning output directory (or an HF BERT directory)")
     parser.add_argument("--input", required=True, help="JSONL with `src` (and optionally `tgt` references), or "
                         "UniLM's line files: NAME.src (and NAME.tgt beside it)")
-    parser.add_argument("--output", required=True)
+    parser.add_argument("--output", required=True,
+                        help="NAME.jsonl: the input records with their `prediction`; any other name: one "
+                             "prediction per line (as UniLM's decoding writes, for files2rouge and the like)")
     parser.add_argument("--beam-size", type=int_at_least(1), default=5, help="1: greedy (default 5)")
     parser.add_argument("--max-tgt-len", type=int_at_least(1), default=None,
                         help="longest target in word pieces (default: the fine-tuning run's max_tgt_len, else 64)")
@@ -446,8 +471,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--force", action="store_true", help="replace an existing non-empty --output")
     args = parser.parse_args(argv)
     refuse_distributed_launch(parser)
+    paired_references = Path(args.input).with_suffix(".tgt") if Path(args.input).suffix == ".src" else None
     try:
-        check_output(args.output, [args.input, args.model], force=args.force)
+        check_output(args.output, [args.input, paired_references, args.model], force=args.force)
     except (ValueError, FileExistsError) as error:
         parser.error(str(error))
 
@@ -494,8 +520,7 @@ def main(argv: list[str] | None = None) -> None:
     seconds = time.perf_counter() - began
     if len(predictions) != len(records):
         raise RuntimeError(f"{len(predictions)} predictions for {len(records)} input records; nothing written")
-    write_file_atomically(args.output, lambda tmp: write_jsonl(
-        ({**record, "prediction": p} for record, p in zip(records, predictions)), tmp))
+    write_predictions(Path(args.output), records, predictions)
     print(f"[decode] {len(records)} inputs in {seconds:.1f}s ({truncated} sources truncated to {max_src_len} "
           f"word pieces) → {args.output}")
     if all(isinstance(r.get("tgt"), str) for r in records):

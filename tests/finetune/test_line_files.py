@@ -6,6 +6,7 @@ import json
 import pytest
 
 from finetune import decode, run
+from finetune.decode import score_predictions
 from finetune.config import FinetuneConfig
 from finetune.seq2seq import encode_examples
 from finetune.task_files import read_jsonl, read_seq2seq
@@ -50,9 +51,31 @@ def test_a_run_and_its_decoding_read_line_files(small_tasks, tiny_init, tmp_path
               "--init", str(tiny_init), "--out", str(out), "--max-src-len", "48", "--max-tgt-len", "8",
               "--batch-size", "8", "--max-steps", "1", "--set", "eval_max_examples=2"])
     assert json.loads((out / "summary.json").read_text())["finished"]
+    common = ["--model", str(out), "--input", str(tmp_path / "dev.src"), "--beam-size", "1"]
+    references = (tmp_path / "dev.tgt").read_bytes()
+    with pytest.raises(SystemExit, match="2"):  # the references read beside the input are an input too
+        decode.main([*common, "--output", str(tmp_path / "dev.tgt"), "--force"])
+    assert (tmp_path / "dev.tgt").read_bytes() == references
+    decode.main([*common, "--output", str(tmp_path / "pred.jsonl")])
+    records = [json.loads(line) for line in (tmp_path / "pred.jsonl").read_text().splitlines()]
+    assert len(records) == len(read_jsonl(small_tasks["bbc_headline.dev"])) and "tgt" in records[0]
+    decode.main([*common, "--output", str(tmp_path / "lines.txt")])  # UniLM's output: a prediction per line
+    assert (tmp_path / "lines.txt").read_text().splitlines() == [" ".join(r["prediction"].split()) for r in records]
+    assert json.loads((tmp_path / "lines.metrics.json").read_text()) == \
+        json.loads((tmp_path / "pred.metrics.json").read_text())
     (tmp_path / "dev.tgt").rename(tmp_path / "refs.tgt")  # sources alone: decoded, not scored
-    output = tmp_path / "pred.jsonl"
-    decode.main(["--model", str(out), "--input", str(tmp_path / "dev.src"), "--output", str(output),
-                 "--beam-size", "1"])
-    predictions = [json.loads(line) for line in output.read_text().splitlines()]
-    assert len(predictions) == len(read_jsonl(small_tasks["bbc_headline.dev"]))
+    decode.main([*common, "--output", str(tmp_path / "alone.jsonl")])
+    assert [json.loads(line)["prediction"] for line in (tmp_path / "alone.jsonl").read_text().splitlines()] == \
+        [r["prediction"] for r in records]
+    assert not (tmp_path / "alone.metrics.json").exists()
+
+
+def test_unilm_sentence_separators_split_summaries_for_rouge_lsum(minilm_dir):
+    """UniLM's CNN/DM targets join a summary's sentences with " [X_SEP] ": they score as line breaks."""
+    tokenizer = load_tokenizer(minilm_dir)
+    lines = "Police arrested two men in London.\nThe men were charged with fraud on Monday"
+    separated = "Police arrested two men in London . [X_SEP] The men were charged with fraud on Monday"
+    prediction = "The men were charged with fraud on Monday. Police arrested two men in London."
+    by_lines, by_separator = (score_predictions(tokenizer, [prediction], [reference])
+                              for reference in (lines, separated))
+    assert by_separator == pytest.approx(by_lines) and by_lines["rougeLsum"] == pytest.approx(100)
