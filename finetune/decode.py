@@ -473,7 +473,7 @@ def main(argv: list[str] | None = None) -> None:
     refuse_distributed_launch(parser)
     paired_references = Path(args.input).with_suffix(".tgt") if Path(args.input).suffix == ".src" else None
     try:
-        check_output(args.output, [args.input, paired_references, args.model], force=args.force)
+        check_output(args.output, [args.input, paired_references, args.model], force=args.force, file=True)
     except (ValueError, FileExistsError) as error:
         parser.error(str(error))
 

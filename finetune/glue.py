@@ -6,18 +6,20 @@
 
 GLUE (`glue_task`): the TSV files of GLUE's download script, read with quoting off (GLUE's texts hold bare
 quotes; a row with the wrong number of fields, as a few of QQP's have, is skipped and counted, as BERT's
-processors skip them), CoLA's train/dev files without a header row included; or Hugging Face `glue` exports
+processors skip them, but refused in a file to predict, whose submission needs a line per row), CoLA's train/dev
+files without a header row included; or Hugging Face `glue` exports
 (`.parquet`, `.jsonl`) with their column names and integer labels, mapped to the label names of GLUE's TSVs (those
 its leaderboard takes), so both layouts train the same classes. A label of -1 (the test splits) is no label.
 Each task brings its metric (GLUE's: MCC for CoLA, F1 of "1" for MRPC and QQP, Pearson for STS-B, accuracy for the
-rest) and STS-B is regression.
+rest) and STS-B is regression. A model predicts a GLUE task's files only when it was fine-tuned on that task (AX:
+on MNLI) with the task's classes (`check_model_task`).
 """
 from __future__ import annotations
 
 import csv
 import math
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,6 +77,41 @@ GLUE_TASKS: dict[str, RecordFormat] = {
 """GLUE's tasks: the columns of their TSVs and of Hugging Face `glue`, and the labels GLUE's TSVs (and its
 leaderboard) use. AX, the diagnostic set, is MNLI's format with test examples only (predicted by an MNLI model)."""
 
+PREDICTED_BY = {"ax": "mnli"}
+"""GLUE tasks without training data of their own, and the task whose model predicts them."""
+
+GLUE_DIRECTORIES = {**{task: task for task in GLUE_TASKS}, "diagnostic": "ax", "mnlimatched": "mnli",
+                    "mnlimismatched": "mnli"}
+"""The directories GLUE's download script (`glue_data/SST-2`, `glue_data/diagnostic`) and Hugging Face `glue`
+(`sst2`, `mnli_matched`) keep a task's files in, lower-cased without `-` and `_`, and their tasks."""
+
+
+def task_of_path(path: str | Path) -> str | None:
+    """The GLUE task whose files `path` is among, by the name of its directory (`GLUE_DIRECTORIES`), else None."""
+    name = Path(path).resolve().parent.name.lower().replace("-", "").replace("_", "")
+    return GLUE_DIRECTORIES.get(name)
+
+
+def _predicted(classes: Sequence[str], regression: bool) -> str:
+    if regression:
+        return "scores (regression)"
+    return f"the classes {', '.join(classes)}" if classes else "choice indices (multiple choice)"
+
+
+def check_model_task(task: str, model_task: str | None, classes: Sequence[str], regression: bool) -> None:
+    """Refuse a classifier for GLUE `task`'s files unless it was fine-tuned on that task (`model_task`, the run's
+    `glue_task`, None for other files; AX's is MNLI) and predicts the task's labels: its `classes` in any order,
+    or `regression` for STS-B. Its predictions would otherwise fill the submission with another task's labels."""
+    fmt = GLUE_TASKS[task]
+    trained_on = PREDICTED_BY.get(task, task)
+    if model_task is not None and model_task != trained_on:
+        raise ValueError(f"the model was fine-tuned on GLUE's {model_task}, not {task}; predict {task}'s files "
+                         f"with a model fine-tuned on {trained_on}")
+    fits = regression if fmt.regression else not regression and set(classes) == set(fmt.label_names)
+    if not fits:
+        raise ValueError(f"the model predicts {_predicted(classes, regression)}, but {task}'s files take "
+                         f"{_predicted(fmt.label_names, bool(fmt.regression))}")
+
 
 def record_format(settings: Mapping[str, Any]) -> RecordFormat:
     """The format a run's settings (`FinetuneConfig` keys, or a fine-tuned model's saved settings) name: a GLUE
@@ -88,34 +125,65 @@ def record_format(settings: Mapping[str, Any]) -> RecordFormat:
                         label=(settings.get("label_field", "label"),), regression=settings.get("regression"))
 
 
-def read_rows(path: str | Path, headerless: tuple[str, ...] = ()) -> tuple[list[dict], list[int], list[int]]:
+def _delimited_rows(text: str, suffix: str) -> Iterator[tuple[int, list[str] | str]]:
+    r"""(line number, fields) for each row of a `.tsv` (quoting off, GLUE's) or `.csv` file's text, or (line
+    number, what is wrong) for a row that cannot be read. Lines end at "\n" (or "\r\n") only, as GLUE's do: a
+    bare "\r" inside a TSV's text stays in it (Python's csv would end the row there), and in a CSV it stays in a
+    quoted field and makes an unquoted one's row unreadable, not two rows."""
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    if suffix == ".tsv":
+        for number, line in enumerate(lines, 1):
+            line = line.removesuffix("\r")
+            yield number, line.split("\t") if line else []
+        return
+    reader = csv.reader(line + "\n" for line in lines)
+    while True:
+        number = reader.line_num + 1
+        try:
+            fields = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as error:  # the reader goes on with the next line
+            yield number, ("a bare carriage return (\\r) in an unquoted field" if "new-line" in str(error)
+                           else str(error))
+            continue
+        yield number, fields
+
+
+def read_rows(path: str | Path, headerless: tuple[str, ...] = ()) -> tuple[list[dict], list[tuple[int, str]],
+                                                                         list[int]]:
     """The rows of a `.jsonl`/`.json` (one object per line), `.tsv`, `.csv` or `.parquet` file as dicts, the
-    line numbers of the delimited rows skipped for a wrong number of fields, and each row's line number (a parquet
-    row's: its position from 1). A TSV is read with quoting off (GLUE's); a file whose first line has as many
+    delimited rows skipped as malformed (line number, what is wrong: a wrong number of fields, or an unreadable
+    row), and each row's line number (a parquet row's: its position from 1). A file whose first line has as many
     fields as `headerless` and none of its names is read with those."""
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix in (".tsv", ".csv"):
         try:
             with open(path, encoding="utf-8-sig", newline="") as f:  # a byte-order mark (MRPC's header has one)
-                reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE) if suffix == ".tsv" else csv.reader(f)
-                lines = list(reader)
+                lines = list(_delimited_rows(f.read(), suffix))
         except UnicodeDecodeError as error:
             raise ValueError(f"{path}: not UTF-8 text (byte {error.object[error.start]:#04x} at offset {error.start}); "
                              "re-encode the file as UTF-8") from None
         if not lines:
             raise ValueError(f"{path}: no records")
-        header, first_row = lines[0], 1
+        (header_line, header), first_row = lines[0], 1
+        if isinstance(header, str):
+            raise ValueError(f"{path}:{header_line}: header row: {header}")
         if headerless and len(header) == len(headerless) and not set(header) & set(headerless):
             header, first_row = list(headerless), 0
         rows, skipped, numbers = [], [], []
-        for number, fields in enumerate(lines[first_row:], first_row + 1):
-            if len(fields) != len(header):
+        for number, fields in lines[first_row:]:
+            if isinstance(fields, str):
+                skipped.append((number, fields))
+            elif len(fields) != len(header):
                 if fields:  # a blank line is no row
-                    skipped.append(number)
-                continue
-            rows.append(dict(zip(header, fields)))
-            numbers.append(number)
+                    skipped.append((number, f"{len(fields)} field{'' if len(fields) == 1 else 's'}, not {len(header)}"))
+            else:
+                rows.append(dict(zip(header, fields)))
+                numbers.append(number)
         if not rows:
             raise ValueError(f"{path}: no records under its header row {header}")
         return rows, skipped, numbers
@@ -146,15 +214,14 @@ def _column(columns: set[str], names: tuple[str, ...]) -> str | None:
     return next((name for name in names if name in columns), None)
 
 
-def read_records(path: str | Path, fmt: RecordFormat) -> list[dict]:
+def read_records(path: str | Path, fmt: RecordFormat, pairs: bool = False, predicting: bool = False) -> list[dict]:
     """`path`'s examples as classify records `{"text", "text_b"?, "label"?, "index"?}`; multiple-choice records
     (`choices`) as they are. A file without the text column is refused, naming its columns and the settings that
-    choose others. Rows skipped for a wrong number of fields are reported on stderr."""
+    choose others; with `pairs` (a model fine-tuned on text pairs) so is a file without the second text column.
+    Malformed rows are skipped and reported on stderr, except in a file `predicting` reads that is not labelled
+    throughout (a test file): its predictions need one line per row, so they are refused, naming the lines."""
     where = str(path)
     rows, skipped, numbers = read_rows(path, fmt.headerless)
-    if skipped:
-        print(f"[classify] {where}: skipped {len(skipped)} row(s) with a wrong number of fields (lines "
-              f"{', '.join(map(str, skipped[:5]))}{', ...' if len(skipped) > 5 else ''})", file=sys.stderr)
     if "choices" in rows[0]:
         return rows
     delimited = Path(path).suffix.lower() in (".tsv", ".csv")
@@ -165,6 +232,10 @@ def read_records(path: str | Path, fmt: RecordFormat) -> list[dict]:
                          f"{', '.join(sorted(columns))}); name the file's columns with text_field, text_b_field and "
                          f"label_field, or set glue_task for a GLUE file")
     text_b, label, index = (_column(columns, names) for names in (fmt.text_b, fmt.label, fmt.index))
+    if pairs and text_b is None:
+        raise ValueError(f"{where}: no {' or '.join(map(repr, fmt.text_b or ('text_b',)))} column (its columns: "
+                         f"{', '.join(sorted(columns))}); the model was fine-tuned on text pairs and needs each "
+                         "example's second text")
     records = []
     for number, row in zip(numbers, rows):
         record = {"text": row.get(text)}
@@ -187,4 +258,11 @@ def read_records(path: str | Path, fmt: RecordFormat) -> list[dict]:
         if index is not None and row.get(index) is not None:
             record["index"] = row[index]
         records.append(record)
+    if skipped:
+        lines = "; ".join(f"line {number}: {wrong}" for number, wrong in skipped[:5]) + ("; ..." if len(skipped) > 5
+                                                                                       else "")
+        if predicting and not all("label" in r for r in records):
+            raise ValueError(f"{where}: {len(skipped)} malformed row(s) ({lines}); each row needs its prediction "
+                             "(GLUE refuses a submission with a row missing): mend the rows")
+        print(f"[classify] {where}: skipped {len(skipped)} malformed row(s) ({lines})", file=sys.stderr)
     return records

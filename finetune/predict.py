@@ -5,12 +5,17 @@ Classification: FILE is read as the model's training files were (the `glue_task`
 with the model; `--glue-task` reads another GLUE layout, e.g. AX's with an MNLI model). PRED holds one line per
 example under the header `index<TAB>prediction`, GLUE's submission format: the file's own ids (its `index`, `idx`
 or `id` column) or else 0, 1, ...; class names (for GLUE files, the labels GLUE's TSVs use), scores for
-regression, choice indices for multiple choice.
+regression, choice indices for multiple choice. So that PRED is a valid submission, a GLUE task's files (by
+`--glue-task`, the model's `glue_task`, or a file in another task's directory of GLUE's layout) are refused unless
+the model was fine-tuned on that task (AX: on MNLI) with its classes; a pair model's input without the second text
+column is refused; and so is an unlabelled file's malformed row, which would leave PRED a line short.
 
 Extractive QA: FILE is a SQuAD JSON file (its questions may come without answers); PRED is `{question id: answer}`
 as BERT's run_squad writes `predictions.json` and the official evaluation scripts read it ("" = no answer, SQuAD
 2.0), and for SQuAD 2.0 `PRED.null_odds.json` beside it, each question's [CLS] score minus its best span's (the
-evaluation's `--na-prob-file`), with the fine-tuning run's windows and `null_score_diff_threshold`.
+v2.0 evaluation's `--na-prob-file`; pass the run's `null_score_diff_threshold` as its `--na-prob-thresh` too, whose
+default 1.0 otherwise decides the headline EM/F1), with the fine-tuning run's windows and
+`null_score_diff_threshold`.
 
 When every example has a label (every question its answers), the fine-tuning dev scores of the predictions go to
 `PRED.metrics.json` too, so a second dev set (MNLI mismatched) is scored the same way. Outputs are written beside
@@ -29,16 +34,10 @@ from pretrain.accelerator import default_device
 from pretrain.outputs import check_output, write_file_atomically
 
 from . import classify, qa
-from .decode import int_at_least, refuse_distributed_launch
-from .glue import GLUE_TASKS, read_records, record_format
+from .decode import beside, int_at_least, refuse_distributed_launch
+from .glue import GLUE_TASKS, check_model_task, read_records, record_format, task_of_path
 from .model_io import Finetuned, load_finetuned
 from .tasks import check_positions
-
-
-def beside(output: str | Path, ending: str) -> Path:
-    """A file beside `output` named after it: `pred.tsv`, `.metrics.json` → `pred.metrics.json`."""
-    output = Path(output)
-    return output.with_name(output.name.removesuffix(output.suffix) + ending)
 
 
 def format_prediction(value: int | float, labels: classify.LabelSpace) -> str:
@@ -67,8 +66,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--force", action="store_true", help="replace an existing non-empty --output")
     args = parser.parse_args(argv)
     refuse_distributed_launch(parser)
+    if Path(args.input).is_dir():
+        parser.error(f"--input {args.input} is a directory; name a file")
     try:
-        check_output(args.output, [args.input, args.model], force=args.force)
+        check_output(args.output, [args.input, args.model], force=args.force, file=True)
         finetuned = load_finetuned(args.model)
     except (ValueError, OSError) as error:
         parser.error(str(error))
@@ -99,14 +100,39 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
+def check_glue_task(args: argparse.Namespace, finetuned: Finetuned) -> None:
+    """Refuse a GLUE task's files the classifier cannot predict (`glue.check_model_task`): `--glue-task`'s, else
+    those in another task's directory of GLUE's layout when the model was fine-tuned on a GLUE task, else its
+    own task's."""
+    model_task = finetuned.run_settings.get("glue_task")
+    labels = classify.LabelSpace.of_model(finetuned.meta)
+    task = args.glue_task or (task_of_path(args.input) if model_task is not None else None) or model_task
+    if task is None:
+        return
+    try:
+        check_model_task(task, model_task, labels.classes, labels.regression)
+    except ValueError as error:
+        if args.glue_task is not None:
+            raise ValueError(f"--glue-task {task}: --model {args.model}: {error}") from None
+        if task != model_task:
+            raise ValueError(f"--input {args.input} is among GLUE's {task} files (by its directory), but --model "
+                             f"{args.model}: {error} (or pass --glue-task {model_task} to read it as "
+                             f"{model_task}'s)") from None
+        raise ValueError(f"--model {args.model} (glue_task {task}): {error}") from None
+
+
 def predict_classify(args: argparse.Namespace, finetuned: Finetuned, settings: dict, max_seq_len: int,
                      device: torch.device) -> tuple[dict, bool]:
     """Write the classifier's predictions for `args.input`; (its scores, True) when every example is labelled."""
+    check_glue_task(args, finetuned)
     if args.glue_task is not None:
         settings = dict(settings, glue_task=args.glue_task)
     model = classify.ClassifierModel.from_finetuned(finetuned).to(device)
     labels = model.labels
-    records = read_records(args.input, record_format(settings))
+    fmt = record_format(settings)
+    # a GLUE task's format says whether it reads pairs; other models' runs recorded whether they trained on any
+    pairs = bool(fmt.text_b) if fmt.glue else bool(finetuned.meta.get("pairs"))
+    records = read_records(args.input, fmt, pairs=pairs, predicting=True)
     labelled = all("label" in r for r in records)
     examples, truncated = classify.encode_examples(records, finetuned.tokenizer, labels, max_seq_len,
                                                    bool(settings.get("similarity")), where=args.input,
@@ -153,6 +179,10 @@ def predict_qa(args: argparse.Namespace, finetuned: Finetuned, settings: dict, m
         write_file_atomically(odds_file, lambda tmp: tmp.write_text(json.dumps(odds, indent=1) + "\n"))
     print(f"[predict] {len(questions)} questions ({len(windows)} windows) in {seconds:.1f}s → {args.output}"
           + (f" and {odds_file}" if version_2 else ""), flush=True)
+    if version_2:
+        print(f"[predict] score them with the official evaluate-v2.0.py as `--na-prob-file {odds_file} "
+              f"--na-prob-thresh {threshold}`: the run's null_score_diff_threshold (the script's default, 1.0, "
+              "would decide its headline EM/F1)", flush=True)
     if not all(q.labelled for q in questions):
         print(f"[predict] {sum(not q.labelled for q in questions)} of {len(questions)} questions have no answers: "
               "not scored")

@@ -85,7 +85,8 @@ def build_classify(cfg: FinetuneConfig, backbone: UniLMModel, tokenizer: Tokeniz
         evaluate=lambda m: classify.evaluate(m, dev, tokenizer.pad_id, positive),
         primary_metric=_primary_metric(cfg, classify.metrics_of(labels, positive), fmt.metric),
         meta={"labels": list(labels.classes), "positive_label": None if positive is None else labels.classes[positive],
-              "regression": labels.regression, "multiple_choice": labels.multiple_choice, "truncated": {"train": train_cut, "dev": dev_cut}},
+              "regression": labels.regression, "multiple_choice": labels.multiple_choice,
+              "pairs": any("text_b" in r for r in train_records), "truncated": {"train": train_cut, "dev": dev_cut}},
         predicted_count=(lambda indices, epoch: classify.lm_predictions([train[i] for i in indices]))
         if cfg.aux_lm_weight else None,
     )

@@ -2,7 +2,8 @@
 
 Every file or directory a command produces is written beside its final name and renamed into place, so a kill
 leaves the old output (or none), never half of the new one. ``check_output`` is the one refusal rule: an output
-path equal to an input is refused, and an existing non-empty output needs ``--force``.
+path equal to an input is refused, an existing non-empty output needs ``--force``, and a file's path
+(``file``) must not be a directory.
 """
 from __future__ import annotations
 
@@ -24,10 +25,13 @@ def _same(a: Path, b: Path) -> bool:
 
 
 def check_output(output: str | Path, inputs: Iterable[str | Path | None] = (), force: bool = False,
-                 flag: str = "--force", replaced_whole: bool = False) -> Path:
+                 flag: str = "--force", replaced_whole: bool = False, file: bool = False) -> Path:
     """Refuse ``output`` if it is one of ``inputs`` (with ``replaced_whole``: or a directory holding one, which
-    replacing would delete), or if it exists non-empty without ``force``; returns it as a Path."""
+    replacing would delete), if it exists non-empty without ``force``, or (with ``file``: the output is one file)
+    if it is a directory, which the finished file could not be renamed onto; returns it as a Path."""
     output = Path(output)
+    if file and output.is_dir():
+        raise ValueError(f"output {output} is a directory; name a file to write")
     for source in inputs:
         if source is None:
             continue

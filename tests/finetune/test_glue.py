@@ -83,7 +83,7 @@ def test_glue_tsvs_and_hugging_face_exports_read_as_the_same_examples(small_task
             assert [r["label"] for r in from_tsv] == ([str(y) for y in binary] if task != "mnli" else nli)
     assert read_records(tmp_path / "mnli.jsonl", GLUE_TASKS["mnli"]) == read_records(tmp_path / "mnli.parquet",
                                                                                       GLUE_TASKS["mnli"])
-    assert "qqp.tsv: skipped 1 row(s) with a wrong number of fields (lines 5)" in capsys.readouterr().err
+    assert "qqp.tsv: skipped 1 malformed row(s) (line 5: 4 fields, not 6)" in capsys.readouterr().err
     # Hugging Face's test splits carry label -1: no label
     pq.write_table(pa.Table.from_pylist([{"sentence": "a", "label": -1, "idx": 7}]), tmp_path / "test.parquet")
     assert read_records(tmp_path / "test.parquet", GLUE_TASKS["sst2"]) == [{"text": "a", "index": 7}]
@@ -219,3 +219,29 @@ def test_a_glue_task_has_its_own_classes_and_a_label_outside_them_is_named_by_li
                                          '{"premise": "C", "hypothesis": "D", "label": 3}\n')
     with pytest.raises(ValueError, match=r"mnli.jsonl:3: label 3 is not a class id of"):
         read_records(tmp_path / "mnli.jsonl", GLUE_TASKS["mnli"])
+
+
+def test_a_carriage_return_stays_in_its_text_and_a_file_to_predict_keeps_every_row(tmp_path, capsys):
+    """Lines end at "\\n" only: a bare "\\r" in a TSV text (Python's csv ended the row there) or a quoted CSV field
+    stays in it; in an unquoted CSV field its row is malformed, not two rows. Training and dev files skip malformed
+    rows as BERT's processors do; a file read for predictions that is not labelled throughout refuses them."""
+    (tmp_path / "rte.tsv").write_bytes(b"index\tsentence1\tsentence2\r\n0\tA man\rin a hat\tA person\r\n"
+                                       b"1\tRain\tSun\r\n")
+    assert read_records(tmp_path / "rte.tsv", GLUE_TASKS["rte"]) == [
+        {"text": "A man\rin a hat", "text_b": "A person", "index": "0"},
+        {"text": "Rain", "text_b": "Sun", "index": "1"}]
+    (tmp_path / "mnli.csv").write_text('premise,hypothesis,idx\n"A man\rin a hat",A person,0\nRain,Sun\rSnow,1\n'
+                                       'A,B,2\n', newline="")
+    assert read_records(tmp_path / "mnli.csv", GLUE_TASKS["mnli"]) == [
+        {"text": "A man\rin a hat", "text_b": "A person", "index": "0"}, {"text": "A", "text_b": "B", "index": "2"}]
+    assert "mnli.csv: skipped 1 malformed row(s) (line 3: a bare carriage return (\\r) in an unquoted field)" in \
+        capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"mnli.csv: 1 malformed row\(s\) \(line 3: a bare carriage return"):
+        read_records(tmp_path / "mnli.csv", GLUE_TASKS["mnli"], predicting=True)
+    write_tsv(tmp_path / "test.tsv", ["index", "sentence"], [[0, "a"], [1, "b", "c"], [2, "d"], [3], [4, "e"]] +
+              [[5 + i, "f", "g"] for i in range(5)])
+    with pytest.raises(ValueError, match=r"test.tsv: 7 malformed row\(s\) \(line 3: 3 fields, not 2; line 5: 1 field, "
+                                         r"not 2; line 7: 3 fields, not 2; .*; \.\.\.\); each row needs its "
+                                         r"prediction"):
+        read_records(tmp_path / "test.tsv", GLUE_TASKS["sst2"], predicting=True)
+    assert len(read_records(tmp_path / "test.tsv", GLUE_TASKS["sst2"])) == 3  # a training or dev file skips them

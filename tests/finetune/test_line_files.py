@@ -55,6 +55,8 @@ def test_a_run_and_its_decoding_read_line_files(small_tasks, tiny_init, tmp_path
     references = (tmp_path / "dev.tgt").read_bytes()
     with pytest.raises(SystemExit, match="2"):  # the references read beside the input are an input too
         decode.main([*common, "--output", str(tmp_path / "dev.tgt"), "--force"])
+    with pytest.raises(SystemExit, match="2"):  # a directory: refused before decoding, not at the rename after it
+        decode.main([*common, "--output", str(tmp_path / "run")])
     assert (tmp_path / "dev.tgt").read_bytes() == references
     decode.main([*common, "--output", str(tmp_path / "pred.jsonl")])
     records = [json.loads(line) for line in (tmp_path / "pred.jsonl").read_text().splitlines()]
