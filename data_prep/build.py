@@ -8,9 +8,9 @@ turned into instances (``data_prep.instances``) and masked, with randomness seed
 index in the unit); it is written as a part file in the shard format. NSP draws its random next segments from the
 chunk's other documents; a chunk whose documents cannot serve (a single document: a book longer than
 ``--chunk-chars``, a unit's last document; pieces of one running text under ``--rows-as-sentences``) also
-carries text from elsewhere: a neighbouring or a far chunk of its unit, or the next unit (``iter_chunks``). ``finalize`` joins the parts in
-(unit, chunk) order into shards of balanced size (their sample counts differ by at most one) and writes
-``manifest.json`` last. Hence the output is byte-identical for any ``--workers`` and any ``--num-builders``
+carries text from elsewhere: a neighbouring or a far chunk of its unit, or the next unit (``iter_chunks``).
+``finalize`` joins the parts in (unit, chunk) order into shards of balanced size (their sample counts differ by
+at most one) and writes ``manifest.json`` last. Hence the output is byte-identical for any ``--workers`` and any ``--num-builders``
 split: builder i of K reads only units i, i+K, …, and ``--finalize`` (run once after all builders)
 assembles the shards. Memory is bounded by a few chunks.
 
@@ -209,7 +209,8 @@ class Chunk:
     first_document: int
     records: list[tuple[str | Skipped, str]]  # (document or skip, where)
     donor: tuple[str, ...] = ()
-    """for a chunk of one document: text of the neighbouring chunk, where NSP draws random next segments"""
+    """text from elsewhere (`iter_chunks`) where NSP draws random next segments for a chunk whose documents cannot
+    give each other any: a single document, or pieces of one running text"""
 
 
 def iter_chunks(unit_index: int, unit: Unit, options: ReadOptions, chunk_chars: int,
@@ -240,10 +241,10 @@ def _characters(chunk: Chunk) -> int:
     return sum(len(r) for r, _ in chunk.records if isinstance(r, str))
 
 
-def _budget(chunk: Chunk) -> int:
-    """Donor characters for ``chunk``: a quarter of its text, at least `DONOR_CHARS` (NSP draws B for about a
+def _budget(characters: int) -> int:
+    """Donor characters for a chunk of ``characters``: a quarter, at least `DONOR_CHARS` (NSP draws B for about a
     sixth of the samples, each about half a sample long)."""
-    return max(_characters(chunk) // 4, DONOR_CHARS)
+    return max(characters // 4, DONOR_CHARS)
 
 
 def _with_neighbour_donors(chunks: Iterator[Chunk], elsewhere: _TextElsewhere | None) -> Iterator[Chunk]:
@@ -252,7 +253,7 @@ def _with_neighbour_donors(chunks: Iterator[Chunk], elsewhere: _TextElsewhere | 
         neighbour = following if following is not None else previous
         texts = [r for r, _ in current.records if isinstance(r, str) and r.strip()]
         if len(texts) == 1:
-            budget = max(len(texts[0]) // 4, DONOR_CHARS)
+            budget = _budget(len(texts[0]))
             donor = _donor(neighbour, budget) if neighbour is not None else \
                 elsewhere.take(budget) if elsewhere is not None else ()
             current = dataclasses.replace(current, donor=donor)
@@ -276,13 +277,14 @@ def _with_far_donors(chunks: Iterator[Chunk], far: int, elsewhere: _TextElsewher
         start, chunk = window[k]
         source = next((c for s, c in window[k + 1:] if s - start >= far), None) or \
             next((c for s, c in reversed(window[:k]) if start - s >= far), None)
+        budget = _budget(_characters(chunk))
         if source is not None:
-            donor = _donor(source, _budget(chunk))
+            donor = _donor(source, budget)
         elif elsewhere is not None:
-            donor = elsewhere.take(_budget(chunk))
+            donor = elsewhere.take(budget)
         else:  # a lone unit shorter than `far`, all of it in the window: its farthest chunk
             ends = [(abs(s - start), i) for i, (s, _) in ((0, window[0]), (len(window) - 1, window[-1])) if i != k]
-            donor = _donor(window[max(ends)[1]][1], _budget(chunk)) if ends else ()
+            donor = _donor(window[max(ends)[1]][1], budget) if ends else ()
         yield dataclasses.replace(chunk, donor=donor)
         k += 1
         # chunks before the last one `far` behind the next chunk can serve no later chunk
