@@ -8,6 +8,7 @@ broken ``.json`` array) is refused as a whole with a ``SourceError`` naming the 
 from __future__ import annotations
 
 import bz2
+import codecs
 import json
 import re
 import shutil
@@ -17,7 +18,7 @@ from xml.sax.saxutils import escape
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from data_prep.build import BuildConfig, build
@@ -266,6 +267,7 @@ hostile_bytes = st.one_of(
     st.sampled_from([b"", b"\x00" * 300, b"\n\n\n", b"\r\r\r\r", b"\xef\xbb\xbf", b"\xff\xfe", b"a" * 20_000,
                      ("Word " * 4000).encode(), (PROSE * 20).encode()]),
 )
+WIDE_BOMS = (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE, codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)
 JSONL_KINDS = ["text", "text_ascii", "raw", "missing_text", "non_string", "not_object"]
 
 
@@ -309,6 +311,8 @@ def hostile_corpus(draw) -> tuple[str, bytes]:
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(corpus=hostile_corpus(), recipe=st.sampled_from(["unilm", "bert", "gpt"]),
        max_seq_len=st.sampled_from([8, 13, 64]))
+@example(corpus=("hostile.jsonl", b"\xfe\xff"), recipe="unilm", max_seq_len=8)
+@example(corpus=("hostile.txt", b"\xff\xfe\x00\x00\xff\xff\xff\xff\n\n\xff\xfe"), recipe="bert", max_seq_len=13)
 def test_fuzzed_corpus_builds_valid_shards_or_is_refused_by_name(good_txt, vocab_file, corpus, recipe, max_seq_len):
     file_name, data = corpus
     with tempfile.TemporaryDirectory() as tmp:
@@ -316,8 +320,11 @@ def test_fuzzed_corpus_builds_valid_shards_or_is_refused_by_name(good_txt, vocab
         hostile.write_bytes(data)
         try:
             run_build([good_txt, hostile], vocab_file, Path(tmp) / "out", recipe, max_seq_len)
-        except SourceError as err:  # only a whole-document format may be refused, and only by name
-            assert file_name.endswith((".xml", ".xml.bz2")) and f"--input {hostile}: not " in str(err)
+        except SourceError as err:  # only a whole-document format or a JSON file in UTF-16/32, and only by name
+            if file_name.endswith(".jsonl") and data.startswith(WIDE_BOMS):
+                assert f"--input {hostile}: a UTF-" in str(err) and "iconv -f UTF-" in str(err)
+            else:
+                assert file_name.endswith((".xml", ".xml.bz2")) and f"--input {hostile}: not " in str(err)
             event(f"{file_name}: refused as a whole")
             return
         manifest = assert_valid_build(Path(tmp) / "out")
