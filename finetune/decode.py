@@ -18,16 +18,19 @@ may recur), a minimum and maximum target length. A hypothesis finishes when a [S
 candidates; `beam_size` beams stay alive. An example is done once its best finished hypothesis scores at least
 what any alive beam could still reach (its log-probability can only fall; divided by the largest length penalty
 left), so stopping early never changes the result of searching to the maximum length, as UniLM's decoder does;
-the batch stops once every example is done. At the maximum length unfinished beams count as finished.
+the batch stops once every example is done. At the maximum length unfinished beams count as finished. Beam 1 is
+greedy search: no length penalty.
 
 CLI: `python -m finetune.decode --model DIR --input FILE.jsonl --output FILE.jsonl [--beam-size 5] ...` (or UniLM's
-line files: `--input NAME.src` and an output not named `.jsonl`, one prediction per line); when every record has a
+line files: `--input NAME.src` and an output not named `.jsonl`, one prediction per line, tokenised as UniLM writes
+it: "the u . s . ?"); when every record has a
 `tgt` (or `NAME.tgt` is beside `NAME.src`), ROUGE and BLEU against it go to `FILE.metrics.json`
 (`score_predictions`).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -48,7 +51,7 @@ from .task_files import read_seq2seq, write_jsonl
 from .metrics import generation_metrics
 from .seq2seq import source_budget
 from .model_io import check_vocab, load_finetuned
-from .tokenizer import Tokenizer
+from .tokenizer import X_SEP, Tokenizer
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,8 @@ class DecodeConfig:
     """How to search."""
 
     beam_size: int = 5
-    """Hypotheses kept per example; 1 is greedy decoding."""
+    """Hypotheses kept per example; 1 is greedy decoding (the most likely word piece at each step, whatever the
+    length penalty, as UniLM's and transformers' greedy search)."""
     max_tgt_len: int = 64
     """Most target word pieces generated (the final [SEP] not counted)."""
     min_tgt_len: int = 1
@@ -253,6 +257,8 @@ def generate(model: torch.nn.Module, sources: list[list[int]], special: SpecialI
     Runs on the model's device: the log-probabilities, the length/n-gram bans, the beam scores and the top-k over
     beams × vocabulary stay there; each step brings only the 2·beam candidates per example (score, row, token) to
     the host for the finished/alive bookkeeping and sends back the chosen rows and tokens."""
+    if config.beam_size == 1:  # greedy: ends at the first [SEP] it prefers; a length penalty would keep it going
+        config = dataclasses.replace(config, length_penalty=0.0)
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -329,8 +335,9 @@ NO_REPEAT_IGNORE = "."
 
 def ignore_ids(tokenizer: Tokenizer, spec: str, where: str) -> frozenset[int]:
     """The ids of the word pieces `spec` names, separated by | as UniLM's `--forbid_ignore_word` writes them
-    ("." or ".|[X_SEP]"; "" for none); each must be one entry of the vocabulary."""
-    tokens = [token for token in spec.split("|") if token]
+    ("." or ".|[X_SEP]"; "" for none); each must be one entry of the vocabulary, except `[X_SEP]`, which a
+    vocabulary without it (`Tokenizer.x_sep_id`) never generates."""
+    tokens = [token for token in spec.split("|") if token and not (token == X_SEP and tokenizer.x_sep_id is None)]
     ids = {token: tokenizer.encoder.token_to_id(token) for token in tokens}
     unknown = [token for token, i in ids.items() if i is None]
     if unknown:
@@ -346,9 +353,11 @@ def pack_source(tokenizer: Tokenizer, text: str, max_src_len: int) -> tuple[list
 
 
 def decode_records(model: torch.nn.Module, tokenizer: Tokenizer, records: list[dict], config: DecodeConfig,
-                   max_src_len: int, batch_size: int = 8, progress: bool = False) -> tuple[list[str], int]:
+                   max_src_len: int, batch_size: int = 8, progress: bool = False,
+                   spaced: bool = False) -> tuple[list[str], int]:
     """Predicted text per record (`src` field) and how many sources were truncated (to `max_src_len`, lowered by
-    `source_budget` to leave room for a target of `config.max_tgt_len`)."""
+    `source_budget` to leave room for a target of `config.max_tgt_len`). `spaced`: words and punctuation
+    separated by spaces, as UniLM writes its predictions (`Tokenizer.decode`)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     check_vocab(model, tokenizer)
@@ -367,14 +376,10 @@ def decode_records(model: torch.nn.Module, tokenizer: Tokenizer, records: list[d
             sources.append(packed)
             truncated += cut
         for hypothesis in generate(model, sources, SpecialIds.of(tokenizer), config):
-            predictions.append(tokenizer.decode(hypothesis.tokens))
+            predictions.append(tokenizer.decode(hypothesis.tokens, spaced))
         if progress:
             print(f"[decode] {len(predictions)}/{len(records)}", file=sys.stderr, flush=True)
     return predictions, truncated
-
-
-X_SEP = "[X_SEP]"
-"""UniLM's sentence separator in its CNN/DailyMail targets (and so in its models' output)"""
 
 
 def score_predictions(tokenizer: Tokenizer, predictions: list[str], references: list[str]) -> dict[str, float]:
@@ -405,11 +410,16 @@ def beside(output: str | Path, ending: str) -> Path:
     return output.with_name(output.name.removesuffix(output.suffix) + ending)
 
 
+def writes_lines(output: Path) -> bool:
+    """Whether predictions go to `output` one per line, in UniLM's tokenised form (`write_predictions`)."""
+    return output.suffix != ".jsonl"
+
+
 def write_predictions(output: Path, records: list[dict], predictions: list[str]) -> None:
     """`output.jsonl`: the input records with their `prediction`; any other name: one prediction per line, in input
     order (UniLM's decoding output, what files2rouge and the question-generation scripts read beside the
-    references)."""
-    if output.suffix == ".jsonl":
+    references; `decode_records(spaced=True)` gives its tokenised form)."""
+    if not writes_lines(output):
         write_file_atomically(output, lambda tmp: write_jsonl(
             ({**record, "prediction": p} for record, p in zip(records, predictions)), tmp))
     else:
@@ -445,8 +455,10 @@ def main(argv: list[str] | None = None) -> None:
                         "UniLM's line files: NAME.src (and NAME.tgt beside it)")
     parser.add_argument("--output", required=True,
                         help="NAME.jsonl: the input records with their `prediction`; any other name: one "
-                             "prediction per line (as UniLM's decoding writes, for files2rouge and the like)")
-    parser.add_argument("--beam-size", type=int_at_least(1), default=5, help="1: greedy (default 5)")
+                             "prediction per line, words and punctuation split by spaces (as UniLM's decoding writes, for "
+                             "files2rouge and its question-generation scoring)")
+    parser.add_argument("--beam-size", type=int_at_least(1), default=5,
+                        help="1: greedy, no length penalty (default 5)")
     parser.add_argument("--max-tgt-len", type=int_at_least(1), default=None,
                         help="longest target in word pieces (default: the fine-tuning run's max_tgt_len, else 64)")
     parser.add_argument("--min-tgt-len", type=int_at_least(0), default=1,
@@ -514,7 +526,7 @@ def main(argv: list[str] | None = None) -> None:
     began = time.perf_counter()
     try:
         predictions, truncated = decode_records(finetuned.model, finetuned.tokenizer, records, config, max_src_len,
-                                                args.batch_size, progress=True)
+                                                args.batch_size, progress=True, spaced=writes_lines(Path(args.output)))
     except ValueError as error:  # a record it cannot decode, found before decoding any
         parser.error(f"--input {args.input}: {error}")
     seconds = time.perf_counter() - began

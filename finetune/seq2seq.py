@@ -21,7 +21,7 @@ import torch
 from pretrain.masks import SEQ2SEQ
 from pretrain.model import IGNORE_INDEX, UniLMModel
 
-from .tokenizer import Tokenizer
+from .tokenizer import X_SEP, Tokenizer
 
 
 HELD_OUT_MASKING = 1_000_000  # the "epoch" of a held-out set's fixed masking (no run has that many epochs)
@@ -75,6 +75,16 @@ def encode_examples(records: list[dict], tokenizer: Tokenizer, max_src_len: int,
                               sum(len(t) > max_tgt_len for t in targets))
     examples = [Seq2SeqExample(s[:r], t) for s, r, t in zip(sources, room, targets_cut)]
     return examples, counts
+
+
+def x_sep_note(records: list[dict], tokenizer: Tokenizer) -> str | None:
+    """What to tell when targets join sentences with UniLM's `[X_SEP]` and the vocabulary has no word piece for it
+    (`Tokenizer.x_sep_id`): the model learns to write it as five word pieces."""
+    if tokenizer.x_sep_id is not None or not any(X_SEP in record["tgt"] for record in records):
+        return None
+    return (f"targets hold UniLM's sentence separator {X_SEP}, and the vocabulary {tokenizer.vocab_path} has neither "
+            f"{X_SEP} nor [unused1]: it is read as the words '[ X _ SEP ]' (BERT's vocabularies have [unused1], "
+            "which reads it as one word piece)")
 
 
 def masked_targets(length: int, mask_prob: float, rng: np.random.Generator) -> np.ndarray:

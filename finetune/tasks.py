@@ -112,6 +112,8 @@ def build_qa(cfg: FinetuneConfig, backbone: UniLMModel, tokenizer: Tokenizer) ->
 
 def build_seq2seq(cfg: FinetuneConfig, backbone: UniLMModel, tokenizer: Tokenizer) -> TaskSetup:
     train_records, dev_records = read_seq2seq(cfg.train), _limit(read_seq2seq(cfg.dev), cfg.eval_max_examples)
+    if note := seq2seq.x_sep_note(train_records, tokenizer):
+        print(f"[seq2seq] {cfg.train}: {note}", flush=True)
     lengths = (cfg.max_src_len, cfg.max_tgt_len, backbone.cfg.max_position_embeddings)
     train, cut = seq2seq.encode_examples(train_records, tokenizer, *lengths, where=cfg.train)
     dev, _ = seq2seq.encode_examples(dev_records, tokenizer, *lengths, where=cfg.dev)

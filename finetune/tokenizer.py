@@ -12,9 +12,14 @@ them: "passage [SEP] answer" (the source of UniLM's question-generation data) ke
 is read by the shard builder, which splits such strings like any other words.
 Lone surrogates (JSON allows "\\ud83d", half of a cut-off emoji), which the encoder refuses, and the other characters
 the shard builder drops (`data_prep.text.replace_control_characters`) are dropped here too.
+UniLM's sentence separator ` [X_SEP] ` (its CNN/DailyMail targets join a summary's sentences with it) is one word
+piece, as in UniLM's code: the vocabulary's `[X_SEP]`, else `[unused1]`, the entry UniLM's BERT vocabularies give
+it; a model then learns to write it, and decoding prints it as `[X_SEP]`. A vocabulary with neither reads it as
+the words "[ X _ SEP ]" (`Tokenizer.x_sep_id` is None).
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +30,11 @@ from data_prep.text import replace_control_characters
 from data_prep.vocab import SPECIAL_TOKENS, Vocab, encoder_of, resolve_casing, resolve_vocab_source
 
 _DECODER = decoders.WordPiece(prefix="##", cleanup=True)
+_SPACED_DECODER = decoders.WordPiece(prefix="##", cleanup=False)
+X_SEP = "[X_SEP]"
+"""UniLM's sentence separator in its CNN/DailyMail targets (and so in its models' output)."""
+X_SEP_ENTRIES = (X_SEP, "[unused1]")
+"""The vocabulary entries that stand for `X_SEP`, in order of preference (UniLM's code maps `[unused1]` to it)."""
 
 
 def _encodable(text: str) -> str:
@@ -40,6 +50,8 @@ class Tokenizer:
     vocab: Vocab
     encoder: WordPieceEncoder
     lowercase: bool
+    x_sep_id: int | None = None
+    """The word piece `[X_SEP]` is read as (see the module docstring); None: read as words."""
 
     @property
     def vocab_path(self) -> Path:
@@ -75,10 +87,13 @@ class Tokenizer:
         normalised = self.encoder.normalizer.normalize_str(_encodable(text))
         return " ".join(piece for piece, _ in self.encoder.pre_tokenizer.pre_tokenize_str(normalised))
 
-    def decode(self, ids: list[int]) -> str:
-        """Text of `ids`: special tokens dropped, `##` pieces joined to their word."""
+    def decode(self, ids: list[int], spaced: bool = False) -> str:
+        """Text of `ids`: special tokens dropped, `##` pieces joined to their word, `[X_SEP]` written as itself.
+        `spaced`: every word and punctuation mark separated by one space ("the u . s . ?"), the tokenised text
+        UniLM's decoding writes; else punctuation joined to the word before it ("the u. s.?")."""
         special = set(self.vocab.special_ids.values())
-        return _DECODER.decode([self.vocab.tokens[i] for i in ids if i not in special])
+        pieces = [X_SEP if i == self.x_sep_id else self.vocab.tokens[i] for i in ids if i not in special]
+        return (_SPACED_DECODER if spaced else _DECODER).decode(pieces)
 
 
 def load_tokenizer(model_dir: str | Path, lowercase: bool | None = None) -> Tokenizer:
@@ -94,6 +109,12 @@ def load_tokenizer(model_dir: str | Path, lowercase: bool | None = None) -> Toke
     lowercase = resolve_casing(source, None) if lowercase is None else lowercase
     vocab = source.load()
     # a copy of the shard builder's encoder (which must keep reading "[SEP]" in a corpus as plain words)
-    encoder = WordPieceEncoder.from_str(encoder_of(vocab, lowercase).to_str())
-    encoder.add_special_tokens(list(SPECIAL_TOKENS.values()))
-    return Tokenizer(vocab, encoder, lowercase)
+    encoder = encoder_of(vocab, lowercase).to_str()
+    entry = next((token for token in X_SEP_ENTRIES if token in vocab.tokens), None)
+    if entry is not None:  # the encoder's entry is named [X_SEP], so that the text "[X_SEP]" is read as it
+        state = json.loads(encoder)
+        state["model"]["vocab"][X_SEP] = state["model"]["vocab"].pop(entry)
+        encoder = json.dumps(state)
+    encoder = WordPieceEncoder.from_str(encoder)
+    encoder.add_special_tokens(list(SPECIAL_TOKENS.values()) + ([X_SEP] if entry is not None else []))
+    return Tokenizer(vocab, encoder, lowercase, None if entry is None else vocab.tokens.index(entry))

@@ -9,7 +9,7 @@ import torch
 
 from finetune.task_files import bbc_articles, convert_samples, is_dev, read_jsonl
 from finetune.seq2seq import (Seq2SeqExample, collate, encode_examples, masked_count, pack_and_mask,
-                              seq2seq_loss)
+                              seq2seq_loss, x_sep_note)
 from finetune.tokenizer import load_tokenizer
 from pretrain.hf import load_hf_bert
 
@@ -88,6 +88,34 @@ def test_special_tokens_in_fine_tuning_text_read_as_transformers_reads_them(mini
         assert ours.encode(text) == theirs(text, add_special_tokens=False)["input_ids"], text
     assert ours.encode(texts[0]).count(ours.sep_id) == 1
     assert ours.sep_id not in encoder_of(ours.vocab, ours.lowercase).encode(texts[0]).ids
+
+
+def test_unilm_sentence_separator_is_one_word_piece_it_decodes_and_scores_as(minilm_dir, tiny_init, tmp_path):
+    """UniLM's CNN/DM targets join sentences with " [X_SEP] ", which its code reads as [unused1] of BERT's
+    vocabulary: a model learns to write it, decoding prints it, and scoring reads it as a sentence break."""
+    from finetune.decode import score_predictions
+
+    reference = "Police arrested two men in London. [X_SEP] The men were charged with fraud. [X_SEP] They deny it"
+    bert = load_tokenizer(minilm_dir)
+    ids = bert.encode(reference)
+    assert bert.x_sep_id == bert.vocab.tokens.index("[unused1]") and ids.count(bert.x_sep_id) == 2
+    assert len(ids) == len(bert.encode(reference.replace(" [X_SEP]", ""))) + 2  # one word piece each
+    assert bert.decode(ids).startswith("police arrested two men in london. [X_SEP] the men")
+    assert bert.decode(ids, spaced=True).startswith("police arrested two men in london . [X_SEP] the men")
+    for spaced in (False, True):
+        scores = score_predictions(bert, [bert.decode(ids, spaced)], [reference])
+        assert scores["rougeLsum"] == pytest.approx(100) and scores["bleu"] == pytest.approx(100), spaced
+    assert x_sep_note([{"src": "a", "tgt": reference}], bert) is None
+
+    own = tmp_path / "vocab.txt"  # a vocabulary with its own [X_SEP] entry reads it as that one
+    own.write_text((tiny_init / "vocab.txt").read_text() + "[X_SEP]\n")
+    with_entry = load_tokenizer(own, lowercase=True)
+    assert with_entry.encode("a . [X_SEP] b")[2] == with_entry.vocab.size - 1 == with_entry.x_sep_id
+
+    without = load_tokenizer(tiny_init)  # neither entry: read as words, and a run is told so
+    assert without.x_sep_id is None and len(without.encode("[X_SEP]")) > 1
+    assert "[unused1]" in x_sep_note([{"src": "a", "tgt": reference}], without)
+    assert x_sep_note([{"src": "a", "tgt": "no separator"}], without) is None
 
 
 def test_lone_surrogates_in_fine_tuning_text_are_dropped_as_shard_building_drops_them(minilm_dir, tmp_path):

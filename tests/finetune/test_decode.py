@@ -178,12 +178,30 @@ def test_blocking_exempts_the_ignored_word_pieces_as_unilm_does():
     assert torch.isinf(log_probs[0]).nonzero().flatten().tolist() == [5, 6]
 
 
-def test_ignored_word_pieces_are_named_from_the_vocabulary(tiny_init):
+def test_ignored_word_pieces_are_named_from_the_vocabulary(tiny_init, minilm_dir):
     tokenizer = load_tokenizer(tiny_init)
     assert ignore_ids(tokenizer, ".", "x") == {tokenizer.vocab.tokens.index(".")}
     assert ignore_ids(tokenizer, "", "x") == frozenset()
-    with pytest.raises(ValueError, match=r"--no-repeat-ignore: \['\[X_SEP\]'\] not in the vocabulary"):
-        ignore_ids(tokenizer, ".|[X_SEP]", "--no-repeat-ignore")
+    with pytest.raises(ValueError, match=r"--no-repeat-ignore: \['\[EOS\]'\] not in the vocabulary"):
+        ignore_ids(tokenizer, ".|[EOS]", "--no-repeat-ignore")
+    # UniLM's CNN/DM setting: [X_SEP] is [unused1] in a BERT vocabulary; one without it never writes it
+    assert ignore_ids(tokenizer, ".|[X_SEP]", "x") == {tokenizer.vocab.tokens.index(".")}
+    bert = load_tokenizer(minilm_dir)
+    assert ignore_ids(bert, ".|[X_SEP]", "x") == {bert.vocab.tokens.index("."), bert.vocab.tokens.index("[unused1]")}
+
+
+def test_beam_size_1_is_greedy_whatever_the_length_penalty():
+    # after 5: [SEP] 0.45 beats 6 (0.44), whose sure continuation 6 7 8 [SEP] a length penalty would prefer
+    model = bigram({3: {5: 1.0}, 5: {3: 0.45, 6: 0.44, 9: 0.11}, 6: {7: 1.0}, 7: {8: 1.0}, 8: {3: 1.0}, 9: {3: 1.0}})
+    for alpha in (0.0, 0.6, 1.0):
+        for use_cache in (True, False):
+            config = DecodeConfig(beam_size=1, max_tgt_len=8, no_repeat_ngram=0, length_penalty=alpha,
+                                  use_cache=use_cache)
+            best = generate(model, [[2, 9, 3]], SPECIAL, config)[0]
+            assert best.tokens == [5] and best.log_prob == pytest.approx(math.log(0.45), abs=1e-4), (alpha, use_cache)
+    wider = generate(model, [[2, 9, 3]], SPECIAL, DecodeConfig(beam_size=2, max_tgt_len=8, no_repeat_ngram=0,
+                                                               length_penalty=1.0))[0]
+    assert wider.tokens == [5, 6, 7, 8]  # the penalty does rank a beam's hypotheses
 
 
 def test_search_goes_on_until_no_alive_beam_can_beat_the_best_finished_one():

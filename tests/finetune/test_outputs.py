@@ -96,7 +96,7 @@ def test_decode_reports_the_source_cut_it_applies_and_refuses_what_leaves_no_sou
                  "--max-tgt-len", "200", "--max-src-len", "448"])
     assert "(0 sources truncated to 53 word pieces)" in capsys.readouterr().out
     for option, value, message in (("--max-tgt-len", "253", "lower it to at most 252"),
-                                   ("--no-repeat-ignore", ".|[X_SEP]", "['[X_SEP]'] not in the vocabulary")):
+                                   ("--no-repeat-ignore", ".|[EOS]", "['[EOS]'] not in the vocabulary")):
         with pytest.raises(SystemExit) as exit_info:
             decode.main(decode_args(tiny_init, sources, tmp_path / "refused.jsonl", option, value))
         error = capsys.readouterr().err
