@@ -50,8 +50,9 @@ from data_prep.shard_format import (INDEX_DTYPE, MANIFEST_NAME, SHARD_GLOB, VOCA
                                     ShardArrays, ShardError, ShardFile, manifest_dict, read_manifest,
                                     sha256_file, token_dtype, write_json, write_shard)
 from data_prep.sources import (ALL_FILES, ROWS_PER_DOCUMENT, SUPPORTED, TEXT_FIELD, TXT_DOCUMENTS, UNIT_BYTES,
-                               ReadOptions, RepairedText, Skipped, Unit, Wikitext, check_input, directory_files,
-                               document_text, folder_split, input_units, is_plain_folder, read_documents, read_unit)
+                               ReadOptions, RepairedText, Skipped, SourceError, Unit, Wikitext, check_input,
+                               directory_files, document_text, folder_split, input_units, is_plain_folder,
+                               read_documents, read_unit)
 from data_prep.text import clean_document, split_sentences
 from data_prep.vocab import (HF_TOKENIZER_CONFIG, Vocab, VocabError, load_encoder, load_vocab, resolve_casing,
                              resolve_vocab_source, train_vocab)
@@ -863,13 +864,8 @@ def _finalize(out: Path) -> dict:
 
     ends = np.cumsum([len(p) for p in opened], dtype=np.int64)
     total = int(ends[-1]) if len(ends) else 0
-    if total == 0 and not stats.read and not stats.skipped:
-        raise ShardError(f"no samples from {list(cfg.inputs)}: they hold no text (empty or whitespace-only files?); "
-                         "check the inputs")
     if total == 0:
-        examples = "; ".join(f"{reason}: {where[0]}" for reason, where in sorted(stats.skip_examples.items()) if where)
-        raise ShardError(f"no samples from {list(cfg.inputs)}: {stats.read} documents read, "
-                         f"{stats.skipped} skipped {stats.skip_reasons} (e.g. {examples}); check the inputs"
+        raise ShardError(nothing_kept("samples", cfg.inputs, stats)
                          + _one_sentence_hint(asdict(stats), set(cfg.sentence_inputs) == set(cfg.inputs)))
     num_shards = -(-total // cfg.samples_per_shard)
     shard_entries, objective_counts, random_next = [], collections.Counter(), collections.Counter()
@@ -921,6 +917,16 @@ def _finalize(out: Path) -> dict:
     shutil.rmtree(staging / PARTS_DIR)
     install_build(staging, out)
     return manifest
+
+
+def nothing_kept(what: str, inputs: Sequence[str], stats: DocumentStats) -> str:
+    """Why ``inputs`` gave no ``what``: they hold no text, or every document was skipped (the reasons counted, with
+    an example of each, which names the fix: a missing text field lists the record's fields and ``--text-field``)."""
+    if not stats.read and not stats.skipped:
+        return f"no {what} from {list(inputs)}: they hold no text (empty or whitespace-only files?); check the inputs"
+    examples = "; ".join(f"{reason}: {where[0]}" for reason, where in sorted(stats.skip_examples.items()) if where)
+    return (f"no {what} from {list(inputs)}: {stats.read} documents read, {stats.skipped} skipped "
+            f"{stats.skip_reasons} (e.g. {examples}); check the inputs")
 
 
 def _one_sentence_hint(documents: dict, every_input_is_rows: bool) -> str:
@@ -1005,12 +1011,24 @@ def build(cfg: BuildConfig, out: Path, workers: int = 1, overwrite: bool = False
 
 
 def training_documents(inputs: Sequence[str], cfg: BuildConfig | None = None) -> Iterator[str]:
-    """Cleaned documents of the inputs, streamed (what --train-vocab learns from); ``cfg`` says how to read them."""
+    """Cleaned documents of the inputs, streamed (what --train-vocab learns from); ``cfg`` says how to read them.
+
+    Inputs that yield no text at all raise ``SourceError`` once read, as the shard build refuses them
+    (``nothing_kept``): the vocabulary trainer reads the documents before it writes anything, so a vocabulary of
+    only the special tokens is never written."""
+    stats = DocumentStats()
     for spec in inputs:
         options = cfg.read_options(spec) if cfg else ReadOptions()
-        for record in read_documents(spec, options):
-            if isinstance(record, str) and (text := clean_document(record)):
+        for number, record in enumerate(read_documents(spec, options)):
+            stats.read += 1
+            if isinstance(record, Skipped):
+                stats.skip(record.reason, record.where, record.chars)
+            elif text := clean_document(record):
                 yield text
+            else:
+                stats.skip("empty", f"{spec} document {number}", len(record))
+    if stats.read == stats.skipped:
+        raise SourceError(nothing_kept("text to train a vocabulary on", inputs, stats))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

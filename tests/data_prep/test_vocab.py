@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import pytest
 
+from data_prep import build
 from data_prep.vocab import VocabError, load_encoder, load_vocab, train_vocab
+from shard_builds import build_error
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
@@ -90,3 +92,17 @@ def test_training_a_vocab_twice_gives_the_same_file(tmp_path, samples_dir):
         assert len({path.read_bytes() for path in files}) == 1
         tokens = files[0].read_text().split("\n")
         assert len(tokens) == 2001 and "##s" in tokens and "##." not in tokens  # punctuation never continues
+
+
+def test_training_on_inputs_without_text_is_refused_before_writing(tmp_path):
+    """Records without the text field give no text: the vocab training refuses them as the shard build does, naming
+    the fields the records have and --text-field, and leaves nothing at --vocab-out."""
+    corpus = tmp_path / "body.jsonl"
+    corpus.write_text('{"body": "Hello world. This is a test."}\n{"body": "Another document. With two sentences."}\n')
+    vocab = tmp_path / "v" / "vocab.txt"
+    error = build_error("--input", corpus, "--train-vocab", 100, "--vocab-out", vocab)
+    assert f"no text to train a vocabulary on from ['{corpus}']: 2 documents read, 2 skipped" in error
+    assert "missing_text_field" in error and "fields: ['body']" in error and "--text-field NAME" in error
+    assert not vocab.parent.exists()
+    build.main(["--input", str(corpus), "--train-vocab", "100", "--vocab-out", str(vocab), "--text-field", "body"])
+    assert "Hello" in load_vocab(vocab).tokens
