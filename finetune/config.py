@@ -38,7 +38,8 @@ class FinetuneConfig:
     task: str
     """classify | qa | seq2seq."""
     train: str
-    """Training file: JSONL (classify, seq2seq) or SQuAD JSON (qa)."""
+    """Training file. classify: JSONL, TSV, CSV or parquet (GLUE's files: `glue_task`); qa: SQuAD JSON; seq2seq:
+    JSONL or UniLM's line files, `NAME.src` with `NAME.tgt` beside it."""
     dev: str
     """Dev file, same format; evaluated after every epoch, the best epoch's model is kept."""
     init: str

@@ -30,7 +30,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      epilog="config keys (YAML, flags, or --set KEY=VALUE):\n" + keys_help(FinetuneConfig))
     parser.add_argument("--task", choices=TASKS)
     parser.add_argument("--train", help="classify: JSONL, TSV, CSV or parquet (GLUE's files: glue_task); seq2seq: "
-                                        "JSONL; qa: SQuAD JSON")
+                                        "JSONL, or UniLM's line files NAME.src with NAME.tgt beside it; qa: SQuAD JSON")
     parser.add_argument("--dev")
     parser.add_argument("--init", help="HF BERT directory, fine-tuning output or pre-training checkpoint")
     parser.add_argument("--out")

@@ -4,6 +4,7 @@ what `pretrain.batch_plan` computes, every `make TARGET` it shows is a Makefile 
 `python -m MODULE` it shows imports and answers `--help`."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -11,6 +12,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from finetune.config import FinetuneConfig
 from pretrain.batch_plan import feasible_pairs, nearest_feasible_globals
 from pretrain.config import reference_markdown
 
@@ -33,8 +35,11 @@ def code_text() -> str:
 
 
 def test_configuration_reference_is_generated_from_the_config_dataclasses() -> None:
-    assert section("config-reference", CONFIGURATION.read_text(), str(CONFIGURATION)) == reference_markdown() + "\n", (
+    reference = reference_markdown()
+    assert section("config-reference", CONFIGURATION.read_text(), str(CONFIGURATION)) == reference + "\n", (
         "docs/configuration.md is out of date: run `python -m pretrain.config --update-reference`")
+    missing = [f.name for f in dataclasses.fields(FinetuneConfig) if f"| `{f.name}` |" not in reference]
+    assert not missing, f"the configuration reference lacks fine-tuning keys {missing}"
 
 
 def test_the_readme_stays_short() -> None:
