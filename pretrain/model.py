@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -242,10 +243,12 @@ moves them to the host once."""
 _NSP_SLOT, _CAUSAL_LM_SLOT = NUM_OBJECTIVES, NUM_OBJECTIVES + 1
 
 
-@dataclass
-class PretrainOutput:
+class PretrainOutput(NamedTuple):
     """What the training forward returns. The reports are device tensors: reading them never waits for the device
-    until a caller asks for the dictionaries."""
+    until a caller asks for the dictionaries. A tuple, because DeepSpeed's engine looks for the loss among the
+    tensors of a tuple, list or dict the module returns, to hook its backward: without that hook its ZeRO
+    optimizer never learns that a backward began, and with optimizer offload and gradient accumulation it took
+    the gradients of the wrong micro-batch."""
 
     loss: torch.Tensor
     """Scalar to backpropagate: mean token loss over all predicted tokens + mean NSP loss."""
@@ -341,7 +344,8 @@ class UniLMModel(nn.Module):
                 x, layer_cache = checkpoint(layer, x, additive_mask, past, use_reentrant=False)
             else:
                 x, layer_cache = layer(x, additive_mask, past)
-            cache.append(layer_cache)
+            if use_cache:  # else dropped now: under activation checkpointing nothing else keeps them
+                cache.append(layer_cache)
         return (x, tuple(cache)) if use_cache else x
 
     def encode_objective(self, input_ids: torch.Tensor, objective: torch.Tensor | int, len_a: torch.Tensor,

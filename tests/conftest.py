@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -70,7 +71,11 @@ def one_rank_group(tmp_path: Path):
                                       world_size=1)
     yield
     if created:
-        torch_dist.destroy_process_group()
+        ds_comm = sys.modules.get("deepspeed.comm")
+        if ds_comm is not None and ds_comm.is_initialized():  # also drops the groups DeepSpeed cached from it
+            ds_comm.destroy_process_group()
+        else:
+            torch_dist.destroy_process_group()
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """The pieces pre-training and fine-tuning share: RNG capture/restore, the DeepSpeed JSON check."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -212,3 +213,38 @@ def test_a_broken_deepspeed_json_is_named(tmp_path: Path) -> None:
     broken.write_text("[1, 2]")
     with pytest.raises(ValueError, match="ds.json: a DeepSpeed config is a JSON object, this holds a list"):
         engine.read_engine_json(broken)
+
+
+def test_zero_offload_with_accumulation_takes_each_micro_batchs_gradients(one_rank_group, monkeypatch) -> None:
+    """DeepSpeed hooks the backward of the loss among the tensors a module returns, and its ZeRO optimizer relies on
+    that hook to learn which micro-batch's gradients a backward makes. With the optimizer offloaded and gradient
+    buckets smaller than the model, the pre-training forward's output must expose its loss to it: the update equals
+    the one without offload (it took the wrong micro-batch's gradients when the output hid the loss)."""
+    from pretrain.batch_plan import plan_batch
+    from pretrain.data import synthetic_batch
+    from pretrain.model import build_model, preset
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    cfg = dataclasses.replace(preset("tiny"), vocab_size=1200, hidden_dropout=0.0, attention_dropout=0.0)
+    engine_json = engine.read_engine_json(REPO_ROOT / "ds_configs/zero2_fp32_cpu.json")
+
+    def train(offload: bool) -> tuple[list[float], torch.Tensor]:
+        zero = dict(engine_json["zero_optimization"], reduce_bucket_size=5000)  # a bucket fills inside a backward
+        if offload:
+            zero["offload_optimizer"] = {"device": "cpu"}
+        config = engine.engine_config(dict(engine_json, zero_optimization=zero, zero_force_ds_cpu_optimizer=False),
+                                      plan_batch(4, 2, 1), 1.0, {"lr": 1e-3}, 1e-3, 0.0, 1, 10)
+        torch.manual_seed(0)
+        model = build_model(cfg)
+        ds_engine = engine.build_engine(model, config, weight_decay=0.01)
+        norms = []
+        for step in range(2):
+            batches = [synthetic_batch(cfg, 2, 16, 3, seed=step * 2 + micro) for micro in range(2)]
+            engine.optimizer_step(ds_engine, batches, loss_of=lambda output: output.loss,
+                                  observe=lambda batch, output: None, before_update=lambda: None)
+            norms.append(float(ds_engine.get_global_grad_norm()))
+        return norms, model.layers[0].ffn_in.weight.detach().clone()
+
+    (norms, weights), (offloaded_norms, offloaded_weights) = train(offload=False), train(offload=True)
+    assert offloaded_norms == pytest.approx(norms, rel=1e-5)
+    torch.testing.assert_close(offloaded_weights, weights, rtol=1e-5, atol=1e-6)

@@ -307,6 +307,25 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients():
         torch.testing.assert_close(results[1][1][name], grad, msg=name)
 
 
+def test_activation_checkpointing_keeps_no_layer_keys_and_values_during_the_forward():
+    """Under activation checkpointing autograd keeps only each block's input; the keys and values a block returns
+    (for decoding's cache) are dropped as soon as the next block starts when no cache is asked for."""
+    import weakref
+
+    model = tiny_model(num_layers=3).train()
+    model.activation_checkpointing = True
+    keys, alive_at_last_layer = [], []
+    for layer in model.layers:
+        layer.register_forward_hook(lambda module, inputs, output: keys.append(weakref.ref(output[1][0])))
+    last = model.layers[-1]
+    last.register_forward_pre_hook(lambda module, inputs: alive_at_last_layer.append(
+        [ref() is not None for ref in keys]))
+    model(**make_batch()).loss.backward()
+    # in the forward (the backward's recomputation calls the blocks again): the first block's are gone, the
+    # second's go when the third block's replace them
+    assert alive_at_last_layer[0] == [False, True]
+
+
 @pytest.mark.parametrize("shards", ["unilm_shards", "bert_shards"])
 def test_packed_rows_give_the_loss_and_gradients_of_one_sample_per_row(shards, request):
     """Real shard samples, the shortest ones packed two or more to a row; dropout off (its draws follow the layout).
