@@ -16,6 +16,7 @@ import os
 import re
 import time
 from collections.abc import MutableMapping
+from typing import Any
 
 import torch
 
@@ -54,6 +55,13 @@ def bind_local_device() -> torch.device:
     accelerator = get_accelerator()
     if accelerator.device_name() == "cpu":
         return torch.device("cpu")
+    index = _local_device_index(accelerator)
+    accelerator.set_device(index)
+    return torch.device(accelerator.device_name(index))
+
+
+def _local_device_index(accelerator: Any) -> int:
+    """``LOCAL_RANK``, the index of this rank's device, refused (naming the fix) when the process sees fewer."""
     index, count = local_rank(), accelerator.device_count()
     if index >= count:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -63,8 +71,7 @@ def bind_local_device() -> torch.device:
                            "machine's GPUs: launch at most that many ranks per machine (hostfile slots=N or "
                            "--num_gpus N) and do not give each rank its own CUDA_VISIBLE_DEVICES (under SLURM: "
                            "hostfiles/slurm.sbatch, or srun --gpu-bind=none)")
-    accelerator.set_device(index)
-    return torch.device(accelerator.device_name(index))
+    return index
 
 
 def native_bf16() -> bool:
@@ -75,7 +82,7 @@ def native_bf16() -> bool:
     from deepspeed.accelerator import get_accelerator
     accelerator = get_accelerator()
     if accelerator.device_name() == "cuda" and torch.version.hip is None:
-        return torch.cuda.get_device_capability(local_rank())[0] >= 8
+        return torch.cuda.get_device_capability(_local_device_index(accelerator))[0] >= 8
     return bool(accelerator.is_bf16_supported())
 
 

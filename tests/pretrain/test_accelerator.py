@@ -92,16 +92,17 @@ def test_local_rank_comes_from_whichever_launcher_set_it(monkeypatch: pytest.Mon
 
 
 class OneVisibleGpu:
-    """What DeepSpeed's CUDA accelerator shows a process that sees one GPU."""
+    """What DeepSpeed's CUDA accelerator shows a process that sees one GPU (or `count`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, count: int = 1) -> None:
         self.bound: list[int] = []
+        self.count = count
 
     def device_name(self, index: int | None = None) -> str:
         return "cuda" if index is None else f"cuda:{index}"
 
     def device_count(self) -> int:
-        return 1
+        return self.count
 
     def set_device(self, index: int) -> None:
         self.bound.append(index)
@@ -134,7 +135,7 @@ def test_bf16_counts_as_native_from_compute_capability_8_and_on_the_local_ranks_
     bf16; the capability of GPU LOCAL_RANK decides, read without touching GPU 0."""
     import deepspeed.accelerator
 
-    gpu = OneVisibleGpu()
+    gpu = OneVisibleGpu(count=3)
     gpu.is_bf16_supported = lambda: True
     monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: gpu)
     monkeypatch.setattr(torch.version, "hip", None)
@@ -145,6 +146,10 @@ def test_bf16_counts_as_native_from_compute_capability_8_and_on_the_local_ranks_
     assert accelerator.native_bf16() is False  # V100: fine-tuning's default engine is then fp16
     monkeypatch.setenv("LOCAL_RANK", "2")
     assert accelerator.native_bf16() is True
+    assert asked == [0, 2]
+    gpu.count = 1  # a rank shown only its own GPU (per-rank CUDA_VISIBLE_DEVICES): the binding's refusal, not torch's
+    with pytest.raises(RuntimeError, match=r"local rank 2 has no cuda device: this process sees 1\."):
+        accelerator.native_bf16()
     assert asked == [0, 2]
 
 

@@ -1,6 +1,7 @@
 """The shared Transformer: config, presets, context visibility per objective, losses, tying, KV cache."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -491,7 +492,10 @@ def varied_samples(count: int, max_len: int, vocab_size: int, seed: int = 0) -> 
 def fast_path_errors(device: str, dtype: torch.dtype) -> dict[str, tuple[float, float]]:
     """Loss and per-parameter gradients of the model in ``dtype``, eager and with all three fast paths (compiled
     blocks, chunked loss, packed rows), as relative errors against fp32 with the same (``dtype``-rounded) weights
-    on the same samples; dropout off."""
+    on the same samples, whose attention runs SDPA's math kernel (not a fused kernel the others may share);
+    dropout off."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     cfg = dataclasses.replace(preset("tiny"), vocab_size=4000, hidden_size=256, num_heads=4, intermediate_size=1024,
                               hidden_dropout=0.0, attention_dropout=0.0)
     torch.manual_seed(0)
@@ -509,8 +513,9 @@ def fast_path_errors(device: str, dtype: torch.dtype) -> dict[str, tuple[float, 
         if name == "fast":
             model.compile_blocks()
             model.chunked_loss = True
-        out = model(**batches[name == "fast"])
-        out.loss.backward()
+        with sdpa_kernel(SDPBackend.MATH) if name == "fp32" else contextlib.nullcontext():
+            out = model(**batches[name == "fast"])
+            out.loss.backward()
         results[name] = {"loss": out.loss.detach().double(),
                          **{n: p.grad.double() for n, p in model.named_parameters()}}
 
@@ -526,6 +531,8 @@ def fast_path_errors(device: str, dtype: torch.dtype) -> dict[str, tuple[float, 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fast_paths_in_half_precision_on_cuda_are_as_accurate_as_eager(dtype):
     """Compiled blocks + chunked loss + packed rows against fp32 are at most 1.5x as far off as the eager model in the same dtype
-    (+2e-3: the compiler keeps some fused intermediates in fp32 where eager rounds them, or the reverse)."""
+    (+2e-3: the compiler keeps some fused intermediates in fp32 where eager rounds them, or the reverse); and eager
+    itself within 25 % of fp32's math-kernel attention everywhere (half-precision rounding is far below that; an
+    attention kernel fault that eager and fast share is not)."""
     for key, (fast, eager) in fast_path_errors("cuda", dtype).items():
-        assert fast <= 1.5 * eager + 2e-3, (key, fast, eager)
+        assert fast <= 1.5 * eager + 2e-3 and eager < 0.25, (key, fast, eager)
