@@ -1134,6 +1134,8 @@ def main(argv: list[str] | None = None) -> None:
             raise ValueError(f"--workers {args.workers}: give at least 1 (processes on this machine)")
         if not 0 <= args.builder_index < args.num_builders:
             raise ValueError(f"--builder-index {args.builder_index} must be in [0, --num-builders {args.num_builders})")
+        if not 0 < args.mask_prob < 1:  # NaN fails too (before the default --max-predictions is worked out of it)
+            raise ValueError(f"--mask-prob {args.mask_prob} must be a probability in (0, 1)")
         sentence_inputs = tuple(args.input if args.rows_as_sentences == [] else args.rows_as_sentences or ())
         max_predictions = default_max_predictions(args.max_seq_len, args.mask_prob) if args.max_predictions is None \
             else args.max_predictions

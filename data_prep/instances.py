@@ -99,8 +99,8 @@ class InstanceConfig:
             unknown = sorted(set(self.objective_mix) - keys)
             if unknown:
                 raise ValueError(f"--objective-mix: unknown objective(s) {unknown}; use {sorted(keys)}")
-            if any(p < 0 for p in self.objective_mix.values()):
-                raise ValueError("--objective-mix: proportions must be non-negative")
+            if any(not 0 <= p <= 1 for p in self.objective_mix.values()):  # NaN fails too
+                raise ValueError(f"--objective-mix: proportions must be numbers in [0, 1], got {self.objective_mix}")
             total = sum(self.objective_mix.values())
             if abs(total - 1) > 1e-6:
                 raise ValueError(f"--objective-mix: proportions sum to {total:.6g}, they must sum to 1")

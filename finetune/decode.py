@@ -78,9 +78,9 @@ class DecodeConfig:
 
     def __post_init__(self) -> None:
         if self.beam_size < 1 or self.max_tgt_len < 1 or not 0 <= self.min_tgt_len <= self.max_tgt_len \
-                or self.no_repeat_ngram < 0:
+                or self.no_repeat_ngram < 0 or not math.isfinite(self.length_penalty):
             raise ValueError(f"invalid decoding config {self}: need beam_size >= 1, "
-                             "0 <= min_tgt_len <= max_tgt_len >= 1 and no_repeat_ngram >= 0")
+                             "0 <= min_tgt_len <= max_tgt_len >= 1, no_repeat_ngram >= 0 and a finite length penalty")
 
 
 @dataclass(frozen=True)
@@ -427,6 +427,13 @@ def write_predictions(output: Path, records: list[dict], predictions: list[str])
             "".join(" ".join(p.split()) + "\n" for p in predictions), encoding="utf-8"))
 
 
+def finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
 def int_at_least(minimum: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         value = int(text)
@@ -434,6 +441,22 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
         return value
     return parse
+
+
+def device_argument(parser: argparse.ArgumentParser, text: str | None) -> torch.device:
+    """The device `--device TEXT` names (default: this process's GPU when there is one, else cpu), refused with
+    the choices when torch cannot read it or this machine has no such CUDA device."""
+    if text is None:
+        return default_device()
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        parser.error(f"--device {text}: not a torch device; use cpu, cuda or cuda:N")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.type == "cuda" and (device.index or 0) >= count:
+        parser.error(f"--device {text}: this machine has {count} CUDA device(s)"
+                     + ("; use cpu" if count == 0 else f"; use cuda:0 to cuda:{count - 1}"))
+    return device
 
 
 def refuse_distributed_launch(parser: argparse.ArgumentParser) -> None:
@@ -465,7 +488,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="shortest target in word pieces (default 1; at most --max-tgt-len)")
     parser.add_argument("--max-src-len", type=int_at_least(1), default=None,
                         help="default: the fine-tuning run's, else 448")
-    parser.add_argument("--length-penalty", type=float, default=None,
+    parser.add_argument("--length-penalty", type=finite_float, default=None,
                         help="GNMT alpha (default: the fine-tuning run's eval_length_penalty, e.g. 1.0 for CNN/DM, "
                              "else 0: none)")
     parser.add_argument("--no-repeat-ngram", type=int_at_least(0), default=None, metavar="N",
@@ -489,11 +512,11 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, FileExistsError) as error:
         parser.error(str(error))
 
+    device = device_argument(parser, args.device)
     try:
         finetuned = load_finetuned(args.model, expect_task="seq2seq")
     except (ValueError, OSError) as error:
         parser.error(f"--model {args.model}: {error}")
-    device = torch.device(args.device) if args.device else default_device()
     finetuned.model.to(device)
     max_tgt_len = args.max_tgt_len if args.max_tgt_len is not None else finetuned.run_settings.get("max_tgt_len", 64)
     if args.beam_size > finetuned.tokenizer.vocab_size:

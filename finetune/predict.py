@@ -30,11 +30,10 @@ from pathlib import Path
 
 import torch
 
-from pretrain.accelerator import default_device
 from pretrain.outputs import check_output, write_file_atomically
 
 from . import classify, qa
-from .decode import beside, int_at_least, refuse_distributed_launch
+from .decode import beside, device_argument, int_at_least, refuse_distributed_launch
 from .glue import GLUE_TASKS, check_model_task, read_records, record_format, task_of_path
 from .model_io import Finetuned, load_finetuned
 from .tasks import check_positions
@@ -68,6 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
     refuse_distributed_launch(parser)
     if Path(args.input).is_dir():
         parser.error(f"--input {args.input} is a directory; name a file")
+    device = device_argument(parser, args.device)
     try:
         check_output(args.output, [args.input, args.model], force=args.force, file=True)
         finetuned = load_finetuned(args.model)
@@ -87,7 +87,6 @@ def main(argv: list[str] | None = None) -> dict:
         check_positions(finetuned.model, max_seq_len, "--max-seq-len")
     except ValueError as error:
         parser.error(str(error))
-    device = torch.device(args.device) if args.device else default_device()
     run = predict_classify if finetuned.task == "classify" else predict_qa
     try:
         result, labelled = run(args, finetuned, settings, max_seq_len, device)

@@ -79,6 +79,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise InputError(str(error)) from error
     except FileNotFoundError as error:
         raise InputError(f"{error.filename or error}: no such file or directory") from error
+    except OSError as error:  # a directory where a file goes, no permission, ...
+        raise InputError(f"{error.filename or error}: {error.strerror or error}") from error
     try:
         return fit(cfg, task, tokenizer)
     except ckpt.CheckpointMismatchError as error:  # --out holds a run this one cannot continue

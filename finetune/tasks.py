@@ -112,13 +112,16 @@ def build_qa(cfg: FinetuneConfig, backbone: UniLMModel, tokenizer: Tokenizer) ->
 
 def build_seq2seq(cfg: FinetuneConfig, backbone: UniLMModel, tokenizer: Tokenizer) -> TaskSetup:
     train_records, dev_records = read_seq2seq(cfg.train), _limit(read_seq2seq(cfg.dev), cfg.eval_max_examples)
-    if note := seq2seq.x_sep_note(train_records, tokenizer):
-        print(f"[seq2seq] {cfg.train}: {note}", flush=True)
     lengths = (cfg.max_src_len, cfg.max_tgt_len, backbone.cfg.max_position_embeddings)
     train, cut = seq2seq.encode_examples(train_records, tokenizer, *lengths, where=cfg.train)
+    if note := seq2seq.x_sep_note(train_records, tokenizer):  # once the records are known to have targets
+        print(f"[seq2seq] {cfg.train}: {note}", flush=True)
     dev, _ = seq2seq.encode_examples(dev_records, tokenizer, *lengths, where=cfg.dev)
     module = seq2seq.Seq2SeqModel(backbone, cfg.label_smoothing)
     ignore = ignore_ids(tokenizer, cfg.eval_no_repeat_ignore, "eval_no_repeat_ignore")
+    if cfg.eval_beam_size > tokenizer.vocab_size:
+        raise ValueError(f"eval_beam_size = {cfg.eval_beam_size}: more beams than the {tokenizer.vocab_size} word "
+                         "pieces a step can choose from (the paper's beam is 5)")
     decoding = DecodeConfig(beam_size=cfg.eval_beam_size, max_tgt_len=cfg.max_tgt_len,
                             length_penalty=cfg.eval_length_penalty, no_repeat_ngram=cfg.eval_no_repeat_ngram,
                             no_repeat_ignore=ignore)

@@ -238,6 +238,8 @@ def test_stray_shards_and_corpus_without_samples(samples_dir, vocab_file, unilm_
     (["--objective-mix", "bidirectional=0.5,seq2seq=0.4"], "proportions sum to 0.9, they must sum to 1"),
     (["--objective-mix", "causal=1"], "unknown objective(s) ['causal']"),
     (["--objective-mix", "bidirectional:1"], "expected name=proportion pairs"),
+    (["--objective-mix", "bidirectional=nan,seq2seq=1"], "proportions must be numbers in [0, 1]"),
+    (["--mask-prob", "nan"], "--mask-prob nan must be a probability in (0, 1)"),
     (["--recipe", "bert", "--objective-mix", "seq2seq=1"], "applies to --recipe unilm"),
     (["--recipe", "gpt", "--dupe-factor", "2"], "gpt has no masking"),
     (["--max-seq-len", "4"], "--max-seq-len 4 must be between 8 and 65535"),

@@ -69,6 +69,26 @@ def test_decode_and_predict_refuse_a_distributed_launch(tiny_init, sources, tmp_
     assert not (tmp_path / "out.jsonl").exists()
 
 
+@pytest.mark.parametrize("tool", ["decode", "predict"])
+def test_a_device_this_machine_lacks_is_refused_naming_the_choices(tool, tiny_init, sources, tmp_path, capsys):
+    missing = f"cuda:{torch.cuda.device_count() if torch.cuda.is_available() else 0}"
+    for device, message in (("gpu", "--device gpu: not a torch device; use cpu, cuda or cuda:N"),
+                            (missing, f"--device {missing}: this machine has")):
+        args = ["--model", str(tiny_init), "--input", str(sources), "--output", str(tmp_path / "out.jsonl"),
+                "--device", device]
+        with pytest.raises(SystemExit) as exit_info:
+            (decode if tool == "decode" else predict).main(args)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_a_length_penalty_that_is_not_a_number_is_refused(tiny_init, sources, tmp_path, capsys):
+    for value in ("nan", "inf"):
+        with pytest.raises(SystemExit) as exit_info:
+            decode.main(decode_args(tiny_init, sources, tmp_path / "out.jsonl", "--length-penalty", value))
+        assert exit_info.value.code == 2 and f"must be a finite number, got {value}" in capsys.readouterr().err
+
+
 def test_decode_refuses_settings_and_inputs_it_cannot_decode_before_decoding_any(tiny_init, sources, tmp_path,
                                                                                  capsys):
     output = tmp_path / "out.jsonl"

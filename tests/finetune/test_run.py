@@ -265,6 +265,29 @@ def test_inputs_longer_than_the_position_table_are_refused_before_training(small
                   "--init", str(tiny_init), "--out", str(tmp_path), "--max-seq-len", "300", *COMMON])
 
 
+def test_a_seq2seq_file_without_targets_is_refused_by_record(tiny_init, tmp_path):
+    (tmp_path / "sources.jsonl").write_text("".join(json.dumps({"src": f"text {i} [X_SEP] more"}) + "\n"
+                                                    for i in range(4)))
+    with pytest.raises(ValueError, match=r"record 1 has an empty or missing 'tgt' \(its fields: src; name them"):
+        run.main(["--task", "seq2seq", "--train", str(tmp_path / "sources.jsonl"), "--dev",
+                  str(tmp_path / "sources.jsonl"), "--init", str(tiny_init), "--out", str(tmp_path / "out"), *COMMON])
+
+
+def test_a_directory_given_as_the_training_file_is_refused_in_one_line(small_tasks, tiny_init, tmp_path):
+    (tmp_path / "data").mkdir()
+    with pytest.raises(run.InputError, match=f"{tmp_path / 'data'}: Is a directory"):
+        run.main(["--task", "seq2seq", "--train", str(tmp_path / "data"), "--dev", str(small_tasks["bbc_headline.dev"]),
+                  "--init", str(tiny_init), "--out", str(tmp_path / "out"), *COMMON])
+
+
+def test_a_dev_beam_wider_than_the_vocabulary_is_refused_before_training(small_tasks, tiny_init, tmp_path):
+    with pytest.raises(ValueError, match=r"eval_beam_size = 100000: more beams than the \d+ word pieces"):
+        run.main(["--task", "seq2seq", "--train", str(small_tasks["bbc_headline.train"]), "--dev",
+                  str(small_tasks["bbc_headline.dev"]), "--init", str(tiny_init), "--out", str(tmp_path / "out"),
+                  "--set", "eval_beam_size=100000", *COMMON])
+    assert not (tmp_path / "out").exists()
+
+
 def test_qa_run_on_the_squad_sample(small_tasks, tiny_init, tmp_path):
     squad = str(small_tasks["squad"])  # five real questions: a smoke run (train = dev)
     run.main(["--task", "qa", "--train", squad, "--dev", squad, "--init", str(tiny_init), "--out", str(tmp_path),
