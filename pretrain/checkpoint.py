@@ -707,7 +707,11 @@ def _resume_decision(checkpoint_dir: Path, resume: str, report: Callable[[str], 
             update_latest(checkpoint_dir, tag)
         directory, hashes = checkpoint_dir, False
     else:
-        (directory, tag), hashes = resolve_tag_dir(resume), True
+        try:
+            (directory, tag), hashes = resolve_tag_dir(resume), True
+        except CheckpointPathError as error:  # only pre-training's train.resume names a directory
+            raise CheckpointPathError(f"train.resume={resume}: {error}; use auto, never, or a checkpoints/tag "
+                                      "directory") from None
     meta, problem = verify_tag(directory / tag, hashes=hashes)
     if meta is None:
         raise FileNotFoundError(f"{directory / tag} is not a complete checkpoint: {problem}")

@@ -30,7 +30,7 @@ from typing import Any, Iterable
 
 import yaml
 
-from pretrain.model import ModelConfig
+from pretrain.model import ModelConfig, preset
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -115,6 +115,29 @@ class ModelSection:
         check_field_types(self, "model.")
         if not self.preset and not self.init_from and not self.overrides:
             raise ValueError("set model.preset, model.init_from, or a full model config in model.overrides")
+        if not self.init_from:  # init_from's config is a file, read where the model is built
+            self.model_config()
+
+    def model_config(self, init_config: ModelConfig | None = None) -> ModelConfig:
+        """The architecture this section names: ``overrides`` applied to ``init_config`` (``init_from``'s, which the
+        caller reads: `pretrain.hf.hf_model_config`), else to the preset, else ``overrides`` alone. An error names the
+        key that sets the value (``model.overrides.hidden_dropout``, not the ``ModelConfig`` field)."""
+        if init_config is None and self.preset:
+            try:
+                init_config = preset(self.preset)
+            except ValueError as error:
+                raise ValueError(f"model.preset: {error}") from None
+        if init_config is None:
+            missing = [f.name for f in dataclasses.fields(ModelConfig)
+                       if f.default is dataclasses.MISSING and f.name not in self.overrides]
+            if missing:
+                raise ValueError(f"model.overrides needs {', '.join(missing)} when model.preset is null")
+        try:
+            if init_config is None:
+                return ModelConfig(**self.overrides)
+            return dataclasses.replace(init_config, **self.overrides)
+        except ValueError as error:  # ModelConfig names its own fields; a run sets them as model.overrides.*
+            raise ValueError(str(error).replace("ModelConfig.", "model.overrides.")) from None
 
 
 @dataclass(frozen=True)
@@ -298,11 +321,13 @@ def _build(cls: type, values: dict[str, Any], prefix: str) -> Any:
     unknown = sorted(set(values) - set(fields))
     if unknown:
         raise ValueError(f"unknown config key(s): {', '.join(_suggest(prefix, k, fields) for k in unknown)}")
-    missing = [name for name, f in fields.items() if name not in values and
-               f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-               and not dataclasses.is_dataclass(hints[name])]
+    required = [name for name, f in fields.items()
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [name for name in required if name not in values and not dataclasses.is_dataclass(hints[name])]
     if missing:
         raise ValueError(f"missing required config key(s): {', '.join(prefix + m for m in missing)}")
+    # an absent section is an empty one: its own checks name the keys it needs (data.shards)
+    values = {**{name: {} for name in required if dataclasses.is_dataclass(hints[name])}, **values}
     kwargs = {}
     for name, value in values.items():
         hint = hints[name]
@@ -354,8 +379,20 @@ def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, A
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ValueError(f"override {item!r}: {part} is not a section")
-        node[leaf] = yaml.safe_load(raw)
+        try:
+            node[leaf] = yaml.safe_load(raw)
+        except yaml.YAMLError as error:
+            raise ValueError(f"override {item!r}: not valid YAML: {_yaml_problem(error)}") from None
     return result
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """What yaml found wrong, in one line: ``expected ',' or ']', but got '<stream end>' (while parsing a flow
+    sequence)``."""
+    problem, context = getattr(error, "problem", None), getattr(error, "context", None)
+    if not problem:
+        return " ".join(str(error).split())
+    return f"{problem} ({context})" if context else problem
 
 
 T = typing.TypeVar("T")
@@ -365,7 +402,12 @@ def load_dataclass(cls: type[T], path: str | Path | None, overrides: list[str] =
                    values: dict[str, Any] | None = None) -> T:
     """The config ``cls`` from a YAML file (``path``, optional), then ``values`` (nested keys), then dotted
     ``key=value`` overrides; values are coerced to the field types and the dataclasses validate themselves."""
-    loaded = (yaml.safe_load(Path(path).read_text()) or {}) if path else {}
+    try:
+        loaded = (yaml.safe_load(Path(path).read_text()) or {}) if path else {}
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        raise ValueError(f"{where}: not valid YAML: {_yaml_problem(error)}") from None
     if not isinstance(loaded, dict):
         raise ValueError(f"{path}: expected a mapping of config keys")
     loaded.update(values or {})
@@ -487,7 +529,14 @@ def main(argv: list[str] | None = None) -> None:
     elif args.reference:
         print(reference_markdown(), end="")
     elif args.config:
-        print(yaml.safe_dump(load_config(args.config, args.overrides).to_dict(), sort_keys=False), end="")
+        # imported here, not at the top: pretrain.trainer imports this module
+        from pretrain.trainer import resolve_model_config
+        try:
+            cfg = load_config(args.config, args.overrides)
+            resolve_model_config(cfg)  # the model as training builds it: model.init_from's config.json read and checked
+        except (ValueError, OSError) as error:
+            parser.exit(2, f"{parser.prog}: error: {error}\n")
+        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
     else:
         parser.error("give a run YAML or --reference")
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -266,3 +267,95 @@ def test_fast_path_defaults_resolve_per_run_and_compile_refuses_zero3() -> None:
     assert resolved([], fp32, "gpt")["pack_samples"] is False
     with pytest.raises(ValueError, match="train.pack_samples=true does not apply to a causal LM"):
         resolved(["train.pack_samples=true"], fp32, "gpt")
+
+
+def test_yaml_syntax_errors_are_value_errors_naming_the_file_or_the_override(tmp_path: Path, capsys) -> None:
+    """A YAML syntax error in the run file (with the line and column yaml stopped at) or in an override's value is a
+    one-line [config] stop of pretrain.train, as is any bad setting; fine-tuning's loader is the same one."""
+    from finetune.config import load_config as load_finetune_config
+    from pretrain.train import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data:\n  shards: [a\n")
+    problem = r"not valid YAML: expected ',' or '\]', but got '<stream end>' \(while parsing a flow sequence\)$"
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(bad))}:3:1: {problem}"):
+        load_config(bad)
+    with pytest.raises(ValueError, match=rf"^override 'optim.betas=\[0.9, 0.98': {problem}"):
+        load_config(REPO_ROOT / "pretrain/configs/tiny.yaml", ["optim.betas=[0.9, 0.98"])
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(bad))}:3:1: {problem}"):
+        load_finetune_config(bad, {})
+    with pytest.raises(SystemExit) as stopped:
+        main(["--config", str(bad)])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"[config] {bad}: {bad}:3:1: not valid YAML") and err.count("\n") == 1
+
+
+def test_an_absent_section_or_an_incomplete_model_is_named(tmp_path: Path) -> None:
+    from pretrain.trainer import resolve_model_config
+
+    no_data = tmp_path / "no_data.yaml"
+    no_data.write_text("out_dir: runs/a\ndeepspeed_config: ds_configs/zero2_fp32_cpu.json\n")
+    with pytest.raises(ValueError, match=r"^data.shards is required"):
+        load_config(no_data)
+    with pytest.raises(ValueError, match=r"^model.overrides needs hidden_size, num_layers, num_heads, "
+                                         r"intermediate_size when model.preset is null$"):
+        resolve_model_config(load_config(REPO_ROOT / "pretrain/configs/tiny.yaml",
+                                          ["model.preset=null", "model.overrides.vocab_size=100"]))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.overrides.hidden_dropout=1.5", r"model.overrides.hidden_dropout must be in \[0, 1\), got 1.5"),
+    ("model.overrides.vocab_size=0", "model.overrides.vocab_size must be a positive int, got 0"),
+    ("model.preset=tinyy", "model.preset: unknown model preset 'tinyy'; choose one of unilm-large, "),
+])
+def test_model_errors_name_the_key_a_run_sets(override: str, message: str) -> None:
+    from pretrain.trainer import resolve_model_config
+
+    with pytest.raises(ValueError, match=f"^{message}"):
+        resolve_model_config(load_config(REPO_ROOT / "pretrain/configs/tiny.yaml", [override]))
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["train.max_step=5"], "unknown config key(s): train.max_step (did you mean train.max_steps?)"),
+    (["model.overrides.hidden_dropout=1.5"], "model.overrides.hidden_dropout must be in [0, 1), got 1.5"),
+    (["model.overrides.num_heads=5", "model.overrides.hidden_size=128"],
+     "model.overrides.hidden_size=128 is not divisible by num_heads=5"),
+    (["model.overrides.vocab_size=0"], "model.overrides.vocab_size must be a positive int, got 0"),
+    (["model.preset=tinyy"], "model.preset: unknown model preset 'tinyy'"),
+    (["model.init_from=ABSENT"], "ABSENT: no config.json"),
+    (["optim.betas=[0.9, 0.98"], "override 'optim.betas=[0.9, 0.98': not valid YAML"),
+])
+def test_the_resolving_cli_refuses_what_training_refuses_in_one_line(arguments: list[str], message: str,
+                                                                   tmp_path: Path, capsys) -> None:
+    from pretrain.config import main
+
+    arguments = [a.replace("ABSENT", str(tmp_path / "absent")) for a in arguments]
+    with pytest.raises(SystemExit) as stopped:
+        main([str(REPO_ROOT / "pretrain/configs/tiny.yaml"), *arguments])
+    assert stopped.value.code == 2
+    captured = capsys.readouterr()
+    message = message.replace("ABSENT", str(tmp_path / "absent"))
+    assert captured.err.startswith(f"python -m pretrain.config: error: {message}"), captured.err
+    assert captured.err.count("\n") == 1 and captured.out == ""
+
+
+def test_the_resolving_cli_names_a_missing_file_and_prints_a_good_config(tmp_path: Path, capsys) -> None:
+    from pretrain.config import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main([str(tmp_path / "none.yaml")])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.startswith(f"python -m pretrain.config: error: [Errno 2] No such file or directory: "
+                                              f"'{tmp_path / 'none.yaml'}'")
+    main([str(REPO_ROOT / "pretrain/configs/tiny.yaml"), "model.overrides.hidden_dropout=0.5"])
+    assert "hidden_dropout: 0.5" in capsys.readouterr().out
+
+
+def test_an_unusable_train_resume_names_the_key_and_its_values(tmp_path: Path, one_rank_group) -> None:
+    from pretrain import checkpoint as ckpt
+
+    with pytest.raises(ckpt.CheckpointPathError, match=r"^train.resume=sometimes: sometimes is neither a checkpoints "
+                                                       r"directory .*; use auto, never, or a checkpoints/tag "
+                                                       r"directory$"):
+        ckpt.find_resume_point(tmp_path / "checkpoints", "sometimes", {}, world_size=1, zero_stage=0)
