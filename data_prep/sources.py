@@ -474,18 +474,18 @@ class _TextField:
 
     def __call__(self, record: object, where: str, chars: int = 0) -> str | Skipped:
         if not isinstance(record, dict):
-            return Skipped("not_an_object", f"{where} ({_json_type(record)}, not an object)", chars)
+            return Skipped("not_an_object", f"{where} ({json_type(record)}, not an object)", chars)
         if self.name not in record:
             return Skipped("missing_text_field", f"{where} (no '{self.name}'; fields: {sorted(record)[:10]}; "
                                                  "pick one with --text-field NAME)", chars)
         text = record[self.name]
         if not isinstance(text, str):
-            return Skipped("text_not_a_string", f"{where} ('{self.name}' is {_json_type(text)}, not a string)",
+            return Skipped("text_not_a_string", f"{where} ('{self.name}' is {json_type(text)}, not a string)",
                            chars)
         return text
 
 
-def _json_type(value: object) -> str:
+def json_type(value: object) -> str:
     """What a parsed JSON value is, for messages: ``null``, ``a number``, ``an array`` …"""
     if value is None:
         return "null"
@@ -602,7 +602,7 @@ def _read_parquet(path: Path, text_field: str) -> Iterator[str | Skipped]:
     for batch in parquet.iter_batches(columns=[text_field], batch_size=1024):
         for text in batch.column(0).to_pylist():
             yield text if isinstance(text, str) else Skipped(
-                "text_not_a_string", f"{path} row {row} ('{text_field}' is {_json_type(text)}, not a string)")
+                "text_not_a_string", f"{path} row {row} ('{text_field}' is {json_type(text)}, not a string)")
             row += 1
 
 

@@ -11,6 +11,8 @@ import os
 import sys
 from pathlib import Path
 
+from deepspeed.accelerator import get_accelerator
+
 from pretrain import checkpoint as ckpt
 from pretrain.config import keys_help
 from pretrain.batch_plan import plan_batch
@@ -67,7 +69,7 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = load_config(args.config, flags, args.set)
         check_run_output(cfg.out, [cfg.init, cfg.train, cfg.dev, cfg.vocab], args.force)
         # what needs no model or data first: the DeepSpeed JSON and the batch split over this launch's ranks
-        read_engine_json(cfg.deepspeed_config_path)
+        read_engine_json(cfg.deepspeed_config_path, accelerator=get_accelerator())  # a precision it can train in
         plan_batch(cfg.batch_size, cfg.micro_batch_size, int(os.environ.get("WORLD_SIZE", "1")), BATCH_KEYS)
         backbone, tokenizer = load_init(cfg.init, cfg.vocab)
         seed_everything(cfg.seed)  # the same head (and, from scratch, backbone) initialisation on every rank

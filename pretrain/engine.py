@@ -12,6 +12,7 @@ twice.
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 import logging
 import math
@@ -32,8 +33,10 @@ import torch
 import torch.distributed as torch_dist
 from deepspeed.accelerator import get_accelerator
 
+from data_prep.sources import json_type
 from pretrain.accelerator import apply_deepspeed_arch_list, bind_local_device, collective_device, local_rank
 from pretrain.batch_plan import BatchPlan
+from pretrain.config import REPO_ROOT
 from pretrain.kernels import retain_freed_memory
 
 # Hyper-parameters that come from the run config only; a DeepSpeed JSON that sets them is refused.
@@ -45,6 +48,8 @@ INJECTED_SCHEDULER = ("total_num_steps", "warmup_num_steps", "warmup_max_lr", "w
 SCHEDULERS = {"linear": "WarmupDecayLR", "cosine": "WarmupCosineLR"}
 """DeepSpeed's scheduler for each `optim.schedule`: linear warm-up, then linear (BERT, UniLM) or cosine (GPT-1)
 decay to the minimum at the last step."""
+CONFIG_DIRECTORY = REPO_ROOT / "ds_configs"
+"""The repository's DeepSpeed JSONs (one per ZeRO stage and precision; ``*_cpu.json`` for CPU-only machines)."""
 
 
 class RunStopped(RuntimeError):
@@ -191,14 +196,44 @@ def first_error(error: Any) -> Any:
 
 
 # ----------------------------------------------------------------------------------------- DeepSpeed JSON
-def read_engine_json(path: Path) -> dict[str, Any]:
-    """The DeepSpeed JSON at ``path``, refused if it sets a value that the run config injects."""
+DEEPSPEED_KEYS = (
+    "activation_checkpointing", "aio", "autotuning", "bf16", "bfloat16", "checkpoint", "comet", "comms_logger",
+    "communication_data_type", "compile", "csv_monitor", "data_efficiency", "data_parallel_size", "data_types",
+    "dataloader_drop_last", "datastates_ckpt", "disable_allgather", "disable_python_gc", "dump_state",
+    "expert_parallel", "flops_profiler", "fp16", "gradient_accumulation_steps", "gradient_allreduce_op",
+    "gradient_clipping", "gradient_predivide_factor", "hybrid_engine", "log_level", "managed_gradient_accumulation",
+    "memory_breakdown", "optimizer", "pipeline", "prescale_gradients", "scheduler",
+    "seq_parallel_communication_data_type", "sequence_parallel_size", "steps_per_print", "tensor_parallel",
+    "tensorboard", "timers", "torch_autocast", "train_batch_size", "train_micro_batch_size_per_gpu",
+    "use_data_before_expert_parallelism", "vocabulary_size", "wall_clock_breakdown", "wandb", "weight_quantization",
+    "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "zero_optimization")
+"""The top-level keys DeepSpeed 0.19.8 reads: those ``DeepSpeedConfig`` looks up in a config dict
+(tests/pretrain/test_engine_json.py records them from the installed DeepSpeed) and the mesh sizes
+``deepspeed.initialize`` reads (``data_parallel_size``, ``sequence_parallel_size``), less the blocks it refuses as
+removed features (``nebula``, ``amp``, ``elasticity`` ...).
+DeepSpeed ignores a key it does not read, and other parts of it read keys of their own, so this list is not
+known to be complete: `read_engine_json` refuses only a key that is a close misspelling of one of these
+(``zero_optimisation``, which DeepSpeed would ignore, training at ZeRO 0) and leaves other unknown keys alone."""
+MISSPELLING_CUTOFF = 0.85
+"""difflib's similarity ratio above which an unknown key counts as a misspelling of a known one."""
+OBJECT_BLOCKS = ("optimizer", "scheduler", "zero_optimization", "fp16", "bf16", "bfloat16", "checkpoint")
+"""Top-level keys whose value must be a JSON object: DeepSpeed and `engine_config` read keys inside them."""
+
+
+def read_engine_json(path: Path, accelerator: Any | None = None) -> dict[str, Any]:
+    """The DeepSpeed JSON at ``path``, refused (a ValueError naming the file and the key) where it sets a value
+    that the run config injects, where DeepSpeed would ignore it (a misspelt top-level key) or stop later with a
+    traceback (a block that is not an object, a scheduler the run config cannot drive, a ZeRO stage that does not
+    exist, fp16 together with bf16). With ``accelerator`` (DeepSpeed's ``get_accelerator()`` of the process that
+    trains), a precision it cannot train in is refused too, as ``deepspeed.initialize`` would refuse it."""
     try:
         engine = json.loads(Path(path).read_text())
     except json.JSONDecodeError as error:
         raise ValueError(f"{path}: not valid JSON ({error})") from None
     if not isinstance(engine, dict):
         raise ValueError(f"{path}: a DeepSpeed config is a JSON object, this holds a {type(engine).__name__}")
+    _check_block_types(engine, path)
+    _check_misspelt_keys(engine, path)
     clashes = [k for k in INJECTED_TOP if k in engine]
     clashes += [f"optimizer.params.{k}" for k in INJECTED_OPTIMIZER
                 if k in engine.get("optimizer", {}).get("params", {})]
@@ -214,10 +249,65 @@ def read_engine_json(path: Path) -> dict[str, Any]:
             stage = zero["stage"] = int(stage)
         if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
             raise ValueError(f"{path}: zero_optimization.stage is {stage!r}; use 0, 1, 2 or 3")
-    if all(isinstance(engine.get(k), dict) and engine[k].get("enabled") is True for k in ("fp16", "bf16")):
+    if "scheduler" in engine and engine["scheduler"].get("type") not in SCHEDULERS.values():
+        raise ValueError(f"{path}: scheduler.type is {engine['scheduler'].get('type')!r}; the schedule comes from the "
+                         f"run config (optim.schedule: {' or '.join(SCHEDULERS)}, {' or '.join(SCHEDULERS.values())}): "
+                         "name one of these or leave the scheduler block out")
+    if _enabled(engine, "fp16") and _enabled(engine, "bf16"):
         raise ValueError(f"{path}: fp16 and bf16 are both enabled; enable one (bf16 where the GPUs have it: "
                          "no loss scaling)")
+    if accelerator is not None:
+        _check_precision_supported(engine, path, accelerator)
     return engine
+
+
+def _enabled(engine: dict[str, Any], precision_name: str) -> bool:
+    """Whether the JSON enables ``fp16`` or ``bf16`` (DeepSpeed also reads bf16 under its old key ``bfloat16``)."""
+    keys = ("bf16", "bfloat16") if precision_name == "bf16" else (precision_name,)
+    return any(isinstance(engine.get(k), dict) and engine[k].get("enabled") is True for k in keys)
+
+
+def _check_block_types(engine: dict[str, Any], path: Path) -> None:
+    """The blocks read key by key must be objects (``"optimizer": null`` or ``"zero_optimization": "2"`` would
+    fail inside DeepSpeed or `engine_config` with an AttributeError)."""
+    for key in OBJECT_BLOCKS:
+        if key in engine and not isinstance(engine[key], dict):
+            raise ValueError(f"{path}: {key} must be a JSON object ({{...}}), not {json_type(engine[key])}; fix it "
+                             "or leave the key out")
+    for key in ("optimizer", "scheduler"):
+        params = engine.get(key, {}).get("params", {})
+        if not isinstance(params, dict):
+            raise ValueError(f"{path}: {key}.params must be a JSON object ({{...}}), not {json_type(params)}")
+
+
+def _check_misspelt_keys(engine: dict[str, Any], path: Path) -> None:
+    """Refuse a top-level key that is not DeepSpeed's but close to one of `DEEPSPEED_KEYS` (letter case
+    ignored): DeepSpeed would ignore it and run without that setting."""
+    for key in engine:
+        if key in DEEPSPEED_KEYS:
+            continue
+        close = difflib.get_close_matches(key.lower(), DEEPSPEED_KEYS, n=1, cutoff=MISSPELLING_CUTOFF)
+        if close:
+            injected = (f" That one comes from the run config: remove {key!r}" if close[0] in INJECTED_TOP else "")
+            raise ValueError(f"{path}: unknown key {key!r}, which DeepSpeed would ignore; did you mean {close[0]!r}?"
+                             + injected)
+
+
+def _check_precision_supported(engine: dict[str, Any], path: Path, accelerator: Any) -> None:
+    """Refuse fp16 or bf16 where ``accelerator`` does not support it: the check of DeepSpeed's engine
+    (``DeepSpeedEngine._do_sanity_check``), made before any model is built, naming the configs that fit."""
+    device = accelerator.device_name()
+    for name, supported in (("fp16", accelerator.is_fp16_supported), ("bf16", accelerator.is_bf16_supported)):
+        if not _enabled(engine, name) or supported():
+            continue
+        if device == "cpu":
+            configs = sorted(f"{CONFIG_DIRECTORY.name}/{p.name}" for p in CONFIG_DIRECTORY.glob("*_cpu.json"))
+            fix = f"set deepspeed_config to a CPU config ({', '.join(configs)}), or run on GPUs"
+        else:
+            fix = f"use a config that does not enable {name} ({'bf16' if name == 'fp16' else 'fp16'} or fp32)"
+        raise ValueError(f"{path}: {name} is enabled, but DeepSpeed's {device} accelerator cannot train in {name} on "
+                         f"this machine (deepspeed.initialize would stop: \"Type {name} is not supported on your "
+                         f"device\"); {fix}")
 
 
 def zero_stage(engine_json: dict[str, Any]) -> int:

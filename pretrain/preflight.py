@@ -1,6 +1,7 @@
 """Check a cluster before a long run: ``make preflight HOSTFILE=... CONFIG=...``.
 
 For the run config and hostfile it verifies, before any rank starts:
+  * the DeepSpeed JSON passes the checks training makes of it (``pretrain.engine.read_engine_json``);
   * the global batch splits over the hostfile's slots (else the feasible choices are listed);
   * every host is reachable (password-less ssh, as DeepSpeed's launcher needs; local names run in-process);
   * every host runs the same code version (``git describe`` / package version) as this one;
@@ -44,6 +45,7 @@ from pretrain.accelerator import deepspeed_arch_list
 from pretrain.batch_plan import InfeasibleBatchError, plan_batch
 from pretrain.checkpoint import code_version
 from pretrain.config import REPO_ROOT, RunConfig, load_config
+from pretrain.engine import read_engine_json
 from pretrain.hf import hf_model_config, hf_weight_files
 from pretrain.trainer import model_for_shards, resolve_model_config
 
@@ -191,8 +193,14 @@ def preflight(config: str, overrides: list[str], hostfile: str | None, local_ran
     hosts = read_hostfile(hostfile) if hostfile else {"localhost": local_ranks}
     world = sum(hosts.values())
     problems = []
-    if not cfg.deepspeed_config_path.is_file():
+    try:  # what training checks of the file; whether the GPUs have its precision, each rank checks as it starts
+        read_engine_json(cfg.deepspeed_config_path)
+    except FileNotFoundError:
         problems.append(f"DeepSpeed config {cfg.deepspeed_config} not found")
+    except OSError as error:
+        problems.append(f"DeepSpeed config {cfg.deepspeed_config}: cannot read it ({error.strerror})")
+    except ValueError as error:
+        problems.append(f"DeepSpeed config {error}")
     try:
         plan = plan_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size, world)
         print(f"[preflight] {len(hosts)} host(s), {world} ranks: {plan}")

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as torch_dist
+from deepspeed.accelerator import get_accelerator
 from tqdm import tqdm
 
 from data_prep.shard_format import MANIFEST_NAME, ShardDataset, ShardError, sha256_file
@@ -36,20 +37,14 @@ from pretrain.engine import (NonFiniteLossError, SetupError, build_engine, engin
                              init_distributed, nonfinite_gradient_norm, optimizer_step, precision,
                              read_engine_json, seed_everything, zero_stage)
 from pretrain.hf import hf_model_config, load_hf_bert
-from pretrain.model import REPORTED_OBJECTIVES, ModelConfig, UniLMModel, build_model, preset, training_flops
+from pretrain.model import REPORTED_OBJECTIVES, ModelConfig, UniLMModel, build_model, training_flops
 from pretrain.outputs import write_file_atomically
 
 
 # ------------------------------------------------------------------------------------------ building blocks
 def resolve_model_config(cfg: RunConfig) -> ModelConfig:
     """The model config this run trains: an HF directory's, or a preset with ``model.overrides`` applied."""
-    if cfg.model.init_from:
-        base = hf_model_config(cfg.model.init_from)
-    elif cfg.model.preset:
-        base = preset(cfg.model.preset)
-    else:
-        return ModelConfig(**cfg.model.overrides)
-    return dataclasses.replace(base, **cfg.model.overrides)
+    return cfg.model.model_config(hf_model_config(cfg.model.init_from) if cfg.model.init_from else None)
 
 
 def build_deepspeed_config(cfg: RunConfig, plan: BatchPlan, engine_json: dict[str, Any],
@@ -312,29 +307,60 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     """Run (or continue) the pre-training run ``cfg`` on this rank. Returns rank-local summary values."""
     started = time.monotonic()
     rank, world_size = init_distributed()
+    new_paths = missing_paths(Path(cfg.out_dir) / ckpt.LOCK_FILE) if rank == 0 else []
     run_lock = ckpt.lock_run_directory(cfg.out_dir, rank)  # before anything under out_dir is read or written
     try:
         return _train_locked(cfg, rank, world_size, started)
+    except SetupError:
+        if run_lock is not None:  # a refused run leaves nothing behind: only its lock was written
+            remove_new_paths(new_paths)
+        raise
     finally:
         if run_lock is not None:
             run_lock.release()
 
 
+def missing_paths(path: Path) -> list[Path]:
+    """``path`` and those of its parent directories that do not exist yet, deepest first: what taking the run lock
+    creates."""
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
+def remove_new_paths(paths: list[Path]) -> None:
+    """Remove `missing_paths`' answer from before the lock was taken (the lock file, then each directory while
+    it is empty), while the lock is still held, so no other run can have taken it and written there."""
+    for path in paths:
+        try:
+            if path.is_dir():
+                path.rmdir()
+            else:
+                path.unlink()
+        except OSError:  # a directory something else wrote into since: keep it and its parents
+            return
+
+
 def _train_locked(cfg: RunConfig, rank: int, world_size: int, started: float) -> dict[str, Any]:
     """``train`` once this process group holds the run lock of ``cfg.out_dir``: its steps, in order."""
-    # Fail before building anything if the batch cannot be split, the shards, the initial model or the checkpoint
-    # to resume do not fit this run: one line naming what and the fix (`SetupError`), not a traceback per rank.
+    # Fail before building anything if the batch cannot be split, the DeepSpeed JSON (and the config built from it),
+    # the shards, the initial model or the checkpoint to resume do not fit this run: one line naming what and the
+    # fix (`SetupError`), not a traceback per rank.
     try:
         plan = plan_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
+        engine_json = read_engine_json(cfg.deepspeed_config_path, accelerator=get_accelerator())
         dataset = open_shards(cfg, rank, world_size)
         model_cfg = model_for_shards(cfg, dataset, rank)
         identity = dict(shard_identity(dataset), model_config=dataclasses.asdict(model_cfg), seed=cfg.train.seed)
-        engine_json = read_engine_json(cfg.deepspeed_config_path)
         # a mismatch message names these shards by path (a marker has its own in its run config, not in identity)
         resume = ckpt.find_resume_point(cfg.checkpoint_dir, cfg.train.resume,
                                         dict(identity, shards=str(dataset.directory)), world_size,
                                         zero_stage(engine_json), report=print if rank == 0 else None)
         fast_paths = fast_path_settings(cfg, engine_json, model_cfg)
+        deepspeed_config = build_deepspeed_config(cfg, plan, engine_json,
+                                                  load_universal=resume is not None and resume.universal)
         model = initial_model(cfg, model_cfg)
     except (ValueError, OSError) as error:
         raise SetupError(str(error)) from error
@@ -343,7 +369,7 @@ def _train_locked(cfg: RunConfig, rank: int, world_size: int, started: float) ->
               + " (null settings resolved for this run's device, precision and model)", flush=True)
     if rank == 0:
         ckpt.report_changed_settings(resume, cfg.to_dict(), print)
-    engine = build_training_engine(cfg, model, plan, engine_json, resume, fast_paths)
+    engine = build_training_engine(cfg, model, deepspeed_config, fast_paths)
     throughput = Throughput(model_cfg, world_size, cfg.train.peak_tflops or measured_peak_tflops(engine, rank))
     progress = restore_progress(engine, resume, cfg.train.seed, rank, world_size)
     loader = build_loader(cfg, dataset, model_cfg, plan, rank, progress.consumed_samples, engine.device,
@@ -391,7 +417,9 @@ def model_for_shards(cfg: RunConfig, dataset: ShardDataset, rank: int = 0) -> Mo
     embeddings hold, and (from ``model.init_from``) that model's vocabulary and casing. Preflight runs it too."""
     model_cfg = resolve_model_config(cfg)
     check_trainable(dataset, model_cfg, cfg.data.shards)
-    check_vocabulary_fits(dataset, model_cfg)
+    if cfg.model.init_from and cfg.model.check_init_vocab:  # shards of another vocabulary: the fix is to rebuild them
+        check_init_vocabulary(dataset, cfg.model.init_from, report=print if rank == 0 else lambda _: None)
+    check_vocabulary_fits(dataset, model_cfg, cfg.model.init_from)
     check_lengths_fit(dataset, model_cfg, cfg.data.max_seq_len, "data.shards")
     if cfg.data.eval_shards:
         held_out = ShardDataset(cfg.data.eval_shards)
@@ -401,8 +429,6 @@ def model_for_shards(cfg: RunConfig, dataset: ShardDataset, rank: int = 0) -> Mo
             raise ValueError(f"data.eval_shards {cfg.data.eval_shards} were built with another vocabulary than "
                              f"data.shards {cfg.data.shards}: their ids name other word pieces, so the held-out loss "
                              "would measure nothing; build both with the same --vocab")
-    if cfg.model.init_from and cfg.model.check_init_vocab:
-        check_init_vocabulary(dataset, cfg.model.init_from, report=print if rank == 0 else lambda _: None)
     return model_cfg
 
 
@@ -421,11 +447,19 @@ def check_lengths_fit(dataset: ShardDataset, model_cfg: ModelConfig, max_seq_len
                          f"{'data.max_seq_len' if max_seq_len else 'model.overrides.max_position_embeddings'}")
 
 
-def check_vocabulary_fits(dataset: ShardDataset, model_cfg: ModelConfig) -> None:
+def check_vocabulary_fits(dataset: ShardDataset, model_cfg: ModelConfig, init_from: str | None = None) -> None:
+    """The model's embeddings must hold a row for every id of the shards' vocabulary. A run from ``init_from``
+    cannot grow its vocabulary (the weights fix its size): the fix is shards built with that model's."""
     size = dataset.manifest["vocab"].get("size")
-    if size is not None and int(size) > model_cfg.vocab_size:
-        raise ValueError(f"the shards' vocabulary has {size} tokens but model.vocab_size is "
-                         f"{model_cfg.vocab_size}; set model.overrides.vocab_size={size}")
+    if size is None or int(size) <= model_cfg.vocab_size:
+        return
+    if init_from:
+        raise ValueError(f"the shards' vocabulary ({dataset.directory}) has {size} tokens but model.vocab_size is "
+                         f"{model_cfg.vocab_size}, and a run from model.init_from {init_from} keeps that model's "
+                         f"vocabulary (its weights fix the size); rebuild the shards with "
+                         f"`python -m data_prep.build --vocab {init_from}`")
+    raise ValueError(f"the shards' vocabulary has {size} tokens but model.vocab_size is "
+                     f"{model_cfg.vocab_size}; set model.overrides.vocab_size={size}")
 
 
 def check_init_vocabulary(dataset: ShardDataset, init_from: str, report: Any = print) -> None:
@@ -471,15 +505,15 @@ def initial_model(cfg: RunConfig, model_cfg: ModelConfig) -> UniLMModel:
         raise ValueError(f"model.init_from: {error}") from error
 
 
-def build_training_engine(cfg: RunConfig, model: UniLMModel, plan: BatchPlan, engine_json: dict[str, Any],
-                          resume: ckpt.ResumePoint | None, fast_paths: dict[str, bool]) -> Any:
-    """The DeepSpeed engine around the run's initial model (`initial_model`)."""
+def build_training_engine(cfg: RunConfig, model: UniLMModel, deepspeed_config: dict[str, Any],
+                          fast_paths: dict[str, bool]) -> Any:
+    """The DeepSpeed engine around the run's initial model (`initial_model`) with `build_deepspeed_config`'s
+    config."""
     model.activation_checkpointing = cfg.train.activation_checkpointing
     model.chunked_loss = fast_paths["chunked_loss"]
     if fast_paths["compile"]:
         model.compile_blocks()
-    config = build_deepspeed_config(cfg, plan, engine_json, load_universal=resume is not None and resume.universal)
-    return build_engine(model, config, cfg.optim.weight_decay)
+    return build_engine(model, deepspeed_config, cfg.optim.weight_decay)
 
 
 def fast_path_settings(cfg: RunConfig, engine_json: dict[str, Any], model_cfg: ModelConfig) -> dict[str, bool]:

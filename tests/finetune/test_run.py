@@ -280,6 +280,18 @@ def test_a_directory_given_as_the_training_file_is_refused_in_one_line(small_tas
                   "--init", str(tiny_init), "--out", str(tmp_path / "out"), *COMMON])
 
 
+def test_an_engine_json_in_a_precision_the_machine_lacks_is_refused_before_the_model_loads(small_tasks, tmp_path):
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu" or get_accelerator().is_fp16_supported():
+        pytest.skip("this machine trains in fp16")
+    with pytest.raises(run.InputError, match=r"zero2_fp16\.json: fp16 is enabled, but DeepSpeed's cpu accelerator "
+                                             r"cannot train in fp16.*ds_configs/zero2_fp32_cpu\.json"):
+        run.main(["--task", "seq2seq", "--train", str(small_tasks["bbc_headline.train"]), "--dev",
+                  str(small_tasks["bbc_headline.dev"]), "--init", str(tmp_path / "no-model"),
+                  "--out", str(tmp_path / "out"), "--deepspeed-config", "ds_configs/zero2_fp16.json", *COMMON])
+
+
 def test_a_dev_beam_wider_than_the_vocabulary_is_refused_before_training(small_tasks, tiny_init, tmp_path):
     with pytest.raises(ValueError, match=r"eval_beam_size = 100000: more beams than the \d+ word pieces"):
         run.main(["--task", "seq2seq", "--train", str(small_tasks["bbc_headline.train"]), "--dev",

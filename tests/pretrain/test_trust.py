@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -241,6 +242,20 @@ def test_a_training_run_in_a_directory_in_use_stops_at_once_naming_the_holder(un
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
+def test_a_refused_run_leaves_no_out_dir_behind(tmp_path: Path) -> None:
+    """The run lock (out_dir/run.lock) is taken before the setup checks; a run they refuse removes the lock and the
+    directories it created for it, so a typo does not leave run directories around."""
+    from training_runs import launch
+
+    out_dir = tmp_path / "runs" / "new"
+    process = launch([f"data.shards={tmp_path / 'no-shards'}", "model.overrides.vocab_size=4000",
+                      f"out_dir={out_dir}"], timeout=300)
+    assert process.returncode == 2 and "[stop] " in process.stderr and "no-shards" in process.stderr, \
+        process.stderr[-3000:]
+    assert list(tmp_path.iterdir()) == []
+
+
 # ------------------------------------------------------------------------------------------------ 4. metrics.jsonl
 def test_a_torn_last_metrics_line_is_skipped_and_reported_and_the_file_rewritten_atomically(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -383,6 +398,35 @@ def test_a_step_that_predicts_no_token_is_an_error() -> None:
     with pytest.raises(ValueError, match="step 7: the global batch has no predicted token"):
         check_predicted_tokens({"loss": 0.0, "objectives": {}}, 7, "S")
     check_predicted_tokens({"loss": 2.0, "objectives": {"causal_lm": 2.0}}, 7, "S")
+
+
+def test_init_from_a_model_of_another_vocabulary_is_told_to_rebuild_the_shards(unilm_shards: Path, minilm_dir: Path,
+                                                                               tmp_path: Path) -> None:
+    """Shards of another, larger vocabulary than model.init_from's: the first message is the fix (rebuild them with
+    its vocabulary), not a vocab_size its weights cannot take; with model.check_init_vocab=false the size message
+    says the same."""
+    from data_prep.shard_format import ShardDataset
+    from pretrain.config import load_config
+    from pretrain.trainer import model_for_shards
+
+    small = tmp_path / "small-bert"  # MiniLM's config and first 1,500 word pieces
+    small.mkdir()
+    config = json.loads((minilm_dir / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps(dict(config, vocab_size=1500)))
+    pieces = (minilm_dir / "vocab.txt").read_text(encoding="utf-8").splitlines()[:1500]
+    (small / "vocab.txt").write_text("".join(f"{piece}\n" for piece in pieces), encoding="utf-8")
+    dataset = ShardDataset(unilm_shards)
+    size = dataset.manifest["vocab"]["size"]
+    assert size > 1500
+    overrides = [f"data.shards={unilm_shards}", f"out_dir={tmp_path}", "model.preset=null", f"model.init_from={small}"]
+    with pytest.raises(ValueError, match=f"was built with another vocabulary than model.init_from {small}: "):
+        model_for_shards(load_config("pretrain/configs/tiny.yaml", overrides), dataset)
+    unchecked = load_config("pretrain/configs/tiny.yaml", overrides + ["model.check_init_vocab=false"])
+    with pytest.raises(ValueError, match=re.escape(
+            f"has {size} tokens but model.vocab_size is 1500, and a run from model.init_from {small} keeps that "
+            f"model's vocabulary (its weights fix the size); rebuild the shards with `python -m data_prep.build "
+            f"--vocab {small}`")):
+        model_for_shards(unchecked, dataset)
 
 
 @pytest.mark.slow
