@@ -478,8 +478,8 @@ def main(argv: list[str] | None = None) -> None:
                         "UniLM's line files: NAME.src (and NAME.tgt beside it)")
     parser.add_argument("--output", required=True,
                         help="NAME.jsonl: the input records with their `prediction`; any other name: one "
-                             "prediction per line, words and punctuation split by spaces (as UniLM's decoding writes, for "
-                             "files2rouge and its question-generation scoring)")
+                             "prediction per line, words and punctuation split by spaces (as UniLM's decoding "
+                             "writes, for files2rouge and its question-generation scoring)")
     parser.add_argument("--beam-size", type=int_at_least(1), default=5,
                         help="1: greedy, no length penalty (default 5)")
     parser.add_argument("--max-tgt-len", type=int_at_least(1), default=None,
