@@ -159,6 +159,10 @@ def _fit_locked(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer, rank
     stop_requested = StopRequest(time.monotonic(), cfg.exit_after_minutes)
     engine.train()
     try:
+        ended = progress.step == total_steps or (progress.step and progress.step % steps_per_epoch == 0)
+        if ended and len(progress.history) < -(-progress.step // steps_per_epoch):  # saved, then evaluation failed
+            end_epoch(cfg, engine, task, tokenizer, progress, (progress.step - 1) // steps_per_epoch, total_steps,
+                      rank, out)
         while progress.step < total_steps:
             epoch, index_in_epoch = divmod(progress.step, steps_per_epoch)
             lr = engine.get_lr()[0]  # the rate this step applies (the scheduler moves on after it)
@@ -171,13 +175,14 @@ def _fit_locked(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer, rank
                 log.flush()
                 bar.update(progress.step, step_loss, lr)
             epoch_done = progress.step % steps_per_epoch == 0 or progress.step == total_steps
-            if epoch_done:
-                end_epoch(cfg, engine, task, tokenizer, progress, epoch, total_steps, rank, out)
             exiting = (stop or progress.step == cfg.exit_at_step) and progress.step < total_steps
             if epoch_done or exiting or (cfg.save_interval and progress.step % cfg.save_interval == 0):
+                # before the epoch's dev evaluation: a failure there loses no training (the rerun evaluates it)
                 progress.last_checkpoint = ckpt.save(engine, cfg.checkpoint_dir, progress.step, meta,
                                                      progress.client_state(), cfg.keep_last,
                                                      progress.last_checkpoint)
+            if epoch_done:
+                end_epoch(cfg, engine, task, tokenizer, progress, epoch, total_steps, rank, out)
             if exiting:
                 if rank == 0:
                     reason = "exit_at_step" if progress.step == cfg.exit_at_step else "time limit / SIGTERM / Ctrl-C"

@@ -90,6 +90,30 @@ def test_a_stopped_run_resumes_to_the_same_losses(small_tasks, tiny_init, tmp_pa
         torch.testing.assert_close(x, y, msg=name)
 
 
+def test_a_failure_in_dev_evaluation_loses_no_training(small_tasks, tiny_init, tmp_path, monkeypatch):
+    """An epoch's checkpoint is saved before its dev evaluation: a run that fails there (out of memory in decoding,
+    say) resumes at the epoch's end and evaluates it, ending as a run that never failed."""
+    from finetune import engine as finetune_engine
+
+    straight, failed = tmp_path / "straight", tmp_path / "failed"
+    run.main(classify_args(small_tasks, tiny_init, straight, "--epochs", "2"))
+    first_epoch_end = json.loads((straight / "summary.json").read_text())["epochs"][0]["step"]
+
+    def evaluation_fails(*args, **kwargs):
+        raise RuntimeError("dev evaluation failed")
+    evaluate = finetune_engine.end_epoch
+    monkeypatch.setattr(finetune_engine, "end_epoch", evaluation_fails)
+    with pytest.raises(RuntimeError, match="dev evaluation failed"):
+        run.main(classify_args(small_tasks, tiny_init, failed, "--epochs", "2"))
+    assert (failed / "checkpoints" / f"global_step{first_epoch_end}").is_dir()
+    monkeypatch.setattr(finetune_engine, "end_epoch", evaluate)
+    run.main(classify_args(small_tasks, tiny_init, failed, "--epochs", "2"))
+    assert losses(failed) == losses(straight)
+    epochs = [json.loads((d / "summary.json").read_text())["epochs"] for d in (straight, failed)]
+    assert epochs[0] == epochs[1]
+    assert_same_export(straight, failed)
+
+
 def assert_same_export(a, b, rel: float = 1e-5) -> None:
     x, y = load_finetuned(a), load_finetuned(b)
     for (name, u), (_, v) in zip(x.model.state_dict().items(), y.model.state_dict().items()):
