@@ -158,9 +158,13 @@ def _fit_locked(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer, rank
         if rank == 0 else None
     stop_requested = StopRequest(time.monotonic(), cfg.exit_after_minutes)
     engine.train()
+
+    def ends_an_epoch(step: int) -> bool:
+        return step > 0 and (step % steps_per_epoch == 0 or step == total_steps)
+
     try:
-        ended = progress.step == total_steps or (progress.step and progress.step % steps_per_epoch == 0)
-        if ended and len(progress.history) < -(-progress.step // steps_per_epoch):  # saved, then evaluation failed
+        if ends_an_epoch(progress.step) and len(progress.history) < -(-progress.step // steps_per_epoch):
+            # resumed from an epoch's checkpoint whose dev evaluation did not finish: evaluate it now
             end_epoch(cfg, engine, task, tokenizer, progress, (progress.step - 1) // steps_per_epoch, total_steps,
                       rank, out)
         while progress.step < total_steps:
@@ -174,7 +178,7 @@ def _fit_locked(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer, rank
                 log.write(json.dumps({"step": progress.step, "epoch": epoch + 1, "loss": step_loss, "lr": lr}) + "\n")
                 log.flush()
                 bar.update(progress.step, step_loss, lr)
-            epoch_done = progress.step % steps_per_epoch == 0 or progress.step == total_steps
+            epoch_done = ends_an_epoch(progress.step)
             exiting = (stop or progress.step == cfg.exit_at_step) and progress.step < total_steps
             if epoch_done or exiting or (cfg.save_interval and progress.step % cfg.save_interval == 0):
                 # before the epoch's dev evaluation: a failure there loses no training (the rerun evaluates it)

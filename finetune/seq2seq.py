@@ -79,7 +79,7 @@ def encode_examples(records: list[dict], tokenizer: Tokenizer, max_src_len: int,
 
 def x_sep_note(records: list[dict], tokenizer: Tokenizer) -> str | None:
     """What to tell when targets join sentences with UniLM's `[X_SEP]` and the vocabulary has no word piece for it
-    (`Tokenizer.x_sep_id`): the model learns to write it as five word pieces."""
+    (`Tokenizer.x_sep_id`): the model learns to write it as several word pieces."""
     if tokenizer.x_sep_id is not None or not any(X_SEP in record["tgt"] for record in records):
         return None
     return (f"targets hold UniLM's sentence separator {X_SEP}, and the vocabulary {tokenizer.vocab_path} has neither "

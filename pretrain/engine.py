@@ -249,16 +249,22 @@ def read_engine_json(path: Path, accelerator: Any | None = None) -> dict[str, An
             stage = zero["stage"] = int(stage)
         if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
             raise ValueError(f"{path}: zero_optimization.stage is {stage!r}; use 0, 1, 2 or 3")
-    if "scheduler" in engine and engine["scheduler"].get("type") not in SCHEDULERS.values():
-        raise ValueError(f"{path}: scheduler.type is {engine['scheduler'].get('type')!r}; the schedule comes from the "
-                         f"run config (optim.schedule: {' or '.join(SCHEDULERS)}, {' or '.join(SCHEDULERS.values())}): "
-                         "name one of these or leave the scheduler block out")
+    if "scheduler" in engine:
+        _refuse_other_scheduler(engine["scheduler"], f"{path}: scheduler.type is")
     if _enabled(engine, "fp16") and _enabled(engine, "bf16"):
         raise ValueError(f"{path}: fp16 and bf16 are both enabled; enable one (bf16 where the GPUs have it: "
                          "no loss scaling)")
     if accelerator is not None:
         _check_precision_supported(engine, path, accelerator)
     return engine
+
+
+def _refuse_other_scheduler(scheduler: dict[str, Any], what: str) -> None:
+    """Refuse a scheduler block whose type the run config cannot drive (``what`` starts the message)."""
+    if scheduler.get("type") not in SCHEDULERS.values():
+        raise ValueError(f"{what} {scheduler.get('type')!r}; the schedule comes from the run config (optim.schedule: "
+                         f"{' or '.join(SCHEDULERS)}, {' or '.join(SCHEDULERS.values())}): name one of these or leave "
+                         "the scheduler block out")
 
 
 def _enabled(engine: dict[str, Any], precision_name: str) -> bool:
@@ -333,9 +339,7 @@ def engine_config(engine_json: dict[str, Any], plan: BatchPlan, grad_clip: float
         engine.setdefault("optimizer", {"type": "AdamW", "params": {}})
         engine["optimizer"].setdefault("params", {}).update(optimizer_params)
     scheduler = engine.setdefault("scheduler", {"type": SCHEDULERS[schedule], "params": {}})
-    if scheduler.get("type") not in SCHEDULERS.values():
-        raise ValueError(f"the DeepSpeed JSON names scheduler {scheduler.get('type')!r}; the schedule comes from the "
-                         f"run config (optim.schedule: {' or '.join(SCHEDULERS)}, {' or '.join(SCHEDULERS.values())})")
+    _refuse_other_scheduler(scheduler, "the DeepSpeed JSON names scheduler")
     scheduler["type"] = SCHEDULERS[schedule]
     params = scheduler.setdefault("params", {})
     params.update(total_num_steps=total_steps, warmup_num_steps=warmup_steps)
