@@ -1,7 +1,10 @@
 """Document clean-up and rule-based sentence splitting (no model download).
 
-``clean_document`` normalises line ends, drops control characters and lone surrogates, turns every whitespace
-run inside a paragraph into one space (joining its lines); paragraphs (blank-line separated) stay separate.
+``clean_document`` normalises line ends, drops control characters and lone surrogates, and turns every whitespace
+run inside a line into one space; paragraphs (blank-line separated) stay separate. Inside a paragraph a line break
+ends a paragraph too (one sentence or paragraph per line: BERT's pre-training text format, a heading line before its
+text), unless the paragraph is hard-wrapped running text — some line that ends no sentence is followed by one that
+starts in lower case (Project Gutenberg's 70-column lines) — whose lines are joined.
 ``split_sentences`` cuts each paragraph after ``.``/``!``/``?`` (plus closing quotes or brackets) followed by
 whitespace and a capital letter (any script: ``str.isupper``), a letter of a script without case (Unicode category
 Lo: Arabic, Hebrew, Hangul, Thai, Devanagari, CJK, …; so a Latin acronym in Arabic prose leaves its sentences
@@ -74,6 +77,7 @@ def _boundary(abbreviations: list[str], initial: str, starter: str) -> re.Patter
 # letter or digit, and the abbreviations and one-letter initials it must not end at are the lowercased ones.
 _BOUNDARY = _boundary(_ABBREVIATIONS, _UPPER, f"{_UPPER}{_CASELESS}0-9")
 _BOUNDARY_UNCASED = _boundary(sorted({a.lower() for a in _ABBREVIATIONS}), r"^\W\d_", r"^\W_")
+_LINE_END = re.compile(rf"[.!?\u2026{_TERMINATORS}][{_TERMINATOR_CLOSERS}]*$")
 _LONG_PIECE = re.compile(r"\S.{0,%d}(?=\s|$)|\S{%d}" % (MAX_SENTENCE_CHARS - 2, MAX_SENTENCE_CHARS))
 
 
@@ -84,10 +88,25 @@ def replace_control_characters(text: str, replacement: str = "") -> str:
 
 
 def clean_document(text: str) -> str:
-    """Normalised text: paragraphs separated by one blank line, each paragraph on one line, single spaces."""
+    """Normalised text: paragraphs separated by one blank line, each paragraph on one line, single spaces; the lines
+    of a paragraph are paragraphs of their own unless it is hard-wrapped (`hard_wrapped`)."""
     text = replace_control_characters(text.replace("\r\n", "\n").replace("\r", "\n"))
-    paragraphs = (" ".join(p.split()) for p in _PARAGRAPH_BREAK.split(text))
+    paragraphs: list[str] = []
+    for block in _PARAGRAPH_BREAK.split(text):
+        lines = block.strip().split("\n")
+        if len(lines) > 1 and not hard_wrapped([line.strip() for line in lines]):
+            paragraphs.extend(" ".join(line.split()) for line in lines)
+        else:
+            paragraphs.append(" ".join(block.split()))
     return "\n\n".join(p for p in paragraphs if p)
+
+
+def hard_wrapped(lines: list[str]) -> bool:
+    """Whether a paragraph's stripped lines are one running text cut at a width: some line that ends no sentence
+    (no ``.``/``!``/``?``/``…`` or another script's terminator, closing quotes or brackets allowed) is followed by
+    a line starting in lower case. Lines that each end a sentence, or start with a capital (verse, a heading, a
+    list), are kept as lines: BERT's one-sentence-per-line text."""
+    return any(line[:1].islower() and not _LINE_END.search(previous) for previous, line in zip(lines, lines[1:]))
 
 
 def split_sentences(document: str, uncased: bool | None = None) -> list[str]:

