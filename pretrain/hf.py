@@ -306,6 +306,17 @@ def _size_hint(stored: torch.Size, needed: torch.Size, cfg: ModelConfig, source:
     return f" ({'; '.join(hints)})" if hints else ""
 
 
+def _check_unilm_v1_eps(directory: Path) -> None:
+    """Six stored segment rows under a config that does not set ``layer_norm_eps``: UniLM v1's released checkpoints
+    beside BERT's config, whose code normalised with eps 1e-5, not BERT's 1e-12 default (hidden states then differ by
+    ≈ 1e-3). Our own exports and HF configs of a UniLM model write the key, and are left alone."""
+    config_file = hf_config_file(directory)
+    if config_file is not None and "layer_norm_eps" not in json.loads(config_file.read_text()):
+        logger.warning(f"{directory}: six segment rows (UniLM v1's released layout) under {config_file.name}, which "
+                       "sets no layer_norm_eps: BERT's 1e-12 is used, but UniLM v1 trained with 1e-5; add "
+                       f'"layer_norm_eps": 1e-5 to {config_file} (pre-training: model.overrides.layer_norm_eps=1e-5)')
+
+
 def load_hf_bert(path: str | Path, cfg: ModelConfig | None = None,
                  supplement: dict[str, torch.Tensor] | None = None) -> UniLMModel:
     """Our model with the weights of a HF BERT directory (config.json + model.safetensors | pytorch_model.bin,
@@ -356,6 +367,8 @@ def load_hf_bert(path: str | Path, cfg: ModelConfig | None = None,
         if name is None or name not in ours:  # another model's tensor, or a layer beyond cfg's
             unknown.append(stored_name)
             continue
+        if name == "embeddings.segment.weight" and tensor.shape[0] == NUM_SEGMENT_TYPES:
+            _check_unilm_v1_eps(directory)
         if name == "embeddings.segment.weight" and tensor.shape[0] == 1:  # one token type: every segment reads it
             tensor = tensor.expand(NUM_SEGMENT_TYPES, -1).clone()
         if name == "embeddings.segment.weight" and tensor.shape[0] == 2:

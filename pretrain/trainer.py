@@ -484,7 +484,7 @@ def check_init_vocabulary(dataset: ShardDataset, init_from: str, report: Any = p
         first = differing[0]
         shard_token = ours.tokens[first] if first < ours.size else "(none)"
         raise ValueError(f"{dataset.directory} was built with another vocabulary than model.init_from {init_from}: "
-                         f"{len(differing)} of its {theirs.size} ids name other word pieces (id {first}: "
+                         f"{len(differing)} of model.init_from's {theirs.size} ids name other word pieces (id {first}: "
                          f"{shard_token!r} in the shards, {theirs.tokens[first]!r} in {theirs.path}); {fix}")
     shard_uncased = dataset.manifest["vocab"].get("uncased")
     if isinstance(shard_uncased, bool) and shard_uncased != uncased:

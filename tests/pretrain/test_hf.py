@@ -434,6 +434,25 @@ def test_the_original_release_layout_loads(minilm_dir, tmp_path):
     assert tokenizer.vocab_size == model.cfg.vocab_size
 
 
+def test_the_original_release_without_layer_norm_eps_is_named(tmp_path, caplog):
+    """BERT's bert_config.json sets no layer_norm_eps (BERT's 1e-12 applies), but UniLM v1 normalised with 1e-5:
+    its six segment rows under such a config are named with the fix; a config that sets the key is not."""
+    model = build_model(preset("tiny"))
+    save_hf_bert(model, tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["bert.embeddings.token_type_embeddings.weight"] = model.embeddings.segment.weight.detach().clone()
+    save_file(tensors, tmp_path / "model.safetensors")
+    config = json.loads((tmp_path / "config.json").read_text())
+    with caplog.at_level(logging.WARNING, logger="pretrain.hf"):
+        load_hf_bert(tmp_path)
+    assert "layer_norm_eps" not in caplog.text
+    del config["layer_norm_eps"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with caplog.at_level(logging.WARNING, logger="pretrain.hf"):
+        loaded = load_hf_bert(tmp_path)
+    assert f'"layer_norm_eps": 1e-5 to {tmp_path / "config.json"}' in caplog.text and loaded.cfg.layer_norm_eps == 1e-12
+
+
 def test_a_tensorflow_checkpoint_is_named_as_such(minilm_dir, tmp_path):
     (tmp_path / "bert_config.json").write_text((minilm_dir / "config.json").read_text())
     for name in ("bert_model.ckpt.index", "bert_model.ckpt.data-00000-of-00001"):
