@@ -119,6 +119,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dump", type=int, default=0, metavar="N", help="print the first N samples as JSON lines")
     p.add_argument("--verify", action="store_true", help="check every shard's sha256 against the manifest")
     args = p.parse_args(argv)
+    if args.dump < 0:
+        p.error(f"--dump N: the number of samples to print, >= 0 (got {args.dump})")
     try:
         ds = ShardDataset(args.directory)
         if args.verify:

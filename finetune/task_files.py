@@ -53,13 +53,39 @@ def read_jsonl_numbered(path: str | Path) -> list[tuple[int, dict]]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
+                if not records:
+                    _refuse_json_document(path)
                 raise ValueError(f"{path}:{line_number}: not valid JSON ({err.msg})") from None
             if not isinstance(record, dict):
+                if not records:
+                    _refuse_json_document(path)
                 raise ValueError(f"{path}:{line_number}: expected a JSON object, got {type(record).__name__}")
+            if not records and _is_squad(record):
+                _refuse_json_document(path)
             records.append((line_number, record))
     if not records:
         raise ValueError(f"{path}: no records")
     return records
+
+
+def _is_squad(record: dict) -> bool:
+    return isinstance(record.get("data"), list) and all(isinstance(a, dict) and "paragraphs" in a
+                                                        for a in record["data"][:1])
+
+
+def _refuse_json_document(path: str | Path) -> None:
+    """Name the mistake when a whole JSON document (a SQuAD file, a JSON array) is given where JSON lines belong;
+    returns when the file is not one JSON document, so the caller reports its own line."""
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            document = json.load(f)
+    except (ValueError, OSError):
+        return
+    if isinstance(document, dict) and _is_squad(document):
+        raise ValueError(f"{path} is a SQuAD JSON file: SQuAD is read by the qa task (task: qa), not as JSON lines")
+    kind = "an array" if isinstance(document, list) else type(document).__name__
+    raise ValueError(f"{path} is one JSON document ({kind}), not JSON lines: write one JSON object per line "
+                     "(e.g. `jq -c '.[]' FILE > FILE.jsonl` for an array of objects)")
 
 
 def read_seq2seq(path: str | Path, targets: bool = True) -> list[dict]:

@@ -37,6 +37,9 @@ def test_dump_samples(unilm_shards, capsys):
         assert len(record["tokens"]) == record["length"]
         assert len(record["masked_labels"]) == len(record["masked_positions"]) > 0
         assert all(record["tokens"][p] != "[SEP]" for p in record["masked_positions"])
+    with pytest.raises(SystemExit) as refused:  # a negative count printed nothing and exited 0
+        inspect_cli.main([str(unilm_shards), "--dump", "-5"])
+    assert refused.value.code == 2 and "--dump N" in capsys.readouterr().err
 
 
 def test_verify_names_the_bad_shard(unilm_shards, tmp_path):

@@ -40,6 +40,19 @@ def test_read_jsonl_names_the_bad_line(tmp_path):
         read_jsonl(path)
 
 
+def test_read_jsonl_names_a_whole_json_document(tmp_path, samples_dir):
+    """A SQuAD file or a JSON array given as a task file: the mistake is named, not line 1's parse error."""
+    with pytest.raises(ValueError, match=r"squad.json is a SQuAD JSON file: .*task: qa"):
+        read_jsonl(samples_dir / "squad.json")
+    array = tmp_path / "records.json"
+    array.write_text(json.dumps([{"text": "ok", "label": "a"}, {"text": "no", "label": "b"}], indent=2))
+    with pytest.raises(ValueError, match=r"records.json is one JSON document \(an array\), not JSON lines"):
+        read_jsonl(array)
+    array.write_text(json.dumps([{"text": "ok", "label": "a"}]))  # on one line: a JSON value, not an object
+    with pytest.raises(ValueError, match=r"one JSON document \(an array\)"):
+        read_jsonl(array)
+
+
 def test_tokenizer_casing_from_the_model_directory(minilm_dir, tiny_init):
     uncased = load_tokenizer(minilm_dir)
     assert uncased.lowercase and uncased.decode(uncased.encode("Hello World")) == "hello world"
