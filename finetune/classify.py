@@ -191,7 +191,8 @@ def encode_examples(records: list[dict], tokenizer: Tokenizer, labels: LabelSpac
             pairs = [(record["context"], choice) for choice in record["choices"]]
         else:
             text, text_b = record.get("text"), record.get("text_b")
-            if not isinstance(text, str) or not text.strip():
+            # a test file's empty text is still predicted (from [CLS] [SEP]): a submission needs a row for each
+            if not isinstance(text, str) or (labelled and not text.strip()):
                 raise ValueError(f"{where}: record {number} has an empty or missing 'text'")
             if text_b is not None and not isinstance(text_b, str):
                 raise ValueError(f"{where}: record {number} has a 'text_b' of type {type(text_b).__name__}; "

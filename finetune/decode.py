@@ -362,11 +362,11 @@ def decode_records(model: torch.nn.Module, tokenizer: Tokenizer, records: list[d
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     check_vocab(model, tokenizer)
     max_src_len = source_budget(model.cfg.max_position_embeddings, max_src_len, config.max_tgt_len)
-    missing = next((number for number, record in enumerate(records, 1)
-                    if not isinstance(record.get("src"), str) or not record["src"].strip()), None)
+    missing = next((number for number, record in enumerate(records, 1) if not isinstance(record.get("src"), str)),
+                   None)
     if missing is not None:  # before any decoding: a bad record at the end would waste the work before it
-        raise ValueError(f"record {missing} has an empty or missing 'src' (decoding reads JSONL records with a "
-                         "'src' text, and 'tgt' references to score against)")
+        raise ValueError(f"record {missing} has no 'src' text (decoding reads JSONL records with a 'src' text, and "
+                         "'tgt' references to score against)")
     predictions, truncated = [], 0
     for start in range(0, len(records), batch_size):
         batch = records[start: start + batch_size]
@@ -553,6 +553,11 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as error:  # a record it cannot decode, found before decoding any
         parser.error(f"--input {args.input}: {error}")
     seconds = time.perf_counter() - began
+    empty = [number for number, record in enumerate(records, 1) if not record["src"].strip()]
+    if empty:
+        print(f"[decode] {len(empty)} empty source(s) (record {', '.join(map(str, empty[:5]))}"
+              f"{' ...' if len(empty) > 5 else ''}) decoded from [CLS] [SEP] alone, as UniLM's decoder does: the "
+              "output keeps one prediction per input")
     if len(predictions) != len(records):
         raise RuntimeError(f"{len(predictions)} predictions for {len(records)} input records; nothing written")
     write_predictions(Path(args.output), records, predictions)

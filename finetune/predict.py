@@ -156,7 +156,7 @@ def predict_qa(args: argparse.Namespace, finetuned: Finetuned, settings: dict, m
                device: torch.device) -> tuple[dict, bool]:
     """Write the span model's answers for `args.input` (and SQuAD 2.0's null odds); (its scores, True) when
     every question has its answers."""
-    questions, _ = qa.read_squad(args.input, labelled=False)
+    questions, file_version_2 = qa.read_squad(args.input, labelled=False)
     # SQuAD 2.0 or 1.1 is the model's: a 2.0 model may answer "" to bare questions, a 1.1 model always answers a span
     version_2 = bool(finetuned.meta.get("version_2"))
     windows = qa.make_windows(questions, finetuned.tokenizer, max_seq_len, settings.get("doc_stride", 128),
@@ -186,7 +186,7 @@ def predict_qa(args: argparse.Namespace, finetuned: Finetuned, settings: dict, m
         print(f"[predict] {sum(not q.labelled for q in questions)} of {len(questions)} questions have no answers: "
               "not scored")
         return {"predictions": len(questions)}, False
-    return qa.scores(predictions, questions, version_2, threshold), True
+    return qa.scores(predictions, questions, version_2, threshold, file_version_2), True
 
 
 if __name__ == "__main__":

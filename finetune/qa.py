@@ -280,6 +280,21 @@ def answers_of(predictions: list[Prediction], questions: list[Question], version
             for q, p in zip(questions, predictions)}
 
 
+def _null_scores(question: Question) -> tuple[float, float]:
+    """(EM, F1) of leaving a question unanswered, as evaluate-v2.0.py's `apply_no_ans_threshold` and
+    `find_best_thresh` score it: 1 when it is unanswerable, 0 when it is not, even when all its gold answers
+    normalise to nothing ("the", "."), which an answer "" would otherwise match."""
+    return (float(not question.answers),) * 2
+
+
+def _written_scores(predictions: list[Prediction], questions: list[Question],
+                    null_score_diff_threshold: float) -> list[tuple[float, float]]:
+    """(EM, F1) per question of the answers `answers_of` writes for SQuAD 2.0, scored as the official script
+    scores them with the null margins as its --na-prob-file and the threshold as --na-prob-thresh."""
+    return [_null_scores(q) if p.null_margin > null_score_diff_threshold else squad_scores(p.text, q.answers)
+            for p, q in zip(predictions, questions)]
+
+
 def squad2_breakdown(predictions: list[Prediction], questions: list[Question],
                      null_score_diff_threshold: float = 0.0) -> dict[str, float]:
     """The official SQuAD 2.0 evaluation's further figures, in percent, of the answers at the threshold (what
@@ -292,9 +307,12 @@ def squad2_breakdown(predictions: list[Prediction], questions: list[Question],
     answerable = [bool(q.answers) for q in questions]
     margins = [p.null_margin for p in predictions]
     span_scores = [squad_scores(p.text, q.answers) for p, q in zip(predictions, questions)]  # answering with the span
-    null_scores = [squad_scores("", q.answers) for q in questions]  # answering ""
+    null_scores = [_null_scores(q) for q in questions]  # answering ""
     unanswered = [m > null_score_diff_threshold for m in margins]
-    written = [null if off else span for null, span, off in zip(null_scores, span_scores, unanswered)]
+    written = _written_scores(predictions, questions, null_score_diff_threshold)
+    # find_best_thresh scores the written answers unthresholded: "" against gold answers that all normalise to
+    # nothing counts 1 there, as in its raw scores
+    raw = [squad_scores("" if off else p.text, q.answers) for p, q, off in zip(predictions, questions, unanswered)]
     result = {}
     for group, wanted in (("has_ans", True), ("no_ans", False)):
         members = [i for i, a in enumerate(answerable) if a == wanted]
@@ -308,7 +326,7 @@ def squad2_breakdown(predictions: list[Prediction], questions: list[Question],
         total = best_total = sum(not a for a in answerable)
         best_threshold = 0.0
         for i in order:
-            total += written[i][k] if answerable[i] else -float(not unanswered[i] and bool(predictions[i].text))
+            total += raw[i][k] if answerable[i] else -float(not unanswered[i] and bool(predictions[i].text))
             if total > best_total:
                 best_total, best_threshold = total, margins[i]
         result[f"best_{metric}"] = 100.0 * best_total / len(questions)
@@ -335,10 +353,16 @@ def evaluate(model: SpanModel, questions: list[Question], windows: list[Window],
 
 
 def scores(predictions: list[Prediction], questions: list[Question], version_2: bool,
-           null_score_diff_threshold: float = 0.0) -> dict[str, float]:
-    """The official evaluation's EM/F1 of `predictions` (and, for SQuAD 2.0, its breakdown)."""
-    answers = answers_of(predictions, questions, version_2, null_score_diff_threshold)
-    metrics = squad_metrics(answers, {q.qid: list(q.answers) for q in questions}, version_2)
-    if version_2:
+           null_score_diff_threshold: float = 0.0, file_version_2: bool | None = None) -> dict[str, float]:
+    """The official evaluation's EM/F1 of `predictions` (and, for SQuAD 2.0, its breakdown). ``version_2``: the
+    model's, which decides whether it may answer ""; ``file_version_2`` (default: the same): the questions' file's,
+    whose official script scores them (a 2.0 model on v1.1's dev set is scored by v1.1's rules)."""
+    file_version_2 = version_2 if file_version_2 is None else file_version_2
+    if version_2 and file_version_2:
+        written = _written_scores(predictions, questions, null_score_diff_threshold)
+        metrics = {"exact_match": 100.0 * sum(e for e, _ in written) / len(written),
+                   "f1": 100.0 * sum(f for _, f in written) / len(written)}
         metrics.update(squad2_breakdown(predictions, questions, null_score_diff_threshold))
-    return metrics
+        return metrics
+    answers = answers_of(predictions, questions, version_2, null_score_diff_threshold)
+    return squad_metrics(answers, {q.qid: list(q.answers) for q in questions}, file_version_2)

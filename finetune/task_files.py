@@ -109,9 +109,10 @@ def read_seq2seq(path: str | Path, targets: bool = True) -> list[dict]:
 
 
 def _lines(path: Path) -> list[str]:
-    """The lines of a UTF-8 text file, without their line ends (a final newline ends the last line)."""
+    """The lines of a UTF-8 text file, without their line ends (LF, CRLF or a lone CR, as Python's text files read
+    them; a final line end ends the last line)."""
     try:
-        text = path.read_bytes().decode("utf-8").removeprefix("\ufeff")
+        text = path.read_bytes().decode("utf-8").removeprefix("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
     except UnicodeDecodeError as err:
         line = path.read_bytes()[:err.start].count(b"\n") + 1
         raise ValueError(f"{path}:{line}: not UTF-8 text; re-encode the file as UTF-8") from None

@@ -271,6 +271,24 @@ def official_v2_best(answers: dict[str, str], na_probs: dict[str, float], gold: 
     return results
 
 
+def official_v2_headline(answers: dict[str, str], na_probs: dict[str, float], gold: dict[str, list[str]],
+                         threshold: float) -> dict[str, float]:
+    """evaluate-v2.0.py's exact / f1 and HasAns / NoAns figures with `--na-prob-thresh threshold`: raw scores, then
+    `apply_no_ans_threshold` (a question whose na-prob is above the threshold scores `not has_ans`)."""
+    from finetune.metrics import squad_exact_match, squad_f1
+    results = {}
+    for name, score in (("exact", squad_exact_match), ("f1", squad_f1)):
+        scored = {qid: float(not golds) if na_probs[qid] > threshold
+                  else max(score(answers[qid], a) for a in ([a for a in golds if normalize(a)] or [""]))
+                  for qid, golds in gold.items()}
+        results["exact_match" if name == "exact" else "f1"] = 100.0 * sum(scored.values()) / len(scored)
+        for group, wanted in (("has_ans", True), ("no_ans", False)):
+            members = [qid for qid, golds in gold.items() if bool(golds) == wanted]
+            if members:
+                results[f"{group}_{name}"] = 100.0 * sum(scored[qid] for qid in members) / len(members)
+    return results
+
+
 def normalize(text):
     from finetune.metrics import normalize_answer
     return normalize_answer(text)
@@ -288,7 +306,7 @@ def test_squad2_best_scores_are_the_official_scripts_on_the_written_files():
     assert (breakdown["best_exact"], breakdown["best_exact_threshold"]) == (pytest.approx(200 / 3), -1.0)
     assert (breakdown["span_best_exact"], breakdown["span_best_exact_threshold"]) == (100.0, 0.5)
     rng = random.Random(0)
-    words = ["Denver", "the Broncos", "Paris", "a", "London bridge", "France"]
+    words = ["Denver", "the Broncos", "Paris", "a", "London bridge", "France", "the", "."]  # "a", "the", ".": nothing
     for case in range(300):
         questions = [question(f"q{i}", *rng.sample(words, rng.choice([0, 0, 1, 2]))) for i in range(rng.randint(1, 9))]
         predictions = [qa.Prediction(rng.choice(words), rng.choice([-2.0, -1.0, -0.5, 0.0, 0.5, 1.0, math.inf]))
@@ -299,6 +317,22 @@ def test_squad2_best_scores_are_the_official_scripts_on_the_written_files():
         expected = official_v2_best(answers, na_probs, {q.qid: list(q.answers) for q in questions})
         got = qa.squad2_breakdown(predictions, questions, threshold)
         assert {k: got[k] for k in expected} == pytest.approx(expected), case
+        expected = official_v2_headline(answers, na_probs, {q.qid: list(q.answers) for q in questions}, threshold)
+        got = qa.scores(predictions, questions, True, threshold)
+        assert {k: got[k] for k in expected} == pytest.approx(expected), case
+
+
+def test_an_answerable_question_left_unanswered_scores_0_and_the_file_sets_the_rules():
+    """Gold answers that all normalise to nothing ("the"): left unanswered, the question still has answers, so the
+    official script scores it 0 (an answer "" would match the nothing they normalise to). A 2.0 model's answers to
+    a v1.1 file are scored by v1.1's rules, under which F1 of two answers that normalise to nothing is 0."""
+    questions = [qa.Question("q1", "?", "the cat", ("the",), 0), qa.Question("q2", "?", "the cat", ("cat",), 4)]
+    predictions = [qa.Prediction("cat", 2.0), qa.Prediction("cat", -1.0)]  # q1 left unanswered (2 > 0)
+    scores = qa.scores(predictions, questions, True, 0.0)
+    assert (scores["exact_match"], scores["f1"], scores["has_ans_exact"]) == (50.0, 50.0, 50.0)
+    answered = [qa.Prediction("the", -1.0)]
+    assert qa.scores(answered, questions[:1], True, 0.0)["f1"] == 100.0
+    assert qa.scores(answered, questions[:1], True, 0.0, file_version_2=False) == {"exact_match": 100.0, "f1": 0.0}
 
 
 def test_a_sloppy_answer_start_takes_the_nearest_occurrence(tmp_path):

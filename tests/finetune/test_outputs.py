@@ -101,11 +101,26 @@ def test_decode_refuses_settings_and_inputs_it_cannot_decode_before_decoding_any
     write_jsonl(records, tmp_path / "mixed.jsonl")
     with pytest.raises(SystemExit) as exit_info:
         decode.main(decode_args(tiny_init, tmp_path / "mixed.jsonl", output))
-    assert exit_info.value.code == 2 and "record 6 has an empty or missing 'src'" in capsys.readouterr().err
+    assert exit_info.value.code == 2 and "record 6 has no 'src' text" in capsys.readouterr().err
     assert not output.exists()
     (tmp_path / "bom.jsonl").write_text("\ufeff" + sources.read_text(), encoding="utf-8")  # as Windows editors save
     decode.main(decode_args(tiny_init, tmp_path / "bom.jsonl", output))
     assert len(output.read_text().splitlines()) == 5
+
+
+def test_a_line_file_with_blank_lines_and_crlf_decodes_one_line_per_input(tiny_init, tmp_path, capsys):
+    """UniLM's decoder decodes every line of its input, a blank one from [CLS] [SEP] alone; line ends may be CRLF
+    (a Windows editor's) or a lone CR, and are not part of the text."""
+    (tmp_path / "test.src").write_bytes(b"the minister said talks would go on\r\n\r\nthe talks went on\r"
+                                        b"   \r\nthe end\r\n")
+    decode.main(decode_args(tiny_init, tmp_path / "test.src", tmp_path / "out.jsonl"))
+    records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["src"] for r in records] == ["the minister said talks would go on", "", "the talks went on", "   ",
+                                           "the end"]
+    assert all(isinstance(r["prediction"], str) for r in records)
+    assert "2 empty source(s) (record 2, 4) decoded from [CLS] [SEP] alone" in capsys.readouterr().out
+    decode.main(decode_args(tiny_init, tmp_path / "test.src", tmp_path / "out.txt"))
+    assert len((tmp_path / "out.txt").read_text().split("\n")) == 5 + 1  # a line per input, each ended
 
 
 def test_decode_reports_the_source_cut_it_applies_and_refuses_what_leaves_no_source(tiny_init, sources, tmp_path,

@@ -129,6 +129,18 @@ def test_a_test_files_malformed_rows_are_refused_by_line_not_dropped(tiny_init, 
     assert len((tmp_path / "dev_pred.tsv").read_text().splitlines()) == 3
 
 
+def test_a_test_files_empty_text_is_predicted_not_refused(tiny_init, tmp_path):
+    """A test row whose sentence is empty still needs its prediction (a submission has a row per test row): it is
+    predicted from [CLS] [SEP] (and the empty second text likewise)."""
+    rte = fine_tuned(tiny_init, tmp_path / "rte", BINARY_NLI, settings={"glue_task": "rte"})
+    test = tmp_path / "test.tsv"
+    test.write_text("index\tsentence1\tsentence2\n0\tA man\tA person\n1\t\tA person\n2\tRain\t\n3\t \t \n")
+    predict.main(["--model", str(rte), "--input", str(test), "--output", str(tmp_path / "RTE.tsv")])
+    rows = [line.split("\t") for line in (tmp_path / "RTE.tsv").read_text().splitlines()]
+    assert [row[0] for row in rows] == ["index", "0", "1", "2", "3"]
+    assert all(row[1] in BINARY_NLI for row in rows[1:])
+
+
 def test_a_directory_as_input_or_output_is_refused_before_the_model_loads(tiny_init, tmp_path, capsys, monkeypatch):
     model = fine_tuned(tiny_init, tmp_path / "model", ["no", "yes"])
     texts = tmp_path / "texts.jsonl"

@@ -182,6 +182,9 @@ def test_settings_that_need_no_model_are_refused_before_it_loads(small_tasks, tm
     assert "train." not in str(refused.value)
     with pytest.raises(run.InputError, match="nothing.json: no such file or directory"):
         run.main(args + ["--deepspeed-config", str(tmp_path / "nothing.json")])
+    missing = [*args[:3], str(tmp_path / "trian.jsonl"), *args[4:]]  # a mistyped --train, named before --init
+    with pytest.raises(run.InputError, match=r"trian.jsonl: no such file or directory \(the train file\)"):
+        run.main(missing)
 
 
 def test_init_from_a_fine_tuning_runs_checkpoints_points_at_its_output(small_tasks, tiny_init, tmp_path):
