@@ -393,7 +393,9 @@ def test_gelu_python_is_the_exact_gelu(minilm_dir):
     assert config_from_hf({**config, "hidden_act": "gelu_python"}) == config_from_hf(config)
 
 
-def test_a_checkpoint_with_six_segment_types_loads_as_is(tmp_path):
+def test_a_checkpoint_with_six_segment_types_loads_as_is(tmp_path, caplog):
+    """Six stored segment rows load as they are. Under a config without layer_norm_eps (BERT's bert_config.json:
+    1e-12 applies) they are UniLM v1's release, which normalised with 1e-5: the fix is named; not otherwise."""
     torch.manual_seed(3)
     model = build_model(preset("tiny"))
     save_hf_bert(model, tmp_path)
@@ -402,7 +404,14 @@ def test_a_checkpoint_with_six_segment_types_loads_as_is(tmp_path):
     save_file(tensors, tmp_path / "model.safetensors")
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "type_vocab_size": 6}))
-    assert torch.equal(load_hf_bert(tmp_path).embeddings.segment.weight, model.embeddings.segment.weight)
+    with caplog.at_level(logging.WARNING, logger="pretrain.hf"):
+        assert torch.equal(load_hf_bert(tmp_path).embeddings.segment.weight, model.embeddings.segment.weight)
+    assert "layer_norm_eps" not in caplog.text
+    del config["layer_norm_eps"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with caplog.at_level(logging.WARNING, logger="pretrain.hf"):
+        assert load_hf_bert(tmp_path).cfg.layer_norm_eps == 1e-12
+    assert f'"layer_norm_eps": 1e-5 to {tmp_path / "config.json"}' in caplog.text
 
 
 def test_the_original_release_layout_loads(minilm_dir, tmp_path):
@@ -432,25 +441,6 @@ def test_the_original_release_layout_loads(minilm_dir, tmp_path):
     backbone, tokenizer = load_init(tmp_path)
     assert torch.equal(backbone.embeddings.segment.weight, loaded["embeddings.segment.weight"])
     assert tokenizer.vocab_size == model.cfg.vocab_size
-
-
-def test_the_original_release_without_layer_norm_eps_is_named(tmp_path, caplog):
-    """BERT's bert_config.json sets no layer_norm_eps (BERT's 1e-12 applies), but UniLM v1 normalised with 1e-5:
-    its six segment rows under such a config are named with the fix; a config that sets the key is not."""
-    model = build_model(preset("tiny"))
-    save_hf_bert(model, tmp_path)
-    tensors = load_file(tmp_path / "model.safetensors")
-    tensors["bert.embeddings.token_type_embeddings.weight"] = model.embeddings.segment.weight.detach().clone()
-    save_file(tensors, tmp_path / "model.safetensors")
-    config = json.loads((tmp_path / "config.json").read_text())
-    with caplog.at_level(logging.WARNING, logger="pretrain.hf"):
-        load_hf_bert(tmp_path)
-    assert "layer_norm_eps" not in caplog.text
-    del config["layer_norm_eps"]
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    with caplog.at_level(logging.WARNING, logger="pretrain.hf"):
-        loaded = load_hf_bert(tmp_path)
-    assert f'"layer_norm_eps": 1e-5 to {tmp_path / "config.json"}' in caplog.text and loaded.cfg.layer_norm_eps == 1e-12
 
 
 def test_a_tensorflow_checkpoint_is_named_as_such(minilm_dir, tmp_path):
