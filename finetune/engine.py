@@ -270,9 +270,9 @@ def train_step(cfg: FinetuneConfig, engine: Any, task: TaskSetup, plan: BatchPla
             stop_if_nonfinite(f"non-finite loss (this rank's micro-batches: {summary['local_losses']})",
                               "before the optimizer step")
 
-    optimizer_step(engine, micro_batches, loss_of=lambda loss: loss,
-                   observe=lambda batch, loss: losses.append(loss.detach()), before_update=before_update)
-    bad_norm = nonfinite_gradient_norm(engine)
+    measured_norm = optimizer_step(engine, micro_batches, loss_of=lambda loss: loss,
+                                   observe=lambda batch, loss: losses.append(loss.detach()), before_update=before_update)
+    bad_norm = nonfinite_gradient_norm(engine, measured_norm)
     if bad_norm is not None:
         stop_if_nonfinite(f"non-finite gradient norm {bad_norm}", "without saving this step")
     return summary["loss"], summary["stop"]

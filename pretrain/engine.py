@@ -23,7 +23,7 @@ import socket
 import sys
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -475,31 +475,56 @@ def resume_rng(saved_states: Sequence[dict[str, Any]], seed: int, step: int, ran
 def optimizer_step(engine: Any, micro_batches: Sequence[dict[str, torch.Tensor]],
                    loss_of: Callable[[Any], torch.Tensor],
                    observe: Callable[[dict[str, torch.Tensor], Any], None],
-                   before_update: Callable[[], None]) -> None:
+                   before_update: Callable[[], None]) -> float | None:
     """Forward and backward of each micro-batch, then DeepSpeed's step (it applies the update at the last one).
 
     ``loss_of(output)`` is the scalar to backpropagate; ``observe(batch, output)`` sees each micro-batch's output
     (statistics); ``before_update()`` runs after the last backward and before the update is applied — where a
-    non-finite loss stops the run with the weights untouched.
+    non-finite loss stops the run with the weights untouched. Returns the global gradient norm measured here where
+    DeepSpeed records none (`records_gradient_norm`), else None; `step_gradient_norm` reads either.
     """
+    measured = None
     for index, batch in enumerate(micro_batches):
         output = engine(**batch)
         engine.backward(loss_of(output))
         observe(batch, output)
         if index == len(micro_batches) - 1:
             before_update()
+            if not records_gradient_norm(engine):
+                measured = gradient_norm(engine.module.parameters())
         engine.step()
+    return measured
 
 
-def nonfinite_gradient_norm(engine: Any) -> float | None:
-    """The global gradient norm of the step just taken when it is NaN/inf under fp32/bf16, else None.
+def records_gradient_norm(engine: Any) -> bool:
+    """Whether DeepSpeed's step records the global gradient norm: its ZeRO and bf16/fp16 optimizers do; without
+    ZeRO in fp32 the engine steps the plain torch optimizer and drops `clip_grad_norm_`'s result."""
+    return engine.fp16_enabled() or hasattr(engine.optimizer, "_global_grad_norm")
+
+
+def gradient_norm(parameters: Iterable[torch.nn.Parameter]) -> float:
+    """The L2 norm of all gradients together, in fp32 (after the boundary's backward, without ZeRO: the averaged
+    gradients every rank holds alike)."""
+    norms = [torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in parameters if p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+
+
+def step_gradient_norm(engine: Any, measured: float | None) -> float | None:
+    """The global gradient norm of the step just taken: DeepSpeed's, else the one `optimizer_step` measured."""
+    norm = engine.get_global_grad_norm()
+    return measured if norm is None else float(norm)
+
+
+def nonfinite_gradient_norm(engine: Any, measured: float | None = None) -> float | None:
+    """The global gradient norm of the step just taken (`step_gradient_norm`) when it is NaN/inf under fp32/bf16,
+    else None.
 
     fp16's loss scaler skips and logs such steps. Under fp32/bf16 DeepSpeed skips or applies the update
     depending on the ZeRO stage, with at most a log line, and training would go on: the caller stops, never
     saving this step."""
     if engine.fp16_enabled():
         return None
-    norm = engine.get_global_grad_norm()
-    if norm is None or math.isfinite(float(norm)):
+    norm = step_gradient_norm(engine, measured)
+    if norm is None or math.isfinite(norm):
         return None
-    return float(norm)
+    return norm

@@ -35,7 +35,7 @@ from pretrain.accelerator import accelerator_name, collective_device, matmul_pea
 from pretrain.data import PretrainLoader, SampleOrder, collate, sample_objectives, to_device
 from pretrain.engine import (NonFiniteLossError, SetupError, build_engine, engine_config, first_error,
                              init_distributed, nonfinite_gradient_norm, optimizer_step, precision,
-                             read_engine_json, seed_everything, zero_stage)
+                             read_engine_json, seed_everything, step_gradient_norm, zero_stage)
 from pretrain.hf import hf_model_config, load_hf_bert
 from pretrain.model import REPORTED_OBJECTIVES, ModelConfig, UniLMModel, build_model, training_flops
 from pretrain.outputs import write_file_atomically
@@ -655,12 +655,12 @@ def train_step(engine: Any, loader: PretrainLoader, plan: BatchPlan, metrics: Me
             metrics.write({"step": progress.step + 1, "event": "nonfinite_loss", "message": message})
             raise NonFiniteLossError(message)
 
-    optimizer_step(engine, micro_batches, loss_of=lambda output: output.loss, observe=sums.add,
-                   before_update=before_update)
+    measured_norm = optimizer_step(engine, micro_batches, loss_of=lambda output: output.loss, observe=sums.add,
+                                   before_update=before_update)
     progress.step += 1
     progress.consumed_samples = loader.consumed_samples
     elapsed = time.perf_counter() - step_started
-    bad_norm = nonfinite_gradient_norm(engine)
+    bad_norm = nonfinite_gradient_norm(engine, measured_norm)
     if bad_norm is not None:
         message = nonfinite_diagnostic(progress.step, progress.consumed_samples - plan.global_batch_size, summary,
                                        summary["lr"], None, last_tag(progress), grad_norm=bad_norm)
@@ -668,7 +668,7 @@ def train_step(engine: Any, loader: PretrainLoader, plan: BatchPlan, metrics: Me
         raise NonFiniteLossError(message)
     record = {
         "step": progress.step, "consumed_samples": progress.consumed_samples, "loss": summary["loss"],
-        "lr": summary["lr"], "grad_norm": _maybe_float(engine.get_global_grad_norm()),
+        "lr": summary["lr"], "grad_norm": _maybe_float(step_gradient_norm(engine, measured_norm)),
         **{f"loss_{name}": value for name, value in summary["objectives"].items()},
         "samples_per_s": plan.global_batch_size / elapsed, "tokens_per_s": summary["tokens"] / elapsed,
         **throughput.per_rank(summary, plan.global_batch_size, elapsed),

@@ -248,3 +248,32 @@ def test_zero_offload_with_accumulation_takes_each_micro_batchs_gradients(one_ra
     (norms, weights), (offloaded_norms, offloaded_weights) = train(offload=False), train(offload=True)
     assert offloaded_norms == pytest.approx(norms, rel=1e-5)
     torch.testing.assert_close(offloaded_weights, weights, rtol=1e-5, atol=1e-6)
+
+
+def test_without_zero_the_step_measures_the_gradient_norm_deepspeed_does_not(one_rank_group, monkeypatch) -> None:
+    """Without ZeRO in fp32 DeepSpeed records no gradient norm: `optimizer_step` measures it, equal to the norm
+    ZeRO-2 records for the same step, so a non-finite gradient stops such a run too (it was applied and saved)."""
+    from pretrain.batch_plan import plan_batch
+    from pretrain.data import synthetic_batch
+    from pretrain.model import build_model, preset
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    cfg = dataclasses.replace(preset("tiny"), vocab_size=1200, hidden_dropout=0.0, attention_dropout=0.0)
+    batches = [synthetic_batch(cfg, 2, 16, 3, seed=micro) for micro in range(2)]
+
+    def step(ds_json: str, scale: float = 1.0) -> tuple[Any, float | None]:
+        config = engine.engine_config(engine.read_engine_json(REPO_ROOT / "ds_configs" / ds_json), plan_batch(4, 2, 1),
+                                      1.0, {"lr": 1e-3}, 1e-3, 0.0, 1, 10)
+        torch.manual_seed(0)
+        ds_engine = engine.build_engine(build_model(cfg), config, weight_decay=0.01)
+        measured = engine.optimizer_step(ds_engine, batches, loss_of=lambda output: output.loss * scale,
+                                         observe=lambda batch, output: None, before_update=lambda: None)
+        return ds_engine, measured
+
+    zero0, measured = step("zero0_fp32_cpu.json")
+    zero2, recorded = step("zero2_fp32_cpu.json")
+    assert zero0.get_global_grad_norm() is None and measured is not None and recorded is None
+    assert measured == pytest.approx(engine.step_gradient_norm(zero2, None), rel=1e-5) and measured > 0
+    assert engine.nonfinite_gradient_norm(zero0, measured) is None
+    zero0, measured = step("zero0_fp32_cpu.json", scale=math.inf)
+    assert not math.isfinite(engine.nonfinite_gradient_norm(zero0, measured))
