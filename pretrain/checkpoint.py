@@ -196,8 +196,12 @@ def verify_tag(tag_dir: Path, hashes: bool = True) -> tuple[dict[str, Any] | Non
     if not isinstance(record, dict):
         return None, f"{MARKER} is not a JSON object"
     if record.get("format_version") != FORMAT_VERSION:
+        version = record.get("format_version")
+        newer = isinstance(version, int) and version > FORMAT_VERSION
         raise CheckpointMismatchError(
-            f"{tag_dir}: checkpoint format_version {record.get('format_version')} != {FORMAT_VERSION}")
+            f"{tag_dir}: checkpoint format_version {version}, this code reads {FORMAT_VERSION}: it was written by "
+            f"{'a newer' if newer else 'another'} version of this project; resume it with that version, or give "
+            "this run another out_dir")
     files, digests = record.get("files"), record.get("sha256")
     if not isinstance(files, dict) or not files:
         return None, f"{MARKER} lists no files (a marker must vouch for every file of the save)"
@@ -712,6 +716,11 @@ def _resume_decision(checkpoint_dir: Path, resume: str, report: Callable[[str], 
         except CheckpointPathError as error:  # only pre-training's train.resume names a directory
             raise CheckpointPathError(f"train.resume={resume}: {error}; use auto, never, or a checkpoints/tag "
                                       "directory") from None
+        if not (directory / tag).is_dir():
+            saved = complete_tags(directory, hashes=False)
+            raise CheckpointPathError(f"train.resume={resume}: {directory / tag} does not exist; "
+                                      + (f"complete checkpoints in {directory}: {', '.join(saved)}" if saved else
+                                         f"{directory} holds no complete checkpoint"))
     meta, problem = verify_tag(directory / tag, hashes=hashes)
     if meta is None:
         raise FileNotFoundError(f"{directory / tag} is not a complete checkpoint: {problem}")

@@ -74,7 +74,8 @@ def test_unknown_marker_version_is_refused(tmp_path: Path) -> None:
     fake_save(tmp_path, 4)
     marker = tmp_path / "global_step4" / ckpt.MARKER
     marker.write_text(json.dumps(dict(json.loads(marker.read_text()), format_version=99)))
-    with pytest.raises(ckpt.CheckpointMismatchError, match="format_version 99"):
+    with pytest.raises(ckpt.CheckpointMismatchError, match="format_version 99, this code reads 1: it was written "
+                                                           "by a newer version of this project; resume it with"):
         ckpt.read_marker(tmp_path / "global_step4")
 
 

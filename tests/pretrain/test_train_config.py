@@ -359,3 +359,9 @@ def test_an_unusable_train_resume_names_the_key_and_its_values(tmp_path: Path, o
                                                        r"directory .*; use auto, never, or a checkpoints/tag "
                                                        r"directory$"):
         ckpt.find_resume_point(tmp_path / "checkpoints", "sometimes", {}, world_size=1, zero_stage=0)
+    checkpoints = tmp_path / "checkpoints"
+    (checkpoints / "global_step4").mkdir(parents=True)  # unfinished: not listed
+    with pytest.raises(ckpt.CheckpointPathError, match=rf"^train.resume={checkpoints}/global_step99: "
+                                                       rf"{checkpoints}/global_step99 does not exist; {checkpoints} "
+                                                       r"holds no complete checkpoint$"):
+        ckpt.find_resume_point(checkpoints, str(checkpoints / "global_step99"), {}, world_size=1, zero_stage=0)
