@@ -132,8 +132,13 @@ RUN         ?= runs/tiny
 HOSTFILE_HOSTS = $(if $(HOSTFILE),$(shell awk '$$1 !~ /^\#/ && NF && !seen[$$1]++ { \
   if ($$1 ~ /^[A-Za-z0-9_]([A-Za-z0-9_.:-]*[A-Za-z0-9_])?$$/) print $$1; else print "!invalid-host" }' '$(HOSTFILE)' 2>/dev/null))
 CHECK_HOSTS    = $(if $(filter !invalid-host,$(HOSTFILE_HOSTS)),$(error $(HOSTFILE): a host entry is not a host \
-  name or IP address; run `make preflight HOSTFILE=$(HOSTFILE)` for the line))
+  name or IP address; run `make preflight HOSTFILE=$(HOSTFILE)` for the line))$(if $(LOOPBACK_MASTER),$(error \
+  $(HOSTFILE): its first host, $(firstword $(HOSTFILE_HOSTS)), is where every rank meets rank 0, but from the \
+  other hosts it is each host itself; list this machine by a name the others reach, or set MASTER_ADDR))
 REMOTE_HOSTS   = $(filter-out localhost 127.0.0.1,$(HOSTFILE_HOSTS))
+# Several hosts with a loopback name first, and no MASTER_ADDR given: the other hosts would rendezvous with themselves.
+LOOPBACK_MASTER = $(and $(REMOTE_HOSTS),$(filter localhost 127.0.0.1,$(firstword $(HOSTFILE_HOSTS))),$(filter \
+  file undefined,$(origin MASTER_ADDR)))
 MASTER_ADDR   ?= $(if $(REMOTE_HOSTS),$(firstword $(HOSTFILE_HOSTS)),127.0.0.1)
 LAUNCH_FLAGS   = $(if $(REMOTE_HOSTS),,--no_ssh_check) --master_addr '$(subst ','\'',$(MASTER_ADDR))'
 RANKS_ARGS     = $(if $(HOSTFILE),--hostfile '$(HOSTFILE)',--num_gpus $(PRETRAIN_RANKS))

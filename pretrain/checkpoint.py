@@ -758,15 +758,22 @@ def find_resume_point(checkpoint_dir: Path, resume: str, identity: dict[str, Any
         return None
     tag, meta = decision
     directory = Path(checkpoint_dir) if resume == "auto" else resolve_tag_dir(resume)[0]  # this rank's view of it
-    if rank != 0:
-        mine, problem = verify_tag(directory / tag, hashes=False)
-        if mine is None or mine.get("save_id") != meta.get("save_id"):
-            raise FileNotFoundError(
-                f"rank {rank} on {socket.gethostname()} does not see the checkpoint rank 0 resumes, "
-                f"{directory / tag}, as rank 0 does ({problem or 'another save is there'}): out_dir must be one "
-                "shared directory, at the same path, on every node")
-    check_compatible(meta, identity, str(directory / tag), restart)
-    check_stage_change(meta["zero_stage"], zero_stage, directory / tag)
+    refusal = None
+    try:  # what this rank finds stops every rank together (first_error), not this one alone
+        if rank != 0:
+            mine, problem = verify_tag(directory / tag, hashes=False)
+            if mine is None or mine.get("save_id") != meta.get("save_id"):
+                raise FileNotFoundError(
+                    f"rank {rank} on {socket.gethostname()} does not see the checkpoint rank 0 resumes, "
+                    f"{directory / tag}, as rank 0 does ({problem or 'another save is there'}): out_dir must be one "
+                    "shared directory, at the same path, on every node")
+        check_compatible(meta, identity, str(directory / tag), restart)
+        check_stage_change(meta["zero_stage"], zero_stage, directory / tag)
+    except (ValueError, OSError) as error:
+        refusal = error
+    refusal = first_error(refusal)
+    if refusal is not None:
+        raise refusal
     load_tag = tag
     if (meta["world_size"] != world_size or meta["zero_stage"] != zero_stage) and meta["zero_stage"] > 0:
         error = None

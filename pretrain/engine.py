@@ -93,6 +93,9 @@ def slurm_task_environment(environ: Mapping[str, str]) -> dict[str, str]:
     tasks, task = environ.get("SLURM_STEP_NUM_TASKS", ""), environ.get("SLURM_PROCID", "")
     if ("RANK" in environ and "WORLD_SIZE" in environ) or not (tasks.isdigit() and task.isdigit()) or int(tasks) < 2:
         return {}
+    mpi_size, mpi_rank = mpi_environment(environ)
+    if (mpi_size is not None and mpi_size != tasks) or (mpi_rank is not None and mpi_rank != task):
+        return {}  # mpirun inside an allocation: its ranks inherit the srun step of its per-node daemons
     values = {"RANK": task, "WORLD_SIZE": tasks, "LOCAL_RANK": environ.get("SLURM_LOCALID", "0")}
     if "MASTER_ADDR" not in environ:
         nodes = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
@@ -104,6 +107,27 @@ def slurm_task_environment(environ: Mapping[str, str]) -> dict[str, str]:
         job = environ.get("SLURM_JOB_ID", "")
         values["MASTER_PORT"] = str(20000 + int(job) % 20000) if job.isdigit() else "29500"
     return values
+
+
+MPI_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+MPI_RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+
+
+def mpi_environment(environ: Mapping[str, str]) -> tuple[str | None, str | None]:
+    """(world size, rank) as an MPI launcher gives them to its ranks (OpenMPI's mpirun, MPICH/Intel MPI's
+    mpiexec, srun's PMI), each None where it gives none."""
+    size = next((environ[v] for v in MPI_SIZE_VARIABLES if v in environ), None)
+    rank = next((environ[v] for v in MPI_RANK_VARIABLES if v in environ), None)
+    return size, rank
+
+
+def launched_rank(environ: Mapping[str, str]) -> int:
+    """This process's rank as its launcher set it, before the process group exists (0 when none did): to let one
+    rank speak for all before then."""
+    for value in (environ.get("RANK"), mpi_environment(environ)[1], environ.get("SLURM_PROCID")):
+        if value is not None and value.isdigit():
+            return int(value)
+    return 0
 
 
 def init_distributed() -> tuple[int, int]:
@@ -122,8 +146,7 @@ def init_distributed() -> tuple[int, int]:
     if arch_note and local_rank() == 0:
         print(f"[ops] {arch_note}", file=sys.stderr, flush=True)
 
-    launched = all(k in os.environ for k in ("RANK", "WORLD_SIZE")) or "OMPI_COMM_WORLD_SIZE" in os.environ \
-        or "PMI_SIZE" in os.environ
+    launched = all(k in os.environ for k in ("RANK", "WORLD_SIZE")) or mpi_environment(os.environ)[0] is not None
     if not launched:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
@@ -193,6 +216,23 @@ def first_error(error: Any) -> Any:
     if not (torch_dist.is_initialized() and torch_dist.get_world_size() > 1):
         return error
     return next((e for e in gather_objects(error) if e is not None), None)
+
+
+def on_every_rank(action: Callable[[], Any]) -> Any:
+    """``action()`` on this rank as one step of a setup every rank takes together (a collective): a ValueError or
+    OSError it raises on any rank stops every rank here with a `SetupError` (the lowest such rank's message, which
+    names its rank and host when that is not rank 0), so no rank goes on into a collective the others have left
+    (across nodes, no launcher would stop them: they would wait for the collective's timeout)."""
+    result, error = None, None
+    try:
+        result = action()
+    except (ValueError, OSError) as exc:
+        rank = torch_dist.get_rank() if torch_dist.is_initialized() else 0
+        error = str(exc) if rank == 0 else f"{exc} (rank {rank} on {socket.gethostname()})"
+    error = first_error(error)
+    if error is not None:
+        raise SetupError(error)
+    return result
 
 
 # ----------------------------------------------------------------------------------------- DeepSpeed JSON

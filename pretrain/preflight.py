@@ -3,7 +3,10 @@
 For the run config and hostfile it verifies, before any rank starts:
   * the DeepSpeed JSON passes the checks training makes of it (``pretrain.engine.read_engine_json``);
   * the global batch splits over the hostfile's slots (else the feasible choices are listed);
-  * every host is reachable (password-less ssh, as DeepSpeed's launcher needs; local names run in-process);
+  * every host is reachable (password-less ssh, as DeepSpeed's launcher needs: with several hosts each one over
+    ssh, this machine too, as the launcher reaches them; a hostfile of this machine alone runs in-process);
+  * with several hosts, the first (the rendezvous master) is not a loopback name, and every host sees a file
+    written where out_dir is (out_dir must be one shared directory);
   * every host runs the same code version (``git describe`` / package version) as this one;
   * every host sees the shards with the same manifest hash (and opens them: sizes, magic, version);
   * every host has free disk for ``keep_last + 1`` checkpoints (≈20 bytes per parameter each, an estimate);
@@ -37,6 +40,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -93,9 +97,12 @@ def read_hostfile(path: str | Path) -> dict[str, int]:
     return hosts
 
 
-def probe(cfg: RunConfig) -> dict[str, Any]:
-    """What this host sees: code version, shard manifest hash, ``model.init_from``, free disk under out_dir."""
+def probe(cfg: RunConfig, shared_file: str | None = None) -> dict[str, Any]:
+    """What this host sees: code version, shard manifest hash, ``model.init_from``, free disk under out_dir, and
+    whether ``shared_file`` (written under out_dir by the host that runs the preflight) is there."""
     report: dict[str, Any] = {"host": socket.gethostname(), "code_version": code_version()}
+    if shared_file is not None:
+        report["sees_shared_file"] = Path(shared_file).is_file()
     try:
         ShardDataset(cfg.data.shards)
         report["manifest_hash"] = sha256_file(Path(cfg.data.shards) / MANIFEST_NAME)
@@ -171,9 +178,11 @@ def checkpoint_bytes(cfg: RunConfig) -> int:
     return CHECKPOINT_BYTES_PER_PARAMETER * parameters
 
 
-def remote_probe(host: str, config: str, overrides: list[str]) -> dict[str, Any]:
+def remote_probe(host: str, config: str, overrides: list[str], shared_file: str | None = None) -> dict[str, Any]:
     command = (f"cd {shlex.quote(str(REPO_ROOT))} && {shlex.quote(sys.executable)} -m pretrain.preflight --probe "
-               f"--config {shlex.quote(config)} " + " ".join(shlex.quote(o) for o in overrides))
+               f"--config {shlex.quote(config)} "
+               + (f"--shared-file {shlex.quote(shared_file)} " if shared_file else "")
+               + " ".join(shlex.quote(o) for o in overrides))
     try:
         result = subprocess.run(["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", host, command],
                                 capture_output=True, text=True, timeout=SSH_TIMEOUT_S)
@@ -217,36 +226,76 @@ def preflight(config: str, overrides: list[str], hostfile: str | None, local_ran
     except (OSError, ValueError):  # an unreadable model.init_from: each host's probe names it
         checkpoint_size = None
     needed = (cfg.train.keep_last + 1) * (checkpoint_size or 0)
-    for host in hosts:
-        report = local if host in LOCAL_NAMES else remote_probe(host, config, overrides)
-        problems_before = len(problems)
-        if "unreachable" in report:
-            problems.append(f"{host}: not reachable by ssh ({report['unreachable']})")
-            continue
-        note, is_problem = arch_list_note(report.get("cuda_arch_list"))
-        if note is not None:
-            if is_problem:
-                problems.append(f"{host}: {note}")
-            else:
-                print(f"[preflight] {host}: {note}")
-        if report["code_version"] != local["code_version"]:
-            problems.append(f"{host}: code version {report['code_version']} != {local['code_version']} here")
-        if "init_from_error" in report:
-            problems.append(f"{host}: model.init_from: {report['init_from_error']}")
-        if "shards_error" in report:
-            problems.append(f"{host}: shards {cfg.data.shards}: {report['shards_error']}")
-        elif report["manifest_hash"] != local.get("manifest_hash"):
-            problems.append(f"{host}: shards {cfg.data.shards} differ from this host's (manifest hash)")
-        warning = sigterm_save_warning(checkpoint_size or 0, report.get("write_bytes_per_s"), host)
-        if warning is not None:
-            print(f"[preflight] WARNING: {warning}", file=sys.stderr)
-        if report["free_bytes"] < needed:
-            problems.append(f"{host}: {report['free_bytes'] / 2**30:.1f} GiB free under {cfg.out_dir}, "
-                            f"need ~{needed / 2**30:.1f} GiB for {cfg.train.keep_last + 1} checkpoints")
-        if len(problems) == problems_before:
-            print(f"[preflight] {host}: ok (code {report['code_version']}, "
-                  f"{report['free_bytes'] / 2**30:.0f} GiB free)")
+    several = len(hosts) > 1
+    first = next(iter(hosts))
+    if several and (first == "localhost" or _loopback(first)):
+        problems.append(f"{hostfile}: its first host, {first}, is where every rank meets rank 0 (the launcher's "
+                        f"master_addr), but from another host {first} is that host itself: list this machine by a "
+                        f"name the others reach (e.g. {socket.gethostname()}), or launch with --master_addr NAME")
+    # the directory out_dir is in (or will be): a file written there must be visible to every host
+    shared_file = None
+    if several:
+        target = Path(cfg.out_dir).resolve()
+        while not target.exists():
+            target = target.parent
+        shared_file = target / f".preflight-shared-{os.getpid()}-{time.time_ns()}"
+        try:
+            shared_file.write_text("")
+        except OSError:
+            shared_file = None
+    try:
+        for host in hosts:
+            # several hosts: DeepSpeed's launcher reaches each over ssh (pdsh), this machine too, so does the probe
+            report = local if host in LOCAL_NAMES and not several else \
+                remote_probe(host, config, overrides, str(shared_file) if shared_file else None)
+            check_host(host, report, local, cfg, needed, checkpoint_size, problems)
+    finally:
+        if shared_file is not None:
+            shared_file.unlink(missing_ok=True)
     return problems
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_host(host: str, report: dict[str, Any], local: dict[str, Any], cfg: RunConfig, needed: int,
+               checkpoint_size: int | None, problems: list[str]) -> None:
+    """Add what ``host``'s probe report shows wrong to ``problems``; print ok or notes otherwise."""
+    problems_before = len(problems)
+    if "unreachable" in report:
+        problems.append(f"{host}: not reachable by ssh ({report['unreachable']})")
+        return
+    if report.get("sees_shared_file") is False:
+        problems.append(f"{host}: does not see the file the preflight wrote in out_dir {cfg.out_dir}'s directory: "
+                        "out_dir must be one shared directory, at the same path, on every host (each rank writes "
+                        "its part of every checkpoint there)")
+    note, is_problem = arch_list_note(report.get("cuda_arch_list"))
+    if note is not None:
+        if is_problem:
+            problems.append(f"{host}: {note}")
+        else:
+            print(f"[preflight] {host}: {note}")
+    if report["code_version"] != local["code_version"]:
+        problems.append(f"{host}: code version {report['code_version']} != {local['code_version']} here")
+    if "init_from_error" in report:
+        problems.append(f"{host}: model.init_from: {report['init_from_error']}")
+    if "shards_error" in report:
+        problems.append(f"{host}: shards {cfg.data.shards}: {report['shards_error']}")
+    elif report["manifest_hash"] != local.get("manifest_hash"):
+        problems.append(f"{host}: shards {cfg.data.shards} differ from this host's (manifest hash)")
+    warning = sigterm_save_warning(checkpoint_size or 0, report.get("write_bytes_per_s"), host)
+    if warning is not None:
+        print(f"[preflight] WARNING: {warning}", file=sys.stderr)
+    if report["free_bytes"] < needed:
+        problems.append(f"{host}: {report['free_bytes'] / 2**30:.1f} GiB free under {cfg.out_dir}, "
+                        f"need ~{needed / 2**30:.1f} GiB for {cfg.train.keep_last + 1} checkpoints")
+    if len(problems) == problems_before:
+        print(f"[preflight] {host}: ok (code {report['code_version']}, "
+              f"{report['free_bytes'] / 2**30:.0f} GiB free)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -256,10 +305,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local-ranks", type=int, default=1,
                         help="ranks on this machine when there is no hostfile (make pretrain: one per GPU)")
     parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)  # run on each host over ssh
+    parser.add_argument("--shared-file", default=None, help=argparse.SUPPRESS)  # with --probe: is it there?
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     if args.probe:
-        print(json.dumps(probe(load_config(args.config, args.overrides))))
+        print(json.dumps(probe(load_config(args.config, args.overrides), args.shared_file)))
         return 0
     if args.local_ranks < 1:
         parser.error(f"--local-ranks must be >= 1, got {args.local_ranks}")

@@ -17,8 +17,10 @@ import json
 import math
 import os
 import signal
+import socket
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +36,9 @@ from pretrain.config import RunConfig
 from pretrain.accelerator import accelerator_name, collective_device, matmul_peak_tflops
 from pretrain.data import PretrainLoader, SampleOrder, collate, sample_objectives, to_device
 from pretrain.engine import (NonFiniteLossError, SetupError, build_engine, engine_config, first_error,
-                             init_distributed, nonfinite_gradient_norm, optimizer_step, precision,
-                             read_engine_json, seed_everything, step_gradient_norm, zero_stage)
+                             gather_objects, init_distributed, nonfinite_gradient_norm, on_every_rank,
+                             optimizer_step, precision, read_engine_json, seed_everything, step_gradient_norm,
+                             zero_stage)
 from pretrain.hf import hf_model_config, load_hf_bert
 from pretrain.model import REPORTED_OBJECTIVES, ModelConfig, UniLMModel, build_model, training_flops
 from pretrain.outputs import write_file_atomically
@@ -348,21 +351,26 @@ def _train_locked(cfg: RunConfig, rank: int, world_size: int, started: float) ->
     # Fail before building anything if the batch cannot be split, the DeepSpeed JSON (and the config built from it),
     # the shards, the initial model or the checkpoint to resume do not fit this run: one line naming what and the
     # fix (`SetupError`), not a traceback per rank.
+    # What one rank finds wrong (a file missing on its node) stops every rank together, at the end of each step
+    # below (`on_every_rank`, or the collective check itself), before any rank enters another collective.
     try:
-        plan = plan_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
-        engine_json = read_engine_json(cfg.deepspeed_config_path, accelerator=get_accelerator())
-        dataset = open_shards(cfg, rank, world_size)
-        model_cfg = model_for_shards(cfg, dataset, rank)
+        check_shared_out_dir(Path(cfg.out_dir), rank, world_size)
+        plan, engine_json, dataset = on_every_rank(lambda: (
+            plan_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size),
+            read_engine_json(cfg.deepspeed_config_path, accelerator=get_accelerator()),
+            ShardDataset(cfg.data.shards)))
+        verify_shards(cfg, dataset, rank, world_size)
+        model_cfg = on_every_rank(lambda: model_for_shards(cfg, dataset, rank))
         identity = dict(shard_identity(dataset), model_config=dataclasses.asdict(model_cfg), seed=cfg.train.seed)
         # a mismatch message names these shards by path (a marker has its own in its run config, not in identity)
         resume = ckpt.find_resume_point(cfg.checkpoint_dir, cfg.train.resume,
                                         dict(identity, shards=str(dataset.directory)), world_size,
                                         zero_stage(engine_json), report=print if rank == 0 else None)
-        fast_paths = fast_path_settings(cfg, engine_json, model_cfg)
-        deepspeed_config = build_deepspeed_config(cfg, plan, engine_json,
-                                                  load_universal=resume is not None and resume.universal)
-        model = initial_model(cfg, model_cfg)
-    except (ValueError, OSError) as error:
+        fast_paths, deepspeed_config, model = on_every_rank(lambda: (
+            fast_path_settings(cfg, engine_json, model_cfg),
+            build_deepspeed_config(cfg, plan, engine_json, load_universal=resume is not None and resume.universal),
+            initial_model(cfg, model_cfg)))
+    except (ValueError, OSError) as error:  # raised on every rank alike (the collective checks)
         raise SetupError(str(error)) from error
     if rank == 0:
         print("[fast paths] " + ", ".join(f"train.{name}={'on' if on else 'off'}" for name, on in fast_paths.items())
@@ -392,10 +400,44 @@ def _train_locked(cfg: RunConfig, rank: int, world_size: int, started: float) ->
             "wall_s": time.monotonic() - started}
 
 
-def open_shards(cfg: RunConfig, rank: int, world_size: int) -> ShardDataset:
-    """The training shard set; with ``data.verify`` the ranks check the shards' hashes first, each every
-    world-size-th shard (a collective: a bad shard found by any rank stops every rank, naming it)."""
-    dataset = ShardDataset(cfg.data.shards)
+def check_shared_out_dir(out_dir: Path, rank: int, world_size: int) -> None:
+    """Every rank must see ``out_dir`` as rank 0 does (a collective): rank 0 writes a file of a fresh name there and
+    each rank reads it back. A node-local out_dir (the same path on each node's own disk) would leave each node's
+    checkpoint files where the others cannot read them: its saves look complete to rank 0 and cannot be resumed."""
+    if world_size == 1:
+        return
+    written: Any = None
+    if rank == 0:
+        token = uuid.uuid4().hex
+        try:
+            (out_dir / f".shared-check-{token}").write_text(token)
+            written = (token, socket.gethostname())
+        except OSError as error:
+            written = OSError(f"rank 0 cannot write under out_dir {out_dir}: {error}")
+    written = gather_objects(written)[0]  # after rank 0's write
+    if isinstance(written, Exception):
+        raise written
+    token, writer = written
+    path = out_dir / f".shared-check-{token}"  # this rank's out_dir: the same path, on its node
+    try:
+        seen = path.read_text()
+    except OSError:
+        seen = None
+    problem = None
+    if seen != token:
+        problem = (f"rank {rank} on {socket.gethostname()} does not see {path}, which rank 0 on {writer} wrote: "
+                   f"out_dir {out_dir} must be one shared directory, at the same path, on every node (each rank "
+                   "writes its part of every checkpoint there)")
+    problem = first_error(problem)
+    if rank == 0:
+        path.unlink(missing_ok=True)
+    if problem is not None:
+        raise OSError(problem)
+
+
+def verify_shards(cfg: RunConfig, dataset: ShardDataset, rank: int, world_size: int) -> None:
+    """With ``data.verify`` the ranks check the shards' hashes, each every world-size-th shard (a collective: a bad
+    shard found by any rank stops every rank, naming it)."""
     if cfg.data.verify:
         verify_started = time.monotonic()
         problem = None
@@ -409,7 +451,6 @@ def open_shards(cfg: RunConfig, rank: int, world_size: int) -> ShardDataset:
         if rank == 0:
             print(f"[data] verified {len(dataset.manifest['shards'])} shard(s) against the manifest hashes in "
                   f"{time.monotonic() - verify_started:.1f}s ({world_size} rank(s) sharing them)", flush=True)
-    return dataset
 
 
 def model_for_shards(cfg: RunConfig, dataset: ShardDataset, rank: int = 0) -> ModelConfig:

@@ -14,7 +14,7 @@ import torch
 
 from pretrain import engine
 from pretrain.config import REPO_ROOT
-from pretrain.engine import first_slurm_host, slurm_task_environment
+from pretrain.engine import first_slurm_host, launched_rank, slurm_task_environment
 
 
 def draws() -> tuple[torch.Tensor, np.ndarray, float]:
@@ -95,6 +95,16 @@ def test_srun_tasks_get_rank_world_size_and_master_from_slurm() -> None:
     # sbatch's own shell sets SLURM_NTASKS and SLURM_PROCID but no step: a plain python there is one rank
     assert slurm_task_environment({"SLURM_NTASKS": "16", "SLURM_PROCID": "0", "SLURM_JOB_NODELIST": "a[1-2]"}) == {}
     assert slurm_task_environment(dict(task, SLURM_STEP_NUM_TASKS="1")) == {}
+    # mpirun inside an allocation starts one daemon per node with srun: its ranks inherit that step's SLURM_*,
+    # which describe the daemons (rank 13 of 16 would be taken as rank 1 of 2); the MPI variables name the rank
+    daemons = dict(task, SLURM_STEP_NUM_TASKS="2", SLURM_PROCID="1", SLURM_LOCALID="0")
+    for mpi in ({"OMPI_COMM_WORLD_SIZE": "16", "OMPI_COMM_WORLD_RANK": "13"}, {"PMI_SIZE": "16", "PMI_RANK": "13"},
+                {"PMIX_RANK": "13"}):
+        assert slurm_task_environment(dict(daemons, **mpi)) == {}
+        assert launched_rank(dict(daemons, **mpi)) == 13
+    # srun launching the ranks itself with PMI: the two agree, and SLURM's variables stand
+    assert slurm_task_environment(dict(task, PMI_SIZE="16", PMI_RANK="11"))["RANK"] == "11"
+    assert launched_rank(task) == 11 and launched_rank({}) == 0 and launched_rank({"RANK": "3", "PMI_RANK": "5"}) == 3
     without_nodes = {k: v for k, v in task.items() if not k.endswith("NODELIST")}
     with pytest.raises(RuntimeError, match="set MASTER_ADDR to the host of task 0"):
         slurm_task_environment(without_nodes)

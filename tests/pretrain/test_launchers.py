@@ -137,6 +137,34 @@ def test_preflight_checks_batch_plan_shards_and_hosts(unilm_shards: Path, tmp_pa
     assert len(problems) == 1 and "no manifest" in problems[0]
 
 
+def test_preflight_of_several_hosts_probes_each_over_ssh_and_checks_master_and_shared_out_dir(
+        unilm_shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With several hosts DeepSpeed's launcher reaches every one over ssh, this machine too: so does the preflight.
+    A loopback first host would be every other host's own rendezvous address, and a node-local out_dir would split
+    each checkpoint between the nodes' disks: both are named."""
+    from pretrain import preflight as preflight_module
+
+    probed = {}
+
+    def fake_remote_probe(host, config, overrides, shared_file=None):
+        probed[host] = shared_file
+        report = preflight_module.probe(preflight_module.load_config(config, overrides), shared_file)
+        return dict(report, sees_shared_file=False) if host == "node-b" else report  # node-b: its own disk
+
+    monkeypatch.setattr(preflight_module, "remote_probe", fake_remote_probe)
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=1\nnode-b slots=1\n")
+    out_dir = tmp_path / "runs" / "new"  # not created yet: the check writes where it will be
+    problems = preflight_module.preflight("pretrain/configs/tiny.yaml",
+                                          [f"data.shards={unilm_shards}", f"out_dir={out_dir}"], str(hostfile))
+    assert set(probed) == {"localhost", "node-b"} and len(set(probed.values())) == 1
+    assert Path(probed["localhost"]).parent == tmp_path and not Path(probed["localhost"]).exists()  # removed after
+    assert len(problems) == 2, problems
+    assert problems[0].startswith(f"{hostfile}: its first host, localhost, is where every rank meets rank 0")
+    assert problems[1].startswith("node-b: does not see the file the preflight wrote in out_dir") and \
+        "must be one shared directory" in problems[1]
+
+
 def test_preflight_checks_model_init_from_on_each_host(unilm_shards: Path, minilm_dir: Path, tmp_path: Path) -> None:
     """Every rank reads model.init_from: the preflight reads its config.json and finds its weight files (a sharded
     checkpoint's index included) without loading a tensor."""

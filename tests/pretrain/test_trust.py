@@ -493,6 +493,21 @@ def test_make_pretrain_refuses_a_hostfile_word_that_is_not_a_host_before_any_she
     assert process.returncode == 0 and "--master_addr 'node-1'" in process.stdout
 
 
+def test_make_pretrain_refuses_a_loopback_first_host_among_several(tmp_path: Path) -> None:
+    """The first host is the launcher's master_addr: as localhost, every other node would meet itself."""
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=1\nnode-2 slots=1\n")
+    process = make_pretrain(hostfile)
+    assert process.returncode != 0 and "its first host, localhost, is where every rank meets rank 0" in process.stderr
+    assert "deepspeed" not in process.stdout
+    named = subprocess.run(["make", "-n", "-o", ".venv/.installed", "pretrain", f"HOSTFILE={hostfile}",
+                            "MASTER_ADDR=10.1.2.3"], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
+                           timeout=60)
+    assert named.returncode == 0 and "--master_addr '10.1.2.3'" in named.stdout
+    hostfile.write_text("localhost slots=2\n")  # this machine alone: no ssh, 127.0.0.1
+    assert "--master_addr '127.0.0.1'" in make_pretrain(hostfile).stdout
+
+
 # -------------------------------------------------------------------------------- real runs: rollback, torn line
 @pytest.mark.slow
 def test_a_rolled_back_run_with_a_torn_metrics_line_resumes_from_its_own_latest(unilm_shards: Path,
@@ -544,7 +559,8 @@ dist.destroy_process_group()
 
 def test_rank_0_alone_hashes_the_resumed_checkpoint_and_a_rank_seeing_another_save_stops(tmp_path: Path) -> None:
     """Two gloo ranks resume: rank 0 hashes each file once, rank 1 none (it checks the marker's save id). A rank
-    whose out_dir holds another save at that path (another node's disk) is stopped, naming rank and host."""
+    whose out_dir holds another save at that path (another node's disk) stops every rank, naming rank and host:
+    rank 0 going on alone would wait in the engine's first collective."""
     identity = {"model_config": TINY, "world_size": 2, "zero_stage": 0}
     shared, other = tmp_path / "shared", tmp_path / "other"
     for directory in (shared, other):
@@ -569,10 +585,11 @@ def test_rank_0_alone_hashes_the_resumed_checkpoint_and_a_rank_seeing_another_sa
     assert same[0]["outcome"] == same[1]["outcome"] == "global_step4"
     assert same[0]["hashed"] == ["mp_rank_00_model_states.pt"] and same[1]["hashed"] == []
     split = launch(shared, other)
-    assert split[0]["outcome"] == "global_step4"
-    assert split[1]["outcome"].startswith(f"FileNotFoundError: rank 1 on {os.uname().nodename} does not see the "
-                                          f"checkpoint rank 0 resumes, {other / 'global_step4'}, as rank 0 does")
-    assert "out_dir must be one shared directory, at the same path, on every node" in split[1]["outcome"]
+    for rank in (0, 1):
+        assert split[rank]["outcome"].startswith(f"FileNotFoundError: rank 1 on {os.uname().nodename} does not see "
+                                                 f"the checkpoint rank 0 resumes, {other / 'global_step4'}, as rank 0 "
+                                                 "does")
+        assert "out_dir must be one shared directory, at the same path, on every node" in split[rank]["outcome"]
 
 
 def test_an_export_whose_shards_moved_is_told_to_pass_shards(tmp_path: Path) -> None:
