@@ -68,9 +68,9 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         cfg = load_config(args.config, flags, args.set)
         check_run_output(cfg.out, [cfg.init, cfg.train, cfg.dev, cfg.vocab], args.force)
-        for key in ("train", "dev"):  # before the model loads: a mistyped path is named at once
-            if getattr(cfg, key) and not Path(getattr(cfg, key)).exists():
-                raise InputError(f"{getattr(cfg, key)}: no such file or directory (the {key} file)")
+        for key, path in (("train", cfg.train), ("dev", cfg.dev)):  # before the model loads: named at once
+            if path and not Path(path).exists():
+                raise InputError(f"{path}: no such file or directory (the {key} file)")
         # what needs no model or data first: the DeepSpeed JSON and the batch split over this launch's ranks
         read_engine_json(cfg.deepspeed_config_path, accelerator=get_accelerator())  # a precision it can train in
         plan_batch(cfg.batch_size, cfg.micro_batch_size, int(os.environ.get("WORLD_SIZE", "1")), BATCH_KEYS)

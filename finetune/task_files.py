@@ -52,16 +52,14 @@ def read_jsonl_numbered(path: str | Path) -> list[tuple[int, dict]]:
                 continue
             try:
                 record = json.loads(line)
+                problem = None if isinstance(record, dict) else \
+                    f"{path}:{line_number}: expected a JSON object, got {type(record).__name__}"
             except json.JSONDecodeError as err:
-                if not records:
-                    _refuse_json_document(path)
-                raise ValueError(f"{path}:{line_number}: not valid JSON ({err.msg})") from None
-            if not isinstance(record, dict):
-                if not records:
-                    _refuse_json_document(path)
-                raise ValueError(f"{path}:{line_number}: expected a JSON object, got {type(record).__name__}")
-            if not records and _is_squad(record):
-                _refuse_json_document(path)
+                record, problem = None, f"{path}:{line_number}: not valid JSON ({err.msg})"
+            if not records and (problem is not None or _is_squad(record)):
+                _refuse_json_document(path)  # a whole JSON document is named as such
+            if problem is not None:
+                raise ValueError(problem)
             records.append((line_number, record))
     if not records:
         raise ValueError(f"{path}: no records")

@@ -108,9 +108,7 @@ def probe(cfg: RunConfig, shared_file: str | None = None) -> dict[str, Any]:
         report["manifest_hash"] = sha256_file(Path(cfg.data.shards) / MANIFEST_NAME)
     except Exception as error:  # reported, not raised: the caller lists every host's problems
         report["shards_error"] = str(error)
-    target = Path(cfg.out_dir).resolve()
-    while not target.exists():
-        target = target.parent
+    target = existing_ancestor(Path(cfg.out_dir))
     if cfg.model.init_from:  # every rank reads it
         try:
             hf_model_config(cfg.model.init_from)
@@ -121,6 +119,14 @@ def probe(cfg: RunConfig, shared_file: str | None = None) -> dict[str, Any]:
     report["cuda_arch_list"] = os.environ.get("TORCH_CUDA_ARCH_LIST")
     report["write_bytes_per_s"] = write_speed(target)
     return report
+
+
+def existing_ancestor(path: Path) -> Path:
+    """``path`` resolved, or its nearest ancestor that exists (where a new out_dir will be created)."""
+    target = path.resolve()
+    while not target.exists():
+        target = target.parent
+    return target
 
 
 def arch_list_note(value: str | None) -> tuple[str | None, bool]:
@@ -235,10 +241,7 @@ def preflight(config: str, overrides: list[str], hostfile: str | None, local_ran
     # the directory out_dir is in (or will be): a file written there must be visible to every host
     shared_file = None
     if several:
-        target = Path(cfg.out_dir).resolve()
-        while not target.exists():
-            target = target.parent
-        shared_file = target / f".preflight-shared-{os.getpid()}-{time.time_ns()}"
+        shared_file = existing_ancestor(Path(cfg.out_dir)) / f".preflight-shared-{os.getpid()}-{time.time_ns()}"
         try:
             shared_file.write_text("")
         except OSError:
