@@ -116,7 +116,7 @@ class Progress:
 def fit(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer) -> dict[str, Any]:
     """Train `task` per `cfg` on this rank (resuming automatically); returns the summary.json content. The
     process group holds the run lock of `cfg.out` throughout (`pretrain.checkpoint.RunLock`)."""
-    rank, world_size = init_distributed()
+    rank, world_size = init_distributed()  # joins the group, or finds the one `finetune.run` joined
     run_lock = ckpt.lock_run_directory(cfg.out, rank)
     try:
         return _fit_locked(cfg, task, tokenizer, rank, world_size)

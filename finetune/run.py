@@ -7,7 +7,6 @@ papers' settings and `finetune.config.FinetuneConfig` for every key.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -16,14 +15,16 @@ from deepspeed.accelerator import get_accelerator
 from pretrain import checkpoint as ckpt
 from pretrain.config import keys_help
 from pretrain.batch_plan import plan_batch
-from pretrain.engine import RunStopped, close_distributed, read_engine_json, seed_everything
+from pretrain.engine import (RunStopped, SetupError, close_distributed, init_distributed, on_every_rank,
+                             read_engine_json, say_once, seed_everything)
 from pretrain.outputs import check_output
 from pretrain.model import build_model
 
 from .config import TASKS, FinetuneConfig, load_config
 from .engine import BATCH_KEYS, LOG_FILE, fit, schedule
 from .model_io import load_init
-from .tasks import build_task
+from .tasks import TaskSetup, build_task
+from .tokenizer import Tokenizer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -65,6 +66,23 @@ class InputError(ValueError):
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     flags = {k: v for k, v in vars(args).items() if k not in ("config", "set", "local_rank", "force")}
+    _, world_size = init_distributed()  # first: a problem one rank finds in the setup then stops every rank
+    try:  # together, naming that rank; across nodes no launcher would stop the others at the rendezvous
+        cfg, task, tokenizer = on_every_rank(lambda: prepare(args, flags, world_size))
+    except SetupError as error:
+        raise InputError(str(error)) from error
+    try:
+        return fit(cfg, task, tokenizer)
+    except ckpt.CheckpointMismatchError as error:  # --out holds a run this one cannot continue
+        raise InputError(str(error)) from error
+    except RunStopped as error:  # a diagnosis (non-finite loss, checkpoint not written), not a crash: no traceback
+        say_once(f"[stop] {error}")
+        sys.exit(error.exit_code)
+
+
+def prepare(args: argparse.Namespace, flags: dict, world_size: int) -> tuple[FinetuneConfig, TaskSetup, Tokenizer]:
+    """This rank's config, task (data and model) and tokenizer, checked in the order that names a problem soonest:
+    raises `InputError` naming the file or setting."""
     try:
         cfg = load_config(args.config, flags, args.set)
         check_run_output(cfg.out, [cfg.init, cfg.train, cfg.dev, cfg.vocab], args.force)
@@ -73,26 +91,22 @@ def main(argv: list[str] | None = None) -> dict:
                 raise InputError(f"{path}: no such file or directory (the {key} file)")
         # what needs no model or data first: the DeepSpeed JSON and the batch split over this launch's ranks
         read_engine_json(cfg.deepspeed_config_path, accelerator=get_accelerator())  # a precision it can train in
-        plan_batch(cfg.batch_size, cfg.micro_batch_size, int(os.environ.get("WORLD_SIZE", "1")), BATCH_KEYS)
+        plan_batch(cfg.batch_size, cfg.micro_batch_size, world_size, BATCH_KEYS)
         backbone, tokenizer = load_init(cfg.init, cfg.vocab)
         seed_everything(cfg.seed)  # the same head (and, from scratch, backbone) initialisation on every rank
         if cfg.from_scratch:
             backbone = build_model(backbone.cfg)
         task = build_task(cfg, backbone, tokenizer)
         schedule(cfg, task.train_size)  # a global batch larger than the training set
+    except InputError:
+        raise
     except (ValueError, FileExistsError) as error:  # FileExistsError: an --out holding something else
         raise InputError(str(error)) from error
     except FileNotFoundError as error:
         raise InputError(f"{error.filename or error}: no such file or directory") from error
     except OSError as error:  # a directory where a file goes, no permission, ...
         raise InputError(f"{error.filename or error}: {error.strerror or error}") from error
-    try:
-        return fit(cfg, task, tokenizer)
-    except ckpt.CheckpointMismatchError as error:  # --out holds a run this one cannot continue
-        raise InputError(str(error)) from error
-    except RunStopped as error:  # a diagnosis (non-finite loss, checkpoint not written), not a crash: no traceback
-        print(f"[stop] {error}", file=sys.stderr, flush=True)
-        sys.exit(error.exit_code)
+    return cfg, task, tokenizer
 
 
 RUN_START_FILES = {ckpt.LOCK_FILE, "run_config.json", LOG_FILE, "checkpoints"}
@@ -111,8 +125,7 @@ def check_run_output(out: str, inputs: list[str | None], force: bool) -> None:
 if __name__ == "__main__":
     try:
         main()
-    except InputError as error:  # each rank says what it found (a file missing on one node's disk, say)
-        rank = os.environ.get("RANK", "0")
-        print(f"[finetune]{'' if rank == '0' else f' rank {rank}:'} {error}", file=sys.stderr, flush=True)
+    except InputError as error:  # every rank has it (the message names the rank that found it): said once
+        say_once(f"[finetune] {error}")
         sys.exit(2)
     close_distributed()

@@ -53,8 +53,9 @@ CONFIG_DIRECTORY = REPO_ROOT / "ds_configs"
 
 
 class RunStopped(RuntimeError):
-    """A diagnosed stop, not a crash: entry points print the message without a traceback and exit with
-    ``exit_code``."""
+    """A diagnosed stop, not a crash: entry points print the message without a traceback (`say_once`) and exit
+    with ``exit_code``. Raised alike on every rank: each is raised after the ranks agree on it in a collective
+    (`first_error`, `on_every_rank`, the step's reduced loss and gradient norm)."""
     exit_code = 1
 
 
@@ -137,7 +138,9 @@ def init_distributed() -> tuple[int, int]:
 
     First binds the rank's device (``LOCAL_RANK``, `pretrain.accelerator.bind_local_device`) and puts
     ``TORCH_CUDA_ARCH_LIST`` in the form DeepSpeed's op builder reads; on a CPU-only machine keeps freed memory in
-    the process instead (`pretrain.kernels.retain_freed_memory`)."""
+    the process instead (`pretrain.kernels.retain_freed_memory`). Once joined, a second call only returns them."""
+    if torch_dist.is_initialized() and deepspeed.comm.is_initialized():
+        return torch_dist.get_rank(), torch_dist.get_world_size()
     os.environ.update(slurm_task_environment(os.environ))
     device = bind_local_device()
     if device.type == "cpu":
@@ -216,6 +219,15 @@ def first_error(error: Any) -> Any:
     if not (torch_dist.is_initialized() and torch_dist.get_world_size() > 1):
         return error
     return next((e for e in gather_objects(error) if e is not None), None)
+
+
+def say_once(message: str) -> None:
+    """Print ``message`` to stderr on rank 0 only: for what every rank knows alike (a `RunStopped`, a setting
+    every rank read), said once rather than once per rank. Before the process group exists, the launcher's rank."""
+    rank = torch_dist.get_rank() if torch_dist.is_available() and torch_dist.is_initialized() \
+        else launched_rank(os.environ)
+    if rank == 0:
+        print(message, file=sys.stderr, flush=True)
 
 
 def on_every_rank(action: Callable[[], Any]) -> Any:

@@ -19,7 +19,7 @@ if __package__ in (None, ""):  # `deepspeed pretrain/train.py` runs this file as
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pretrain.config import RunConfig, keys_help, load_config  # noqa: E402
-from pretrain.engine import RunStopped, close_distributed, launched_rank  # noqa: E402
+from pretrain.engine import RunStopped, close_distributed, say_once  # noqa: E402
 from pretrain.trainer import train  # noqa: E402
 
 
@@ -36,14 +36,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = load_config(args.config, args.overrides)
     except (ValueError, OSError) as error:  # a bad setting: one line from the first rank, not a traceback per rank
-        if launched_rank(os.environ) == 0:
-            source = args.config + (" + overrides" if args.overrides else "")
-            print(f"[config] {source}: {error}", file=sys.stderr, flush=True)
+        say_once(f"[config] {args.config}{' + overrides' if args.overrides else ''}: {error}")
         sys.exit(2)
     try:
         train(cfg)
     except RunStopped as error:  # a diagnosis (non-finite loss, checkpoint not written), not a crash: no traceback
-        print(f"[stop] {error}", file=sys.stderr, flush=True)
+        say_once(f"[stop] {error}")
         sys.exit(error.exit_code)
 
 
