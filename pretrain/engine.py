@@ -90,7 +90,7 @@ def slurm_task_environment(environ: Mapping[str, str]) -> dict[str, str]:
     started a single task. RANK, WORLD_SIZE and LOCAL_RANK come from ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``
     (set by srun only, not by sbatch: a plain ``python`` in a batch script stays a 1-rank run) and
     ``SLURM_LOCALID``; ``MASTER_ADDR``, unless set, is the step's first node, where task 0 runs; ``MASTER_PORT``,
-    unless set, is derived from the job id, so two jobs sharing a node do not collide."""
+    unless set, is derived from the job id (`SLURM_PORTS`), so two jobs sharing a node do not collide."""
     tasks, task = environ.get("SLURM_STEP_NUM_TASKS", ""), environ.get("SLURM_PROCID", "")
     if ("RANK" in environ and "WORLD_SIZE" in environ) or not (tasks.isdigit() and task.isdigit()) or int(tasks) < 2:
         return {}
@@ -106,8 +106,13 @@ def slurm_task_environment(environ: Mapping[str, str]) -> dict[str, str]:
         values["MASTER_ADDR"] = first_slurm_host(nodes)
     if "MASTER_PORT" not in environ:
         job = environ.get("SLURM_JOB_ID", "")
-        values["MASTER_PORT"] = str(20000 + int(job) % 20000) if job.isdigit() else "29500"
+        values["MASTER_PORT"] = str(SLURM_PORTS[int(job) % len(SLURM_PORTS)]) if job.isdigit() else "29500"
     return values
+
+
+SLURM_PORTS = range(20000, 32000)
+"""Where a SLURM job's derived ``MASTER_PORT`` falls: below Linux's ephemeral ports (32768–60999 by default), which
+the kernel hands out to outgoing connections, so the port is free when rank 0 binds it."""
 
 
 MPI_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")

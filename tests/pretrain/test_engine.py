@@ -88,6 +88,9 @@ def test_srun_tasks_get_rank_world_size_and_master_from_slurm() -> None:
             "SLURM_STEP_NODELIST": "gpu-[007-010,12],cpu1", "SLURM_JOB_NODELIST": "gpu-[001-020]"}
     assert slurm_task_environment(task) == {"RANK": "11", "WORLD_SIZE": "16", "LOCAL_RANK": "3",
                                             "MASTER_ADDR": "gpu-007", "MASTER_PORT": "23456"}
+    ports = {int(slurm_task_environment(dict(task, SLURM_JOB_ID=str(job)))["MASTER_PORT"])
+             for job in range(0, 10**6, 7)}
+    assert min(ports) == 20000 and max(ports) < 32768  # below the kernel's ephemeral ports: not taken by a connection
     assert slurm_task_environment(dict(task, MASTER_ADDR="ib-gpu-007", MASTER_PORT="6000")) == {
         "RANK": "11", "WORLD_SIZE": "16", "LOCAL_RANK": "3"}
     # a launcher inside the step already named the ranks (DeepSpeed's, torchrun; slurm.sbatch's one task per node)
