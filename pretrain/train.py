@@ -19,7 +19,8 @@ if __package__ in (None, ""):  # `deepspeed pretrain/train.py` runs this file as
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pretrain.config import RunConfig, keys_help, load_config  # noqa: E402
-from pretrain.engine import RunStopped, close_distributed, say_once  # noqa: E402
+from pretrain.engine import (RunStopped, SetupError, close_distributed, init_distributed, on_every_rank,  # noqa: E402
+                             say_once)
 from pretrain.trainer import train  # noqa: E402
 
 
@@ -33,9 +34,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     args = parser.parse_args(argv)
+    init_distributed()  # first: a config one rank cannot read (not at this path on its node) stops every rank
     try:
-        cfg = load_config(args.config, args.overrides)
-    except (ValueError, OSError) as error:  # a bad setting: one line from the first rank, not a traceback per rank
+        cfg = on_every_rank(lambda: load_config(args.config, args.overrides))
+    except SetupError as error:  # a bad setting: one line, said once, not a traceback per rank
         say_once(f"[config] {args.config}{' + overrides' if args.overrides else ''}: {error}")
         sys.exit(2)
     try:

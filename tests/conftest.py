@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -24,6 +25,31 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     env.update(extra)
     return env
+
+
+_NODE_LOCAL_RANK = r"""
+import os, runpy, sys
+from pathlib import Path
+work, rank = Path(sys.argv[1]), os.environ["RANK"]
+os.chdir(work / f"node{rank}")  # relative paths name this rank's own files, as a node-local disk would
+sys.argv = [sys.argv[2], *sys.argv[3:]]
+try:
+    runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+except SystemExit as stop:
+    (work / f"exit_{rank}").write_text(str(stop.code))
+    raise
+"""
+
+
+def launch_node_local(work: Path, module: str, args: list[str]) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """``python -m module args`` on two gloo ranks under torchrun, rank r in ``work/node{r}`` (create them), so a
+    relative path names a file on "its node's disk". Returns the process and each rank's exit code ("" where the
+    rank did not exit by itself: the launcher killed it)."""
+    (work / "node_local_rank.py").write_text(_NODE_LOCAL_RANK)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(work / "node_local_rank.py"), str(work), module, *args],
+                          env=subprocess_env(PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=300)
+    return done, [(work / f"exit_{rank}").read_text() if (work / f"exit_{rank}").exists() else "" for rank in (0, 1)]
 
 
 # The CPU suite runs on DeepSpeed's CPU accelerator even on a GPU machine (bit-exact gloo runs, 2 ranks on any

@@ -387,42 +387,22 @@ def test_two_ranks_train_stop_and_resume_under_torchrun(small_tasks, tiny_init, 
     assert load_finetuned(tmp_path).task == "classify"
 
 
-_NODE_LOCAL_RANK = r"""
-import os, runpy, sys
-from pathlib import Path
-work, rank = Path(sys.argv[1]), os.environ["RANK"]
-os.chdir(work / f"node{rank}")  # relative paths name this rank's own files, as a node-local disk would
-sys.argv = ["finetune.run", *sys.argv[2:]]
-try:
-    runpy.run_module("finetune.run", run_name="__main__")
-except SystemExit as stop:
-    (work / f"exit_{rank}").write_text(str(stop.code))
-    raise
-"""
-
-
 def test_a_file_one_rank_does_not_see_stops_every_rank_naming_it_once(small_tasks, tiny_init, tmp_path):
     """Across nodes no launcher stops the ranks that did see it: they must stop by themselves, not wait at the
     rendezvous. Rank 1 runs in a directory without the training file (given as a relative path)."""
     import socket
-    import subprocess
-    import sys
 
-    from conftest import ROOT, subprocess_env
+    from conftest import launch_node_local
 
     for rank in (0, 1):
         (tmp_path / f"node{rank}").mkdir()
     shutil.copy(small_tasks["bbc_topic.train"], tmp_path / "node0" / "train.jsonl")
-    (tmp_path / "rank.py").write_text(_NODE_LOCAL_RANK)
     args = classify_args(small_tasks, tiny_init, tmp_path / "out")
     args[args.index("--train") + 1] = "train.jsonl"
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(tmp_path / "rank.py"), str(tmp_path), *args], env=subprocess_env(PYTHONPATH=str(ROOT)),
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode != 0
+    done, exit_codes = launch_node_local(tmp_path, "finetune.run", args)
     message = f"[finetune] train.jsonl: no such file or directory (the train file) (rank 1 on {socket.gethostname()})"
     assert done.stderr.count(message) == 1, done.stderr[-4000:]
-    assert [(tmp_path / f"exit_{rank}").read_text() for rank in (0, 1)] == ["2", "2"]  # rank 0 stopped by itself
+    assert exit_codes == ["2", "2"]  # rank 0 stopped by itself
     assert not (tmp_path / "out").exists()
 
 

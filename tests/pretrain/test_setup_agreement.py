@@ -73,3 +73,18 @@ def test_a_problem_one_rank_finds_stops_every_rank_naming_it(tmp_path: Path) -> 
         f"raised SetupError: model.init_from {tmp_path / 'bert'}: no config.json (rank 1 on {socket.gethostname()})"
     ] * 2
     assert run_ranks(tmp_path, "none_fails") == ["returned 0", "returned 10"]
+
+
+def test_a_config_one_rank_does_not_see_stops_every_rank_naming_it_once(tmp_path: Path) -> None:
+    """`pretrain.train` with its config at a path one node lacks: every rank stops at once (exit code 2), and the
+    message, naming that rank and host, is said once."""
+    from conftest import launch_node_local
+
+    for rank in (0, 1):
+        (tmp_path / f"node{rank}").mkdir()
+    (tmp_path / "node0" / "run.yaml").write_text((ROOT / "pretrain" / "configs" / "tiny.yaml").read_text())
+    done, exit_codes = launch_node_local(tmp_path, "pretrain.train", ["--config", "run.yaml"])
+    stops = [line for line in done.stderr.splitlines() if line.startswith("[config]")]
+    assert stops == [f"[config] run.yaml: [Errno 2] No such file or directory: 'run.yaml' (rank 1 on "
+                     f"{socket.gethostname()})"], done.stderr[-4000:]
+    assert exit_codes == ["2", "2"]  # rank 0 stopped by itself
