@@ -125,6 +125,11 @@ SHARDS_OVERRIDE = $(if $(filter command line,$(origin SHARDS) $(origin RECIPE) $
 HOSTFILE    ?= $(if $(filter-out 0,$(GPU_COUNT)),,hostfiles/localhost)
 OVERRIDES   ?=
 RUN         ?= runs/tiny
+# DeepSpeed's launcher filters of HOSTFILE, passed to it and to the preflight alike: INCLUDE or EXCLUDE
+# ('NAME[:SLOT[,SLOT ...]][@NAME ...]', e.g. 'node-1:0,1@node-2'), or NUM_NODES (its first N hosts). Taken from
+# make's command line only: compiler environment modules export an INCLUDE of their own.
+host_flag   = $(if $(and $(filter command line,$(origin $(1))),$($(1))), --$(2) '$(subst ','\'',$($(1)))')
+HOST_FILTER = $(call host_flag,INCLUDE,include)$(call host_flag,EXCLUDE,exclude)$(call host_flag,NUM_NODES,num_nodes)
 # Hosts of HOSTFILE in file order. One local host: no ssh, rendezvous on 127.0.0.1. Several: the first host is
 # the master (override MASTER_ADDR when the other nodes reach it under another name).
 # A first word that is not a host name or IP address (letters, digits, '.', ':', '-', '_'; no leading '-') becomes
@@ -133,23 +138,32 @@ HOSTFILE_HOSTS = $(if $(HOSTFILE),$(shell awk '$$1 !~ /^\#/ && NF && !seen[$$1]+
   if ($$1 ~ /^[A-Za-z0-9_]([A-Za-z0-9_.:-]*[A-Za-z0-9_])?$$/) print $$1; else print "!invalid-host" }' '$(HOSTFILE)' 2>/dev/null))
 CHECK_HOSTS    = $(if $(filter !invalid-host,$(HOSTFILE_HOSTS)),$(error $(HOSTFILE): a host entry is not a host \
   name or IP address; run `make preflight HOSTFILE=$(HOSTFILE)` for the line))$(if $(LOOPBACK_MASTER),$(error \
-  $(HOSTFILE): its first host, $(firstword $(HOSTFILE_HOSTS)), is where every rank meets rank 0, but from the \
-  other hosts it is each host itself; list this machine by a name the others reach, or set MASTER_ADDR))
-REMOTE_HOSTS   = $(filter-out localhost 127.0.0.1,$(HOSTFILE_HOSTS))
+  $(HOSTFILE): $(if $(HOST_FILTER),the first host that$(HOST_FILTER) leaves,its first host), \
+  $(firstword $(ACTIVE_HOSTS)), is where every rank meets rank 0, but from the other hosts it is each host itself; \
+  list this machine by a name the others reach, or set MASTER_ADDR))
+# The hosts the run uses: HOSTFILE_HOSTS, or with a filter those the preflight resolves with DeepSpeed's own
+# functions, worked out once (the $(eval)) when the recipe is expanded, after the venv is built. Only hostfile names
+# are kept (DeepSpeed's logger may write to stdout); a bad filter leaves none, and the recipe's first line, the
+# preflight, then names the problem and stops.
+ACTIVE_HOSTS   = $(if $(HOST_FILTER),$(FILTERED_HOSTS),$(HOSTFILE_HOSTS))
+FILTERED_HOSTS = $(eval FILTERED_HOSTS := $$(filter $$(HOSTFILE_HOSTS),$$(shell $$(PY) -m pretrain.preflight \
+  --active-hosts --hostfile '$$(HOSTFILE)' $$(HOST_FILTER) 2>/dev/null)))$(FILTERED_HOSTS)
+REMOTE_HOSTS   = $(filter-out localhost 127.0.0.1,$(ACTIVE_HOSTS))
 # Several hosts with a loopback name first, and no MASTER_ADDR given: the other hosts would rendezvous with themselves.
-LOOPBACK_MASTER = $(and $(REMOTE_HOSTS),$(filter localhost 127.0.0.1,$(firstword $(HOSTFILE_HOSTS))),$(filter \
+LOOPBACK_MASTER = $(and $(REMOTE_HOSTS),$(filter localhost 127.0.0.1,$(firstword $(ACTIVE_HOSTS))),$(filter \
   file undefined,$(origin MASTER_ADDR)))
-MASTER_ADDR   ?= $(if $(REMOTE_HOSTS),$(firstword $(HOSTFILE_HOSTS)),127.0.0.1)
+MASTER_ADDR   ?= $(if $(REMOTE_HOSTS),$(firstword $(ACTIVE_HOSTS)),127.0.0.1)
 LAUNCH_FLAGS   = $(if $(REMOTE_HOSTS),,--no_ssh_check) --master_addr '$(subst ','\'',$(MASTER_ADDR))'
-RANKS_ARGS     = $(if $(HOSTFILE),--hostfile '$(HOSTFILE)',--num_gpus $(PRETRAIN_RANKS))
-PREFLIGHT_ARGS = $(if $(HOSTFILE),--hostfile '$(HOSTFILE)',--local-ranks $(PRETRAIN_RANKS)) $(SHARDS_OVERRIDE)
+RANKS_ARGS     = $(if $(HOSTFILE),--hostfile '$(HOSTFILE)',--num_gpus $(PRETRAIN_RANKS))$(HOST_FILTER)
+PREFLIGHT_ARGS = $(if $(HOSTFILE),--hostfile '$(HOSTFILE)',--local-ranks $(PRETRAIN_RANKS))$(HOST_FILTER) \
+  $(SHARDS_OVERRIDE)
 
-pretrain: $(STAMP)  ## DeepSpeed pre-training: CONFIG, HOSTFILE (default: this machine), SHARDS, OVERRIDES (resumes automatically)
+pretrain: $(STAMP)  ## DeepSpeed pre-training: CONFIG, HOSTFILE (default: this machine), INCLUDE/EXCLUDE/NUM_NODES, SHARDS, OVERRIDES (resumes automatically)
 	$(CHECK_HOSTS)$(PY) -m pretrain.preflight --config $(PRETRAIN_CONFIG) $(PREFLIGHT_ARGS) $(OVERRIDES)
 	$(VENV)/bin/deepspeed $(RANKS_ARGS) $(LAUNCH_FLAGS) \
 	  pretrain/train.py --config $(PRETRAIN_CONFIG) $(SHARDS_OVERRIDE) $(OVERRIDES)
 
-preflight: $(STAMP)  ## check HOSTFILE's hosts before a long run: reachable, same code, shards, disk, batch plan, op builds
+preflight: $(STAMP)  ## check HOSTFILE's hosts (INCLUDE/EXCLUDE/NUM_NODES) before a long run: reachable, same code, shards, disk, batch plan, op builds
 	$(PY) -m pretrain.preflight --config $(PRETRAIN_CONFIG) $(PREFLIGHT_ARGS) $(OVERRIDES)
 
 plot: $(STAMP)  ## loss curves (total and per objective) of RUN to RUN/loss.png

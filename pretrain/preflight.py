@@ -2,7 +2,7 @@
 
 For the run config and hostfile it verifies, before any rank starts:
   * the DeepSpeed JSON passes the checks training makes of it (``pretrain.engine.read_engine_json``);
-  * the global batch splits over the hostfile's slots (else the feasible choices are listed);
+  * the global batch splits over the slots the run uses (else the feasible choices are listed);
   * every host is reachable (password-less ssh, as DeepSpeed's launcher needs: with several hosts each one over
     ssh, this machine too, as the launcher reaches them; a hostfile of this machine alone runs in-process);
   * with several hosts, the first (the rendezvous master) is not a loopback name, and every host sees a file
@@ -12,6 +12,11 @@ For the run config and hostfile it verifies, before any rank starts:
   * every host has free disk for ``keep_last + 1`` checkpoints (≈20 bytes per parameter each, an estimate);
   * every host's ``TORCH_CUDA_ARCH_LIST`` is one DeepSpeed's op builder can read (else the exact value to set).
   * a checkpoint can be written within the launcher's SIGTERM grace period (a warning otherwise: see below).
+
+The hosts and slots checked are those DeepSpeed's launcher would use: the whole hostfile, or what its filters
+``--include`` / ``--exclude`` (``NAME[:SLOT[,SLOT ...]][@NAME ...]``) or ``--num_nodes N`` leave, resolved by the
+launcher's own functions; the first host left is the rendezvous master. ``--active-hosts`` prints those hosts, one
+per line, and checks nothing else (``make pretrain`` takes its master address from it).
 
 A host whose ssh connects but stalls is reported as a problem after ``SSH_TIMEOUT_S`` and the other hosts are
 still checked.
@@ -27,6 +32,8 @@ and mpirun do not impose that limit).
 
     python -m pretrain.preflight --config pretrain/configs/tiny.yaml --hostfile hostfiles/localhost [k=v ...]
     python -m pretrain.preflight --config pretrain/configs/tiny.yaml --local-ranks 8 [k=v ...]   # this machine only
+    python -m pretrain.preflight --config CONFIG --hostfile FILE --include 'node-1:0,1@node-2' [k=v ...]
+    python -m pretrain.preflight --active-hosts --hostfile FILE --exclude node-1
 """
 from __future__ import annotations
 
@@ -43,6 +50,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from deepspeed.launcher.runner import apply_num_nodes_and_gpus, parse_inclusion_exclusion
 
 from data_prep.shard_format import MANIFEST_NAME, ShardDataset, sha256_file
 from pretrain.accelerator import deepspeed_arch_list
@@ -95,6 +104,30 @@ def read_hostfile(path: str | Path) -> dict[str, int]:
     if not hosts:
         raise ValueError(f"{path}: no hosts")
     return hosts
+
+
+def active_slots(hostfile: str | Path, include: str = "", exclude: str = "",
+                 num_nodes: int = -1) -> dict[str, list[int]]:
+    """{host: slot ids} a DeepSpeed launch with this hostfile and filters uses, in hostfile order: DeepSpeed's own
+    ``parse_inclusion_exclusion`` and ``apply_num_nodes_and_gpus``, as its launcher resolves them.
+
+    ``include`` / ``exclude``: ``NAME[:SLOT[,SLOT ...]][@NAME ...]`` ("" = none); ``num_nodes``: the first N hosts
+    (-1 = all). A filter the launcher refuses (a host not in the hostfile, a slot it does not have, two filters
+    together) or one that leaves no slot is a ValueError naming the hostfile and the value."""
+    slots = read_hostfile(hostfile)
+    given = [f"--{flag} {shlex.quote(str(value))}" for flag, value in
+             (("include", include), ("exclude", exclude), ("num_nodes", num_nodes if num_nodes > 0 else ""))
+             if value != ""]
+    if len(given) > 1:  # the launcher's main() refuses these together before resolving them
+        raise ValueError(f"{hostfile}: {' '.join(given)}: give one of --include, --exclude, --num_nodes")
+    try:
+        active = apply_num_nodes_and_gpus(parse_inclusion_exclusion(slots, include, exclude), num_nodes, -1)
+    except ValueError as error:  # DeepSpeed's words, or int() on a malformed slot list
+        raise ValueError(f"{hostfile}: {given[0]}: {error} (a filter is NAME[:SLOT[,SLOT ...]][@NAME ...] of the "
+                         "hostfile's hosts, slots numbered from 0)") from None
+    if not active:
+        raise ValueError(f"{hostfile}: {given[0]} leaves no slot to run on")
+    return dict(active)
 
 
 def probe(cfg: RunConfig, shared_file: str | None = None) -> dict[str, Any]:
@@ -202,11 +235,19 @@ def remote_probe(host: str, config: str, overrides: list[str], shared_file: str 
         return {"host": host, "unreachable": f"no probe report in its answer ({result.stdout[-200:]!r})"}
 
 
-def preflight(config: str, overrides: list[str], hostfile: str | None, local_ranks: int = 1) -> list[str]:
-    """Problems found (empty = ready). Without a hostfile: this machine alone with ``local_ranks`` ranks."""
+def preflight(config: str, overrides: list[str], hostfile: str | None, local_ranks: int = 1, include: str = "",
+              exclude: str = "", num_nodes: int = -1) -> list[str]:
+    """Problems found (empty = ready). Without a hostfile: this machine alone with ``local_ranks`` ranks. With
+    one, the hosts and slots ``include`` / ``exclude`` / ``num_nodes`` leave (``active_slots``)."""
     cfg = load_config(config, overrides)
-    hosts = read_hostfile(hostfile) if hostfile else {"localhost": local_ranks}
-    world = sum(hosts.values())
+    filtered = bool(include or exclude or num_nodes > 0)
+    if hostfile:
+        hosts = active_slots(hostfile, include, exclude, num_nodes)
+    elif filtered:
+        raise ValueError("--include, --exclude and --num_nodes choose among a hostfile's hosts: give --hostfile")
+    else:
+        hosts = {"localhost": list(range(local_ranks))}
+    world = sum(len(slots) for slots in hosts.values())
     problems = []
     try:  # what training checks of the file; whether the GPUs have its precision, each rank checks as it starts
         read_engine_json(cfg.deepspeed_config_path)
@@ -235,7 +276,8 @@ def preflight(config: str, overrides: list[str], hostfile: str | None, local_ran
     several = len(hosts) > 1
     first = next(iter(hosts))
     if several and (first == "localhost" or _loopback(first)):
-        problems.append(f"{hostfile}: its first host, {first}, is where every rank meets rank 0 (the launcher's "
+        first_host = "the first host the filter leaves" if filtered else "its first host"
+        problems.append(f"{hostfile}: {first_host}, {first}, is where every rank meets rank 0 (the launcher's "
                         f"master_addr), but from another host {first} is that host itself: list this machine by a "
                         f"name the others reach (e.g. {socket.gethostname()}), or launch with --master_addr NAME")
     # the directory out_dir is in (or will be): a file written there must be visible to every host
@@ -303,10 +345,18 @@ def check_host(host: str, report: dict[str, Any], local: dict[str, Any], cfg: Ru
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pretrain.preflight", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True)
+    parser.add_argument("--config", default=None, help="run config (required, except with --active-hosts)")
     parser.add_argument("--hostfile", default=None, help="DeepSpeed hostfile (default: this machine only)")
     parser.add_argument("--local-ranks", type=int, default=1,
                         help="ranks on this machine when there is no hostfile (make pretrain: one per GPU)")
+    # the hostfile filters, spelt as deepspeed's launcher spells them (make pretrain passes one string to both)
+    parser.add_argument("--include", default="", help="only these hosts/slots of the hostfile: "
+                        "NAME[:SLOT[,SLOT ...]][@NAME ...], as deepspeed --include")
+    parser.add_argument("--exclude", default="", help="all but these hosts/slots, as deepspeed --exclude")
+    parser.add_argument("--num_nodes", type=int, default=-1, help="the hostfile's first N hosts, as deepspeed")
+    parser.add_argument("--active-hosts", action="store_true",
+                        help="print the hosts the filters leave, one per line (the first is the rendezvous "
+                             "master), and check nothing else")
     parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)  # run on each host over ssh
     parser.add_argument("--shared-file", default=None, help=argparse.SUPPRESS)  # with --probe: is it there?
     parser.add_argument("overrides", nargs="*")
@@ -316,13 +366,28 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.local_ranks < 1:
         parser.error(f"--local-ranks must be >= 1, got {args.local_ranks}")
+    if args.num_nodes != -1 and args.num_nodes < 1:
+        parser.error(f"--num_nodes must be >= 1, got {args.num_nodes}")
+    if args.active_hosts:
+        if not args.hostfile:
+            parser.error("--active-hosts needs --hostfile")
+        try:
+            hosts = active_slots(args.hostfile, args.include, args.exclude, args.num_nodes)
+        except (ValueError, OSError) as error:
+            print(f"[preflight] PROBLEM: {error}", file=sys.stderr)
+            return 2
+        print("\n".join(hosts))
+        return 0
+    if args.config is None:
+        parser.error("the following arguments are required: --config")
     try:
         load_config(args.config, args.overrides)
     except (ValueError, OSError) as error:  # the config itself (a missing file, a misspelt key, a bad value)
         print(f"[preflight] PROBLEM: {args.config}: {error}", file=sys.stderr)
         return 2
     try:
-        problems = preflight(args.config, args.overrides, args.hostfile, args.local_ranks)
+        problems = preflight(args.config, args.overrides, args.hostfile, args.local_ranks, args.include,
+                             args.exclude, args.num_nodes)
     except (ValueError, OSError) as error:  # the hostfile, say
         print(f"[preflight] PROBLEM: {error}", file=sys.stderr)
         return 2

@@ -475,10 +475,20 @@ def test_the_preflight_warns_when_a_checkpoint_may_outlast_the_launchers_sigterm
     assert "train.save_interval" in warning and "train.exit_after_minutes" in warning
 
 
-def make_pretrain(hostfile: Path) -> subprocess.CompletedProcess:
-    # -o: never remake the venv stamp (a dry run still remakes targets the Makefile itself depends on)
-    return subprocess.run(["make", "-n", "-o", ".venv/.installed", "pretrain", f"HOSTFILE={hostfile}"], cwd=ROOT,
-                          env=subprocess_env(), capture_output=True, text=True, timeout=60)
+def make_pretrain(hostfile: Path, *variables: str) -> subprocess.CompletedProcess:
+    # -o: never remake the venv stamp (a dry run still remakes targets the Makefile itself depends on); VENV: this
+    # interpreter's, which resolves a hostfile filter (INCLUDE, EXCLUDE, NUM_NODES) while make expands the recipe
+    return subprocess.run(["make", "-n", "-o", f"{sys.prefix}/.installed", "pretrain", f"VENV={sys.prefix}",
+                           f"HOSTFILE={hostfile}", *variables], cwd=ROOT, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=60)
+
+
+def launch_lines(process: subprocess.CompletedProcess) -> tuple[str, str]:
+    """The preflight and deepspeed command lines `make -n pretrain` printed, whitespace runs as one space."""
+    assert process.returncode == 0, process.stderr
+    lines = [" ".join(line.split()) for line in process.stdout.splitlines()]
+    return (next(line for line in lines if "-m pretrain.preflight" in line),
+            next(line for line in lines if "/bin/deepspeed " in line))
 
 
 def test_make_pretrain_refuses_a_hostfile_word_that_is_not_a_host_before_any_shell(tmp_path: Path) -> None:
@@ -506,6 +516,124 @@ def test_make_pretrain_refuses_a_loopback_first_host_among_several(tmp_path: Pat
     assert named.returncode == 0 and "--master_addr '10.1.2.3'" in named.stdout
     hostfile.write_text("localhost slots=2\n")  # this machine alone: no ssh, 127.0.0.1
     assert "--master_addr '127.0.0.1'" in make_pretrain(hostfile).stdout
+
+
+def test_make_pretrain_passes_a_host_filter_on_and_meets_at_the_first_host_it_leaves(tmp_path: Path) -> None:
+    """INCLUDE / EXCLUDE / NUM_NODES reach deepspeed and the preflight quoted; the master address and the ssh check
+    follow the hosts the filter leaves (ranks meet at --master_addr: an excluded host would never answer)."""
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node-1 slots=2\nnode-2 slots=2\nnode-3 slots=2\n")
+    deepspeed = f"{sys.prefix}/bin/deepspeed --hostfile '{hostfile}'"
+    preflight, launch = launch_lines(make_pretrain(hostfile))  # no filter: as before
+    assert launch == f"{deepspeed} --master_addr 'node-1' \\" and preflight.endswith(f"--hostfile '{hostfile}'")
+    preflight, launch = launch_lines(make_pretrain(hostfile, "EXCLUDE=node-1"))
+    assert launch == f"{deepspeed} --exclude 'node-1' --master_addr 'node-2' \\"
+    assert preflight.endswith(f"--hostfile '{hostfile}' --exclude 'node-1'")
+    # values reach every shell quoted, the host resolution run while make expands the recipe included (these two
+    # filters together resolve to nothing: the preflight, the recipe's first line, would stop on them)
+    hostile = f"node-1:0,1;touch {tmp_path}/PWNED'"
+    preflight, launch = launch_lines(make_pretrain(hostfile, f"INCLUDE={hostile}", "NUM_NODES=2"))
+    flags = "--include '" + hostile.replace("'", "'\\''") + "' --num_nodes '2'"
+    assert launch.startswith(f"{deepspeed} {flags} ") and preflight.endswith(flags)
+    assert not (tmp_path / "PWNED").exists()
+    # this machine alone after the filter: no ssh check, rendezvous on 127.0.0.1 (its loopback name is no problem)
+    hostfile.write_text("localhost slots=2\nnode-2 slots=2\n")
+    _, launch = launch_lines(make_pretrain(hostfile, "INCLUDE=localhost:1"))
+    assert launch == f"{deepspeed} --include 'localhost:1' --no_ssh_check --master_addr '127.0.0.1' \\"
+    hostfile.write_text("node-1 slots=1\nlocalhost slots=1\nnode-3 slots=1\n")
+    process = make_pretrain(hostfile, "EXCLUDE=node-1")
+    assert process.returncode != 0 and "deepspeed" not in process.stdout
+    assert f"{hostfile}: the first host that --exclude 'node-1' leaves, localhost, is where every rank meets rank 0" \
+        in process.stderr
+
+
+def test_the_preflight_checks_the_hosts_and_slots_a_host_filter_leaves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                       capsys: pytest.CaptureFixture) -> None:
+    """The world size of the batch plan is the slot count left; only the hosts left are probed (one local host: in
+    process, no ssh); the first host left is the rendezvous master."""
+    from pretrain import preflight
+
+    probed = []
+
+    def remote_probe(host, config, overrides, shared_file=None):
+        probed.append(host)
+        return preflight.probe(preflight.load_config(config, overrides), shared_file)
+
+    monkeypatch.setattr(preflight, "remote_probe", remote_probe)
+    monkeypatch.setattr(preflight, "write_speed", lambda directory: None)
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=8\nnode-b slots=4\nnode-c slots=4\n")
+
+    def check(**host_filter: object) -> list[str]:
+        probed.clear()
+        return preflight.preflight("pretrain/configs/tiny.yaml", [f"out_dir={tmp_path}"], str(hostfile),
+                                   **host_filter)
+
+    # tiny: a global batch of 24 in micro-batches of 4 splits over 3 or 6 ranks, not over 5 or 12
+    problems = check(include="localhost:0,2,5")
+    assert "[preflight] 1 host(s), 3 ranks: " in capsys.readouterr().out and probed == []
+    assert not any("ranks" in problem for problem in problems), problems
+    problems = check(include="localhost:0,1,2,3,4")
+    assert any("No (micro, accumulation) pair reaches 24 on 5 ranks" in problem for problem in problems), problems
+    problems = check(exclude="localhost@node-c:0,1")
+    assert "[preflight] 2 host(s), 6 ranks: " in capsys.readouterr().out and probed == ["node-b", "node-c"]
+    assert not any("first host" in problem for problem in problems), problems
+    problems = check(num_nodes=2)
+    assert any("micro-batches of 4 on 12 data-parallel ranks" in problem for problem in problems), problems
+    assert probed == ["localhost", "node-b"]
+    hostfile.write_text("node-a slots=1\nlocalhost slots=1\nnode-c slots=1\n")
+    problems = check(exclude="node-a")
+    assert probed == ["localhost", "node-c"]
+    assert any(problem.startswith(f"{hostfile}: the first host the filter leaves, localhost, is where every rank "
+                                  "meets rank 0") for problem in problems), problems
+
+
+BAD_HOST_FILTERS = {
+    "a host not in the hostfile": (["--include", "node-z"],
+                                   "--include node-z: Hostname 'node-z' not found in hostfile"),
+    "a slot the host lacks": (["--include", "node-b:0,2"],
+                              "--include node-b:0,2: No slot '2' specified on host 'node-b'"),
+    "a malformed slot list": (["--exclude", "node-b:one"], "--exclude node-b:one: invalid literal for int()"),
+    "two filters": (["--include", "node-b", "--exclude", "localhost"],
+                    "--include node-b --exclude localhost: give one of --include, --exclude, --num_nodes"),
+    "nothing left": (["--exclude", "localhost@node-b"], "--exclude localhost@node-b leaves no slot to run on"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_HOST_FILTERS)
+def test_a_bad_host_filter_is_one_line_naming_the_hostfile_and_the_value(
+        case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    from pretrain import preflight
+
+    def no_subprocess(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"a subprocess ran for a bad filter: {args}")
+
+    monkeypatch.setattr(preflight.subprocess, "run", no_subprocess)
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=2\nnode-b slots=2\n")
+    arguments, message = BAD_HOST_FILTERS[case]
+    for mode in (["--config", "pretrain/configs/tiny.yaml", f"out_dir={tmp_path}"], ["--active-hosts"]):
+        assert preflight.main([*mode, "--hostfile", str(hostfile), *arguments]) == 2
+        shown = capsys.readouterr()
+        assert shown.err.count("\n") == 1 and shown.out == ""
+        assert shown.err.startswith(f"[preflight] PROBLEM: {hostfile}: {message}"), shown.err
+
+
+def test_the_preflight_prints_the_hosts_a_filter_leaves_master_first(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture) -> None:
+    """What `make pretrain` takes its master address and ssh check from when a filter is given."""
+    from pretrain.preflight import main
+
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node-a slots=2\nnode-b slots=2\nnode-c slots=2\n")
+    for arguments, hosts in (([], ["node-a", "node-b", "node-c"]),
+                             (["--exclude", "node-a@node-b:0"], ["node-b", "node-c"]),
+                             (["--include", "node-c@node-b:1"], ["node-b", "node-c"]),  # in hostfile order
+                             (["--num_nodes", "1"], ["node-a"])):
+        assert main(["--active-hosts", "--hostfile", str(hostfile), *arguments]) == 0
+        assert capsys.readouterr().out.splitlines() == hosts
+    assert main(["--config", "pretrain/configs/tiny.yaml", "--include", "localhost"]) == 2  # a filter needs a hostfile
+    assert capsys.readouterr().err.startswith("[preflight] PROBLEM: --include, --exclude and --num_nodes choose")
 
 
 # -------------------------------------------------------------------------------- real runs: rollback, torn line
