@@ -1,16 +1,21 @@
 """The README cannot drift from the code: the configuration reference (docs/configuration.md) is the generated
 one, the README's batch table is
-what `pretrain.batch_plan` computes, every `make TARGET` it shows is a Makefile target and every
-`python -m MODULE` it shows imports and answers `--help`."""
+what `pretrain.batch_plan` computes, every `make TARGET` it shows is a Makefile target, every
+`python -m MODULE` it shows imports and answers `--help`, and every `--option` of a project command shown in the
+README or docs/*.md is one that command's parser accepts."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import importlib
 import os
 import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from functools import cache
 from pathlib import Path
+from unittest import mock
 
 from finetune.config import FinetuneConfig
 from pretrain.batch_plan import feasible_pairs, nearest_feasible_globals
@@ -19,6 +24,8 @@ from pretrain.config import reference_markdown
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 CONFIGURATION = ROOT / "docs" / "configuration.md"
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PACKAGES = "data_prep|pretrain|finetune|tools"
 
 
 def section(name: str, text: str = README, where: str = "README.md") -> str:
@@ -27,11 +34,79 @@ def section(name: str, text: str = README, where: str = "README.md") -> str:
     return match.group(1)
 
 
+def code_pieces(text: str) -> list[tuple[int, str]]:
+    """(line number, code) for everything a markdown text shows as code: each command of a fenced block (its
+    `# comment` dropped, its backslash-continued lines kept as lines) and each inline `span` (which may wrap)."""
+    pieces = []
+    lines = text.splitlines()
+    fenced = [False] * len(lines)
+    inside = False
+    for number, line in enumerate(lines):
+        if line.lstrip().startswith("```"):
+            inside, fenced[number] = not inside, True
+        elif inside:
+            fenced[number] = True
+    command, start = None, 0
+    for number, line in enumerate(lines):
+        if not fenced[number] or line.lstrip().startswith("```"):
+            continue
+        code = re.sub(r"(^|\s)#.*", "", line).rstrip()
+        command, start = (command + "\n" + code, start) if command is not None else (code, number + 1)
+        if command.endswith("\\"):
+            command = command[:-1]
+        else:
+            pieces.append((start, command))
+            command = None
+    prose = "\n".join("" if is_fenced else line for line, is_fenced in zip(lines, fenced))
+    for match in re.finditer(r"`([^`]+)`", prose):
+        if "\n\n" not in match.group(1):
+            pieces.append((prose.count("\n", 0, match.start()) + 1, match.group(1)))
+    return sorted(pieces)
+
+
 def code_text() -> str:
-    """Everything the README shows as code: fenced blocks and inline `spans`."""
-    blocks = re.findall(r"```[a-z]*\n(.*?)```", README, re.S)
-    without_blocks = re.sub(r"```.*?```", "", README, flags=re.S)
-    return "\n".join(blocks + re.findall(r"`([^`\n]+)`", without_blocks))
+    """Everything the README shows as code, a piece a line."""
+    return "\n".join(" ".join(code.split()) for _, code in code_pieces(README))
+
+
+def project_commands(code: str) -> list[tuple[str, list[tuple[int, str]]]]:
+    """(module, its --long-options as (line within the code, option)) for each command of this project in a piece of
+    code: `python -m MODULE`, `torchrun ... -m MODULE`, `deepspeed ... PACKAGE/SCRIPT.py` or a bare
+    `MODULE --option` (only what follows the module counts: the launcher's flags are the launcher's). Synopsis
+    brackets (`[--flag N]`) and `{a,b}` choices need no care: only the `--word`s are taken."""
+    commands = []
+    offset = 0
+    for command in re.split(r"(;|&&|\|\||\s\|\s)", code):
+        match = re.search(rf"\b(?:python3?|torchrun|deepspeed)\b.*?\s-m\s+(?P<module>(?:{PACKAGES})\.\w+)(?=\s|$)"
+                          rf"|\b(?:python3?|deepspeed)\b.*?\s(?:\./)?(?P<script>(?:{PACKAGES})/\w+)\.py(?=\s|$)"
+                          rf"|^\s*(?P<bare>(?:{PACKAGES})\.\w+)(?=\s+--)", command, re.S)
+        if match:
+            module = match.group("module") or match.group("bare") or match.group("script").replace("/", ".")
+            options = re.finditer(r"(?:^|[\s\[(])(--[A-Za-z][\w-]*)", command[match.end():])
+            commands.append((module, [(code.count("\n", 0, offset + match.end() + option.start(1)), option.group(1))
+                                      for option in options]))
+        offset += len(command)
+    return commands
+
+
+class _Parsed(Exception):
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        self.parser = parser
+
+
+@cache
+def accepted_options(module: str) -> frozenset[str]:
+    """The option strings of MODULE's command line, from the parser its `main(argv)` builds: stopped where it
+    would parse, so nothing runs and no interpreter is started (a `--help` subprocess per module takes seconds)."""
+    def stop(parser: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
+        raise _Parsed(parser)
+
+    with mock.patch.object(argparse.ArgumentParser, "parse_args", stop):
+        try:
+            importlib.import_module(module).main([])
+        except _Parsed as parsed:
+            return frozenset(parsed.parser._option_string_actions)  # argparse has no public list of them
+    raise AssertionError(f"{module}.main() never parsed its arguments")
 
 
 def test_configuration_reference_is_generated_from_the_config_dataclasses() -> None:
@@ -77,3 +152,17 @@ def test_every_python_module_in_the_readme_runs_with_help() -> None:
     with ThreadPoolExecutor(max_workers=2) as pool:
         failures = [(m, code, err) for m, code, err in pool.map(help_exit, modules) if code != 0]
     assert not failures, f"`python -m MODULE --help` failed for: {failures}"
+
+
+def test_every_option_shown_for_a_project_command_is_accepted_by_it() -> None:
+    """A renamed or removed flag in a documented command line would otherwise meet the user as argparse's error.
+    Options must be spelt in full: argparse's prefix matching would break as soon as an option were added."""
+    checked, unknown = set(), []
+    for path in DOCS:
+        for line, code in code_pieces(path.read_text()):
+            for module, options in project_commands(code):
+                checked.add(module)
+                unknown += [f"{path.relative_to(ROOT)}:{line + below}: `{module}` has no {option}"
+                            for below, option in options if option not in accepted_options(module)]
+    assert {"data_prep.build", "finetune.run", "finetune.decode", "pretrain.train"} <= checked
+    assert not unknown, "documented options the commands do not accept:\n" + "\n".join(unknown)
