@@ -9,7 +9,8 @@ The UniLM paper's comparison in miniature, through the pipeline's own commands:
 
     python -m tools.ablation [--out ablation_out] [--steps N] [--seeds 42 43 44] [--from STAGE]
 
-Stages (each printed with its commands; a finished stage is skipped on a rerun, `--from` redoes it and later ones):
+Stages (each printed with its commands; a finished stage is skipped on a rerun, `--from` redoes it and later ones;
+more `--seeds` on a finished output train and score only the new seeds' runs):
 
     data      python -m finetune.task_files --test-fraction 0.1    BBC News → train / dev / held-out test splits
     init      load_hf_bert + save_hf_bert (seeded)               one initial model directory for all three arms
@@ -300,7 +301,8 @@ class Ablation(Stages):
                             "--model", str(self.run_dir(arm, "headline", seed)), "--input",
                             str(self.test_file("headline")),
                             "--output", str(output), "--beam-size", str(BEAM_SIZE), "--max-tgt-len",
-                            str(MAX_HEADLINE_LEN), "--no-repeat-ngram", str(NO_REPEAT_NGRAM), "--batch-size", "32"])
+                            str(MAX_HEADLINE_LEN), "--no-repeat-ngram", str(NO_REPEAT_NGRAM), "--batch-size", "32",
+                            "--force"])  # the stage's own file: from a model trained since, or a --test-limit run
                     scored["headline"] = {**json.loads(scores_file.read_text()), "loss": headline_test_loss(
                         self.run_dir(arm, "headline", seed), self.test_file("headline"))}
                 if not self.finished(arm, "topic", seed):
@@ -321,6 +323,16 @@ class Ablation(Stages):
         self.say(f"  wrote {self.out / 'REPORT.md'} and {self.out / 'results.json'}")
         print("\n" + result_table(records) + "\n", flush=True)
         return {"report": str(self.out / "REPORT.md")}
+
+    def stale(self, stage: str, marker: dict[str, Any]) -> bool:
+        """Whether a stage done earlier lacks some of this invocation's ``--seeds``: a fine-tuning stage then runs
+        again and trains only the runs it lacks (a finished run is skipped), and the test stage scores them (the
+        headlines it decoded earlier are kept). Adding seeds to a finished ablation costs only the new seeds."""
+        if stage.startswith("finetune-"):
+            return any(f"{task}-seed{seed}" not in marker for task in TASKS for seed in self.seeds)
+        if stage == "test":
+            return any(str(seed) not in marker["scores"].get(arm, {}) for arm in ARMS for seed in self.seeds)
+        return False
 
     def runners(self) -> dict[str, Any]:
         stages = {"data": self.data_stage, "init": self.init_stage, "shards": self.shards_stage}
@@ -566,7 +578,7 @@ def main(argv: list[str] | None = None) -> None:
                     for seed in ablation.seeds:
                         shutil.rmtree(ablation.run_dir(arm, task, seed), ignore_errors=True)
     ablation.out.mkdir(parents=True, exist_ok=True)
-    wall = ablation.run(runners, args.redo_from)
+    wall = ablation.run(runners, args.redo_from, stale=ablation.stale)
     ablation.say(f"finished in {duration(wall)}; report: {ablation.out / 'REPORT.md'}")
 
 

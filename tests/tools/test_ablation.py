@@ -93,7 +93,8 @@ def test_the_driver_runs_every_stage_on_a_few_steps_and_skips_them_on_a_rerun(sa
             "--finetune-steps", "2", "--seeds", "42", "43", "--test-limit", "4"]
     first = subprocess.run(argv, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=3000)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    records = json.loads((out / "results.json").read_text())
+    first_results = (out / "results.json").read_text()
+    records = json.loads(first_results)
     assert {r["arm"] for r in records} == set(ablation.ARMS) and all(r["seed_ids"] == [42, 43] for r in records)
     assert all(len(r["seeds"]) == 2 for r in records)
     for recipe in ("bert", "unilm"):  # each continued pre-training ran its 2 steps on 2 ranks from the shared init
@@ -109,6 +110,16 @@ def test_the_driver_runs_every_stage_on_a_few_steps_and_skips_them_on_a_rerun(sa
     assert "| BBC headline | rougeL |" in report and "Quick check: only the first 4 test examples" in report
     again = subprocess.run(argv, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and again.stdout.count("done earlier") == 9, again.stdout[-3000:]
+    # one more seed: only its 6 runs are trained, the others and the pre-training are kept
+    more = subprocess.run(argv[:argv.index("--seeds") + 3] + ["44"] + argv[argv.index("--seeds") + 3:], cwd=ROOT,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=1200)
+    assert more.returncode == 0, more.stdout[-3000:] + more.stderr[-3000:]
+    assert more.stdout.count("done earlier") == 5 and more.stdout.count("MiB of resume state") == 6
+    assert "headline seed 44:" in more.stdout and "topic seed 44:" in more.stdout
+    assert "headline seed 42:" not in more.stdout and "topic seed 43:" not in more.stdout
+    records = json.loads((out / "results.json").read_text())
+    assert all(r["seed_ids"] == [42, 43, 44] for r in records)
+    assert [r["seeds"][:2] for r in records] == [r["seeds"] for r in json.loads(first_results)]
 
 
 def test_a_missing_run_leaves_its_seed_out_for_every_arm_of_that_task() -> None:
