@@ -42,9 +42,11 @@ except SystemExit as stop:
 
 
 def launch_node_local(work: Path, module: str, args: list[str]) -> tuple[subprocess.CompletedProcess, list[str]]:
-    """``python -m module args`` on two gloo ranks under torchrun, rank r in ``work/node{r}`` (create them), so a
-    relative path names a file on "its node's disk". Returns the process and each rank's exit code ("" where the
-    rank did not exit by itself: the launcher killed it)."""
+    """``python -m module args`` on two gloo ranks under torchrun, rank r in ``work/node{r}`` (made here if missing:
+    put a rank's files there first), so a relative path names a file on "its node's disk". Returns the process and
+    each rank's exit code ("" where the rank did not exit by itself: the launcher killed it)."""
+    for rank in (0, 1):
+        (work / f"node{rank}").mkdir(exist_ok=True)
     (work / "node_local_rank.py").write_text(_NODE_LOCAL_RANK)
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            str(work / "node_local_rank.py"), str(work), module, *args],
