@@ -337,7 +337,7 @@ def _middle(record: str, budget: int) -> str:
     first, last = record.find("\n\n", start, stop), record.rfind("\n\n", start, stop)
     if 0 <= first < last:
         start, stop = first + 2, last
-    return (Wikitext if isinstance(record, Wikitext) else str)(record[start:stop])
+    return Wikitext.of(record[start:stop], record.dump) if isinstance(record, Wikitext) else record[start:stop]
 
 
 def _donor(neighbour: Chunk, budget: int) -> tuple[str, ...]:

@@ -71,7 +71,7 @@ from pathlib import Path
 from typing import BinaryIO, Iterator
 
 from data_prep.shard_format import MANIFEST_NAME, SHARD_GLOB
-from data_prep.wikitext import iter_pages, wikitext_to_text
+from data_prep.wikitext import iter_pages, link_namespaces, wikitext_to_text
 
 FILE_SUFFIXES = (".xml", ".xml.bz2", ".jsonl", ".json", ".parquet", ".txt")
 _WIKIEXTRACTOR = re.compile(r"^wiki_\d+(\.bz2)?$")  # text/AA/wiki_00 (wiki_00.bz2 with --compress)
@@ -116,7 +116,17 @@ class Skipped:
 
 
 class Wikitext(str):
-    """A Wikipedia page's raw wikitext; ``document_text`` cleans it (in a worker process, not the reader)."""
+    """A Wikipedia page's raw wikitext and the dump it is from (whose site info names the wiki's namespaces, so
+    ``Kategorie:`` links are dropped on the German Wikipedia); ``document_text`` cleans it (in a worker process, not
+    the reader)."""
+
+    dump: str | None = None
+
+    @staticmethod
+    def of(text: str, dump: str | None) -> "Wikitext":
+        page = Wikitext(text)
+        page.dump = dump
+        return page
 
 
 class RepairedText(str):
@@ -135,7 +145,9 @@ class RepairedText(str):
 
 def document_text(record: str) -> str:
     """Plain text of a record: Wikipedia markup stripped, anything else unchanged."""
-    return wikitext_to_text(record) if isinstance(record, Wikitext) else record
+    if not isinstance(record, Wikitext):
+        return record
+    return wikitext_to_text(record, link_namespaces(record.dump)) if record.dump else wikitext_to_text(record)
 
 
 @dataclass(frozen=True)
@@ -503,7 +515,7 @@ def _read_wiki(path: Path) -> Iterator[str | Skipped]:
             elif namespace != 0:
                 yield Skipped("wiki_not_an_article", f"{path}: {title}")
             else:
-                yield Wikitext(wikitext)
+                yield Wikitext.of(wikitext, str(path))
     except (OSError, EOFError, SyntaxError) as err:  # ET.ParseError is a SyntaxError; bz2 raises OSError/EOFError
         raise SourceError(f"--input {path}: not a readable Wikipedia XML dump ({err}); "
                           "pass a complete pages-articles .xml or .xml.bz2 file") from None

@@ -4,7 +4,10 @@
 prose only: it drops comments, references, templates (``{{…}}``), tables (``{|…|}``), file/image/category
 links, links to Wikipedia's own pages (``WP:``, ``Template:``, …), interlanguage links, math/galleries and other
 non-prose tags, headings, lists, indented lines and table rows; it keeps the visible text of internal, external and
-sister-project links (``[[wikt:compound|compound]]``) and removes bold/italic quote marks. Tags are stripped
+sister-project links (``[[wikt:compound|compound]]``) and removes bold/italic quote marks. Which link prefixes
+name such pages is the wiki's own: ``link_namespaces`` reads them from the dump's ``<siteinfo>`` (``Datei:`` and
+``Kategorie:`` on the German Wikipedia), on top of the English names every wiki accepts; a prefixed link to a media
+file (``[[Bild:Map.png|mini|…]]``: an alias no dump lists) is a picture in any language. Tags are stripped
 before character references are decoded, so ``&lt;div&gt;`` stays as the text ``<div>``; a ``<br>`` becomes a
 space. Paragraphs come out separated by blank lines.
 
@@ -15,6 +18,7 @@ and links are resolved innermost first for at most ``MAX_NESTING`` rounds; deepe
 from __future__ import annotations
 
 import bz2
+import functools
 import html
 import re
 import xml.etree.ElementTree as ET
@@ -41,26 +45,33 @@ _HIDDEN_LINK_PREFIXES = ("file", "image", "media", "category",  # pictures and c
 _SISTER_PROJECT_PREFIXES = ("wikt", "wiktionary", "s", "wikisource", "q", "wikiquote", "n", "wikinews", "b",
                             "wikibooks", "v", "wikiversity", "voy", "wikivoyage", "species", "wikispecies", "commons",
                             "d", "wikidata", "w")
+_MEDIA_FILE = re.compile(r"\.(?:jpe?g|png|gif|svg|tiff?|webp|xcf|pdf|djvu|ogg|og[av]|webm|mp[34]|mid|midi|wav|flac|"
+                         r"opus|stl)\s*$", re.I)  # what Wikimedia Commons hosts
 _LANGUAGE_CODE = re.compile(r"[a-z]{2,3}(?:-[a-z]+)*")  # fr, zh-yue, be-x-old
 _NON_PROSE_LINE = re.compile(r"^\s*(?:=.*=|[*#:;!|{}]|----)")
 
 
-def _link_text(match: re.Match) -> str:
+def _namespace_name(name: str) -> str:
+    """A namespace name as links may write it: any case, ``_`` for a space (``Benutzer_Diskussion``)."""
+    return " ".join(name.replace("_", " ").split()).lower()
+
+
+def _link_text(match: re.Match, hidden: frozenset[str] | tuple[str, ...] = _HIDDEN_LINK_PREFIXES) -> str:
     """What a link shows: its label, else its target (a sister project's without the prefix: ``[[wikt:word]]``);
-    nothing for a picture, a category, an editors' page or an interlanguage link (``[[fr:Paris]]``: a language code,
-    no space after the colon, no label; ``[[CSI: Miami]]`` is an article). A leading colon makes any link shown
-    (``[[:fr:Paris|Paris]]``, ``[[:Category:Poets]]``)."""
+    nothing for a picture, a category, an editors' page (a prefix in ``hidden``) or an interlanguage link
+    (``[[fr:Paris]]``: a language code, no space after the colon, no label; ``[[CSI: Miami]]`` is an article). A
+    leading colon makes any link shown (``[[:fr:Paris|Paris]]``, ``[[:Category:Poets]]``)."""
     target, pipe, label = match.group(1).partition("|")
     if "|" in label:  # only file links carry several options; a plain link's label is its last part
         label = label.rsplit("|", 1)[-1]
     shown = target.lstrip().startswith(":")
     target = target.strip().lstrip(":")
     prefix, colon, page = target.partition(":")
-    namespace = prefix.strip().lower() if colon else ""
+    namespace = _namespace_name(prefix) if colon else ""
     if namespace in _SISTER_PROJECT_PREFIXES:
         return (label or page).strip()
     if namespace and not shown:
-        if namespace in _HIDDEN_LINK_PREFIXES:
+        if namespace in hidden or _MEDIA_FILE.search(page):
             return ""
         if not pipe and not page.startswith(" ") and _LANGUAGE_CODE.fullmatch(prefix):
             return ""
@@ -76,14 +87,17 @@ def _replace_nested(pattern: re.Pattern, replacement, text: str) -> str:
     return text
 
 
-def wikitext_to_text(wikitext: str) -> str:
-    """Plain article prose from one page's wikitext; paragraphs separated by blank lines."""
+def wikitext_to_text(wikitext: str, hidden_links: frozenset[str] | tuple[str, ...] = _HIDDEN_LINK_PREFIXES) -> str:
+    """Plain article prose from one page's wikitext; paragraphs separated by blank lines. ``hidden_links``: the
+    lower-case prefixes of links that show nothing (pictures, categories, editors' pages): the English ones, or
+    ``link_namespaces`` of the page's dump."""
     text = _COMMENT.sub("", wikitext)
     text = _SELF_CLOSING_REF.sub("", text)
     text = _DROP_TAGS.sub("", text)
     text = _replace_nested(_TEMPLATE, "", text)
     text = _replace_nested(_TABLE, "", text)
-    text = _replace_nested(_INNER_LINK, _link_text, text)  # a caption's links resolve before its file link is dropped
+    # a caption's links resolve before its file link is dropped
+    text = _replace_nested(_INNER_LINK, functools.partial(_link_text, hidden=hidden_links), text)
     text = _EXTERNAL_LINK.sub(lambda m: m.group(1) or "", text)
     text = html.unescape(_ANY_TAG.sub("", _LINE_BREAK.sub(" ", text)))  # tags first: "&lt;div&gt;" is shown text
     text = _MAGIC_WORD.sub("", _BOLD_ITALIC.sub("", text))
@@ -130,3 +144,25 @@ def iter_pages(path: Path) -> Iterator[tuple[str, int, bool, str]]:
                 yield title, namespace, redirect, text
                 title, namespace, redirect, text = "", 0, False, ""
                 root.clear()  # constant memory: drop finished pages
+
+
+@functools.lru_cache(maxsize=64)
+def link_namespaces(path: str) -> frozenset[str]:
+    """The lower-case prefixes of links that show nothing in the dump at ``path``: the names its ``<siteinfo>``
+    gives every namespace but the articles' (``Datei``, ``Kategorie``, ``Benutzer Diskussion`` on the German
+    Wikipedia; ``Draft``, ``Module`` on the English one), and the English names every wiki also accepts. Reads the
+    dump's head only, once per process and dump; a dump without site info gets the English names."""
+    names = set(_HIDDEN_LINK_PREFIXES)
+    opener = bz2.open if path.endswith(".bz2") else open
+    try:
+        with opener(path, "rb") as f:
+            for event, element in ET.iterparse(f, events=("start", "end")):
+                tag = _local(element.tag)
+                if event == "end" and tag == "namespace" and element.get("key", "0").strip() != "0" and element.text:
+                    names.add(_namespace_name(element.text))
+                elif (event == "end" and tag == "siteinfo") or (event == "start" and tag == "page"):
+                    break
+    except (OSError, EOFError, SyntaxError):  # the page reader reports an unreadable dump, naming it
+        pass
+    names.discard("")
+    return frozenset(names)

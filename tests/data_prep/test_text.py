@@ -1,11 +1,15 @@
 """Document clean-up, sentence splitting and Wikipedia extraction on the real dump excerpt."""
 from __future__ import annotations
 
+import bz2
 import itertools
+from pathlib import Path
 
+from data_prep.shard_format import ShardDataset
 from data_prep.sources import Skipped, read_documents
 from data_prep.text import MAX_SENTENCE_CHARS, UNCASED_MIN_CHARS, clean_document, split_sentences
-from data_prep.wikitext import wikitext_to_text
+from data_prep.wikitext import link_namespaces, wikitext_to_text
+from tests.shard_builds import run_build
 
 
 def test_clean_document_drops_control_characters_and_joins_lines():
@@ -105,6 +109,74 @@ def test_real_wikipedia_excerpt(samples_dir):
         assert shown in body, shown
     sentences = list(itertools.chain.from_iterable(split_sentences(clean_document(a)) for a in articles[:5]))
     assert len(sentences) > 300 and all(s.strip() == s and s for s in sentences)
+
+
+GERMAN_SITEINFO = """<mediawiki xmlns="http://www.mediawiki.org/xml/export-0.11/" xml:lang="de">
+  <siteinfo>
+    <sitename>Wikipedia</sitename>
+    <dbname>dewiki</dbname>
+    <namespaces>
+      <namespace key="-2" case="first-letter">Medium</namespace>
+      <namespace key="0" case="first-letter" />
+      <namespace key="2" case="first-letter">Benutzer</namespace>
+      <namespace key="3" case="first-letter">Benutzer Diskussion</namespace>
+      <namespace key="4" case="first-letter">Wikipedia</namespace>
+      <namespace key="6" case="first-letter">Datei</namespace>
+      <namespace key="10" case="first-letter">Vorlage</namespace>
+      <namespace key="14" case="first-letter">Kategorie</namespace>
+    </namespaces>
+  </siteinfo>
+"""
+
+GERMAN_PAGE = """[[Datei:Flusskarte.png|mini|hochkant|Die Flusskarte zeigt das Delta]]
+Der '''Fluss {n}''' ist ein [[Fluss]] im Norden mit vielen [[Insel (Geographie)|Inseln]]. Er entspringt in den Bergen
+und fliesst durch drei Laender bis zum Meer. Am Ufer liegen alte Doerfer mit Kirchen und Maerkten. Im Sommer
+kommen viele Wanderer und Fischer. Die Bruecken stammen aus dem Mittelalter. Nach dem Krieg wurde der Hafen neu
+gebaut. Heute leben dort Familien, Bauern und Handwerker.
+[[Bild:Altes Foto.jpg|miniatur|Ein Foto vom Hafen]] Siehe auch [[:Kategorie:Fluss|Liste der Fluesse]] und
+[[Benutzer_Diskussion:Gast|Diskussionsbeitrag]] oder [[Vorlage:Navigationsleiste]].
+[[Kategorie:Fluss in Europa]]
+[[en:River {n}]]
+"""
+
+
+def german_dump(path: Path, pages: int) -> Path:
+    """A dump in the German Wikipedia's form: localised namespace names in its site info, links that use them."""
+    body = "".join(f"  <page><title>Fluss {n}</title><ns>0</ns><id>{n + 1}</id><revision><text>"
+                   f"{GERMAN_PAGE.format(n=n)}</text></revision></page>\n" for n in range(pages))
+    path.write_bytes(bz2.compress((GERMAN_SITEINFO + body + "</mediawiki>\n").encode()))
+    return path
+
+
+def test_links_to_a_wikis_own_namespaces_show_nothing_in_its_language(minilm_dir, tmp_path):
+    """A German dump's pictures (``Datei:`` from its site info, ``Bild:`` an alias no dump lists), categories,
+    templates and user pages show nothing, as ``File:`` and ``Category:`` do on the English Wikipedia; a link shown
+    with a leading colon, an article's link and the article's prose stay. The names reach the build's workers."""
+    dump = german_dump(tmp_path / "dewiki-excerpt.xml.bz2", pages=12)
+    assert {"datei", "kategorie", "benutzer diskussion", "vorlage", "medium", "file", "category"} <= \
+        link_namespaces(str(dump))
+    text = next(iter(read_documents(str(dump))))
+    assert text.startswith("Der Fluss 0 ist ein Fluss im Norden mit vielen Inseln.")
+    assert "Siehe auch Liste der Fluesse und oder ." in " ".join(text.split())
+    for hidden in ("Flusskarte", "Delta", "hochkant", "Foto", "Kategorie", "Diskussion", "Navigationsleiste",
+                   "River"):
+        assert hidden not in text, hidden
+    # without the dump's names (the English ones only), German categories and captions leaked into the text
+    assert "Kategorie:Fluss in Europa" in wikitext_to_text(GERMAN_PAGE.format(n=0))
+
+    out = tmp_path / "shards"
+    run_build("--input", dump, "--vocab", minilm_dir / "vocab.txt", "--uncased", "--max-seq-len", 64,
+              "--workers", 2, "--out", out)
+    vocab = (minilm_dir / "vocab.txt").read_text(encoding="utf-8").split("\n")
+    words = []
+    for sample in ShardDataset(out):
+        tokens = sample.input_ids[:sample.length].copy()
+        tokens[sample.masked_positions] = sample.masked_labels
+        words.append(" ".join(vocab[t] for t in tokens.tolist()).replace(" ##", ""))
+    built = " ".join(words)
+    assert "fluss" in built and "inseln" in built
+    for hidden in ("kategorie", "flusskarte", "hochkant", "foto", "diskussion", "navigationsleiste"):
+        assert hidden not in built, hidden
 
 
 def test_chinese_and_japanese_sentences_end_at_full_width_terminators():
