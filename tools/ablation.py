@@ -40,7 +40,8 @@ from typing import Any
 import torch
 
 from pretrain.config import REPO_ROOT
-from tools.stages import Stages, driver_environment, duration, load_average, machine_line
+from tools.stages import (Stages, driver_environment, duration, finetune_in_process, load_average,
+                          machine_line)
 
 ARMS = ("bert", "bert+mlm", "bert+unilm")
 RECIPES = {"bert+mlm": "bert", "bert+unilm": "unilm"}  # arm → data_prep recipe of its continued pre-training
@@ -204,10 +205,13 @@ class Ablation(Stages):
 
     def in_process(self, module: str, argv: list[str]) -> None:
         """Run a pipeline command's `main(argv)` in this process (no interpreter and DeepSpeed start-up per run),
-        printed as the command it is."""
+        printed as the command it is; a fine-tuning run that a signal stops stops the driver (`finetune_in_process`)."""
         import importlib
         self.say(f"  $ python -m {module} {' '.join(argv)}")
-        importlib.import_module(module).main(argv)
+        if module == "finetune.run":
+            finetune_in_process(argv, self.tag)
+        else:
+            importlib.import_module(module).main(argv)
 
     # -------------------------------------------------------------------------------------------- stages
     def data_stage(self) -> dict[str, Any]:

@@ -22,10 +22,11 @@ import statistics
 from pathlib import Path
 
 from data_prep.shard_format import sha256_file
-from finetune import decode, run
+from finetune import decode
 from pretrain import checkpoint as ckpt
 from pretrain.config import REPO_ROOT
 from pretrain.hf import hf_config_file
+from tools.stages import finetune_in_process
 
 CONFIGS = REPO_ROOT / "finetune" / "configs"
 TASKS = {  # name → (config, train file stem, metrics shown)
@@ -55,7 +56,7 @@ def finetune_once(task: str, init_name: str, seed: int, args: argparse.Namespace
             argv.append("--from-scratch")
         if args.epochs:
             argv += ["--epochs", str(args.epochs)]
-        run.main(argv)
+        finetune_in_process(argv, "demo")
     return json.loads(metrics_file.read_text())
 
 

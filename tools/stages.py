@@ -102,6 +102,21 @@ def stream(argv: Sequence[str], log: Path | None = None, env: dict[str, str] | N
     return process.wait(), "".join(lines)
 
 
+def finetune_in_process(argv: Sequence[str], tag: str) -> dict[str, Any]:
+    """``python -m finetune.run ARGV`` in this process (no interpreter and DeepSpeed start-up per run); returns its
+    summary. The run takes SIGTERM and a first Ctrl-C to save its step and return unfinished, as a scheduler's
+    preemption wants; this driver then stops as well, with the run's exit code 0, instead of going on with the next
+    run (the signal unheeded) and scoring a half-trained model. Rerunning the driver resumes the run."""
+    from finetune import run
+    summary = run.main(list(argv))
+    if not summary.get("finished"):
+        print(f"[{tag}] stopped: the fine-tuning run saved step {summary['steps']} of {summary['total_steps']} "
+              "and returned unfinished (SIGTERM, Ctrl-C or a time limit); rerun the same command to continue it",
+              flush=True)
+        raise SystemExit(0)
+    return summary
+
+
 def duration(seconds: float | None) -> str:
     if seconds is None:
         return "—"

@@ -90,6 +90,40 @@ def test_a_stopped_run_resumes_to_the_same_losses(small_tasks, tiny_init, tmp_pa
         torch.testing.assert_close(x, y, msg=name)
 
 
+def test_a_driver_running_fine_tuning_in_process_stops_when_a_signal_stops_the_run(small_tasks, tiny_init, tmp_path,
+                                                                                      monkeypatch, capsys):
+    """`make ablation` and the fine-tuning demo run `finetune.run` in their own process, where the run takes SIGTERM
+    to save and return unfinished. The driver must stop then, not train and score the next run with the signal
+    unheeded; run again, it resumes the run and goes on."""
+    import os
+    import signal
+
+    from finetune import engine as finetune_engine
+    from tools.stages import finetune_in_process
+
+    plain_step, signalled = finetune_engine.train_step, []
+
+    def step_then_sigterm(*args, **kwargs):  # a scheduler's preemption after the first step
+        result = plain_step(*args, **kwargs)
+        if not signalled:
+            signalled.append(True)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return result
+
+    monkeypatch.setattr(finetune_engine, "train_step", step_then_sigterm)
+    argv = classify_args(small_tasks, tiny_init, tmp_path / "run", "--epochs", "2")
+    handler = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as stopped:
+        finetune_in_process(argv, "ablation")
+    assert stopped.value.code == 0 and signal.getsignal(signal.SIGTERM) == handler
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert not summary["finished"] and summary["steps"] == 2  # the step under way when the signal came is saved
+    assert "[ablation] stopped: the fine-tuning run saved step 2 of" in capsys.readouterr().out
+    finished = finetune_in_process(argv, "ablation")
+    assert finished["finished"] and finished["steps"] == summary["total_steps"]
+    assert len(losses(tmp_path / "run")) == summary["total_steps"]
+
+
 def test_a_failure_in_dev_evaluation_loses_no_training(small_tasks, tiny_init, tmp_path, monkeypatch):
     """An epoch's checkpoint is saved before its dev evaluation: a run that fails there (out of memory in decoding,
     say) resumes at the epoch's end and evaluates it, ending as a run that never failed."""
