@@ -106,7 +106,13 @@ def hard_wrapped(lines: list[str]) -> bool:
     (no ``.``/``!``/``?``/``…`` or another script's terminator, closing quotes or brackets allowed) is followed by
     a line starting in lower case. Lines that each end a sentence, or start with a capital (verse, a heading, a
     list), are kept as lines: BERT's one-sentence-per-line text."""
-    return any(line[:1].islower() and not _LINE_END.search(previous) for previous, line in zip(lines, lines[1:]))
+    return any(line[:1].islower() and not ends_a_sentence(previous) for previous, line in zip(lines, lines[1:]))
+
+
+def ends_a_sentence(text: str) -> bool:
+    """Whether ``text`` ends with ``.``/``!``/``?``/``…`` or another script's terminator (``。``, ``।``, ``؟`` …),
+    closing quotes or brackets allowed after it."""
+    return _LINE_END.search(text) is not None
 
 
 def split_sentences(document: str, uncased: bool | None = None) -> list[str]:

@@ -7,7 +7,9 @@ non-prose tags, headings, lists, indented lines and table rows; it keeps the vis
 sister-project links (``[[wikt:compound|compound]]``) and removes bold/italic quote marks. Which link prefixes
 name such pages is the wiki's own: ``link_namespaces`` reads them from the dump's ``<siteinfo>`` (``Datei:`` and
 ``Kategorie:`` on the German Wikipedia), on top of the English names every wiki accepts; a prefixed link to a media
-file (``[[Bild:Map.png|mini|…]]``: an alias no dump lists) is a picture in any language. Tags are stripped
+file (``[[Bild:Map.png|mini|…]]``: an alias no dump lists) is a picture in any language, and a line of prefixed
+links alone (``[[分类:城市]]``) is never prose. A paragraph stays when it has more than three words or ends a
+sentence in any script (``。`` for Chinese and Japanese, written without spaces). Tags are stripped
 before character references are decoded, so ``&lt;div&gt;`` stays as the text ``<div>``; a ``<br>`` becomes a
 space. Paragraphs come out separated by blank lines.
 
@@ -24,6 +26,8 @@ import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Iterator
+
+from data_prep.text import ends_a_sentence
 
 MAX_NESTING = 32  # real articles nest templates a few levels deep; each round is one linear pass
 
@@ -49,6 +53,9 @@ _MEDIA_FILE = re.compile(r"\.(?:jpe?g|png|gif|svg|tiff?|webp|xcf|pdf|djvu|ogg|og
                          r"opus|stl)\s*$", re.I)  # what Wikimedia Commons hosts
 _LANGUAGE_CODE = re.compile(r"[a-z]{2,3}(?:-[a-z]+)*")  # fr, zh-yue, be-x-old
 _NON_PROSE_LINE = re.compile(r"^\s*(?:=.*=|[*#:;!|{}]|----)")
+_PREFIXED_LINKS_LINE = re.compile(r"^[ \t]*(?:\[\[[^\[\]|:\n]+:[^\[\]\n]*\]\][ \t]*)+$", re.M)
+"""a line of prefixed links alone (``[[分类:城市]] [[fr:Paris]]``): categories, pictures or interlanguage links under a
+name no dump lists (the Chinese Wikipedia's ``分类:`` is an alias of ``Category:``), never prose"""
 
 
 def _namespace_name(name: str) -> str:
@@ -96,6 +103,7 @@ def wikitext_to_text(wikitext: str, hidden_links: frozenset[str] | tuple[str, ..
     text = _DROP_TAGS.sub("", text)
     text = _replace_nested(_TEMPLATE, "", text)
     text = _replace_nested(_TABLE, "", text)
+    text = _PREFIXED_LINKS_LINE.sub("", text)
     # a caption's links resolve before its file link is dropped
     text = _replace_nested(_INNER_LINK, functools.partial(_link_text, hidden=hidden_links), text)
     text = _EXTERNAL_LINK.sub(lambda m: m.group(1) or "", text)
@@ -111,7 +119,9 @@ def wikitext_to_text(wikitext: str, hidden_links: frozenset[str] | tuple[str, ..
         current.append(line.strip())
     if current:
         paragraphs.append(" ".join(current))
-    return "\n\n".join(p for p in paragraphs if len(p.split()) > 3 or p.endswith((".", "!", "?")))
+    # what is left of captions, navigation and "See also" lines is a few words ending no sentence; a paragraph in a
+    # script without spaces (Chinese, Japanese) is one "word", kept when it ends a sentence (。)
+    return "\n\n".join(p for p in paragraphs if len(p.split()) > 3 or ends_a_sentence(p))
 
 
 def _local(tag: str) -> str:

@@ -111,6 +111,22 @@ def test_real_wikipedia_excerpt(samples_dir):
     assert len(sentences) > 300 and all(s.strip() == s and s for s in sentences)
 
 
+def test_prose_in_scripts_without_spaces_is_kept_and_lines_of_prefixed_links_dropped():
+    """A Chinese or Japanese paragraph is one "word" to a whitespace split: it stays when it ends a sentence (。),
+    as an English one ending in a full stop does. A line of prefixed links alone is dropped whatever its prefixes
+    (``分类:`` is the Chinese Wikipedia's alias of ``Category:``, which no dump's site info lists)."""
+    wikitext = ("'''北京'''是[[中华人民共和国]]的首都，也是一座历史名城。北京有很多名胜古迹。\n"
+                "[[File:Beijing skyline.png|thumb|北京]]\n\n"
+                "東京は日本の首都である。\n\n「東京」と呼ばれる。\n\n参见\n\n"
+                "[[分类:中国城市]]\n[[分类:首都]] [[分类:直辖市]]\n[[分类:历史名城]]\n[[en:Beijing]]\n"
+                "[[Ben-Hur: A Tale of the Christ]] is a novel by [[Lew Wallace]].")
+    assert wikitext_to_text(wikitext).split("\n\n") == [
+        "北京是中华人民共和国的首都，也是一座历史名城。北京有很多名胜古迹。", "東京は日本の首都である。", "「東京」と呼ばれる。",
+        "Ben-Hur: A Tale of the Christ is a novel by Lew Wallace."]
+    assert split_sentences(wikitext_to_text(wikitext).split("\n\n")[0]) == [
+        "北京是中华人民共和国的首都，也是一座历史名城。", "北京有很多名胜古迹。"]
+
+
 GERMAN_SITEINFO = """<mediawiki xmlns="http://www.mediawiki.org/xml/export-0.11/" xml:lang="de">
   <siteinfo>
     <sitename>Wikipedia</sitename>
@@ -161,8 +177,8 @@ def test_links_to_a_wikis_own_namespaces_show_nothing_in_its_language(minilm_dir
     for hidden in ("Flusskarte", "Delta", "hochkant", "Foto", "Kategorie", "Diskussion", "Navigationsleiste",
                    "River"):
         assert hidden not in text, hidden
-    # without the dump's names (the English ones only), German categories and captions leaked into the text
-    assert "Kategorie:Fluss in Europa" in wikitext_to_text(GERMAN_PAGE.format(n=0))
+    # without the dump's names (the English ones only), links to German editors' pages inside prose leak into it
+    assert "Diskussionsbeitrag oder Vorlage:Navigationsleiste." in wikitext_to_text(GERMAN_PAGE.format(n=0))
 
     out = tmp_path / "shards"
     run_build("--input", dump, "--vocab", minilm_dir / "vocab.txt", "--uncased", "--max-seq-len", 64,
