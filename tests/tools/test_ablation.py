@@ -134,5 +134,25 @@ def test_a_missing_run_leaves_its_seed_out_for_every_arm_of_that_task() -> None:
     assert "topic: not measured" in ablation.verdict(records)
 
 
+def test_a_pre_training_stopped_short_is_not_recorded_as_done(samples_dir: Path, tmp_path: Path, monkeypatch,
+                                                               capsys) -> None:
+    """`pretrain.train` saves and exits 0 when SIGTERM, Ctrl-C or a time limit stops it: the stage must not be
+    recorded as N steps of pre-training (the arm would be fine-tuned and scored from a half-trained model)."""
+    driver = make_ablation(tmp_path / "out", samples_dir, steps=100)
+
+    def launch_stopped_at_51(argv, log=None, env=None) -> str:  # what pretrain.train leaves when stopped at step 51
+        if "pretrain/train.py" in argv:
+            run = driver.pretrain_dir("bert+mlm")
+            run.mkdir(parents=True)
+            (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 7.0, "step_time_s": 1.0}) + "\n"
+                                                       for s in range(1, 52)))
+        return ""
+
+    monkeypatch.setattr(driver, "command", launch_stopped_at_51)
+    with pytest.raises(SystemExit) as stopped:
+        driver.run({"pretrain-bert": lambda: driver.pretrain_stage("bert+mlm")})
+    assert stopped.value.code == 0 and not driver.marker("pretrain-bert").exists()
+    assert "stopped: pre-training bert+mlm saved step 51 of 100" in capsys.readouterr().out
+
 def _rougeL(records: list[dict], arm: str) -> dict:
     return next(r for r in records if (r["arm"], r["task"], r["metric"]) == (arm, "headline", "rougeL"))
