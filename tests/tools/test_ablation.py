@@ -154,5 +154,6 @@ def test_a_pre_training_stopped_short_is_not_recorded_as_done(samples_dir: Path,
     assert stopped.value.code == 0 and not driver.marker("pretrain-bert").exists()
     assert "stopped: pre-training bert+mlm saved step 51 of 100" in capsys.readouterr().out
 
+
 def _rougeL(records: list[dict], arm: str) -> dict:
     return next(r for r in records if (r["arm"], r["task"], r["metric"]) == (arm, "headline", "rougeL"))
