@@ -249,10 +249,7 @@ class Ablation(Stages):
         records = [json.loads(line) for line in (self.pretrain_dir(arm) / "metrics.jsonl").read_text().splitlines()]
         records = [r for r in records if "loss" in r]
         reached = max((r["step"] for r in records), default=0)
-        if reached < self.steps:  # saved and exited 0 on SIGTERM, Ctrl-C or a time limit: not this stage's N steps
-            self.say(f"stopped: pre-training {arm} saved step {reached} of {self.steps} and exited (SIGTERM, Ctrl-C "
-                     "or a time limit); rerun the same command: this stage starts again")
-            raise SystemExit(0)
+        self.stop_short(f"pre-training {arm}", reached, self.steps, "rerun the same command: this stage starts again")
         return {"steps": self.steps, "curve": [{k: v for k, v in r.items() if k == "step" or k.startswith("loss")}
                                               for r in records],
                 "median_step_s": statistics.median(r["step_time_s"] for r in records[1:] or records)}

@@ -21,7 +21,10 @@ walk-through of the real workflow:
     report    OUT/REPORT.md (with the table of `make ablation` when ablation_out/ holds one)
 
 A finished stage leaves ``OUT/stages/NAME.json`` (its wall time and results) and is skipped when the demo runs
-again; ``--from STAGE`` redoes that stage and every later one.
+again; ``--from STAGE`` redoes that stage and every later one. Ctrl-C or SIGTERM stops the demo, exit code 0, once
+the command running has saved and ended (a pre-training launch saves its step; a second Ctrl-C stops at once); its
+stage is not done, and running the demo again continues the run (the resume check then checks the resume from the
+step that stop saved).
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from pretrain import checkpoint as ckpt
 from pretrain.config import REPO_ROOT
 from tools.ablation import find_bert
 from tools.stages import Stages, driver_environment, machine_line
@@ -92,6 +96,13 @@ class Demo(Stages):
         path = self.run_dir / "metrics.jsonl"
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
+    def records(self) -> dict[int, dict[str, Any]]:
+        """The training records by step (a step logged again after a resume: its last record)."""
+        return {r["step"]: r for r in self.metrics() if "loss" in r}
+
+    def last_step(self) -> int:
+        return max(self.records(), default=0)
+
     # ------------------------------------------------------------------------------------------- stages
     def corpus(self) -> dict[str, Any]:
         self.command([self.python, "-m", "data_prep.samples", "--out", str(self.samples)])
@@ -114,38 +125,49 @@ class Demo(Stages):
     def pretrain_stage(self) -> dict[str, Any]:
         log = self.out / "logs" / "pretrain.log"
         self.command(self.train_command(f"train.exit_at_step={self.half}"), log, env={"OMP_NUM_THREADS": "1"})
-        marker = json.loads((self.run_dir / "checkpoints" / f"global_step{self.half}" / "complete.json").read_text())
-        records = [r for r in self.metrics() if "loss" in r]
+        self.stop_short("the first launch", self.last_step(), self.half, "rerun the same command to continue it")
+        marker = json.loads((self.run_dir / "checkpoints" / f"global_step{self.half}" / ckpt.MARKER).read_text())
+        records = list(self.records().values())
         return {"exit_step": marker["step"], "consumed_samples": marker["consumed_samples"],
                 "world_size": marker["world_size"], "zero_stage": marker["zero_stage"],
                 "losses_before": [_loss_row(r) for r in records if r["step"] > self.half - 3]}
 
     def resume(self) -> dict[str, Any]:
+        """The same command again. It resumes from the checkpoint the trainer's own rule picks: the first launch's
+        (step ``half``), or, when this stage was stopped before and is run again, the step that stop saved."""
         log = self.out / "logs" / "resume.log"
+        checkpoints = self.run_dir / "checkpoints"
+        tag = ckpt.choose_resume_tag(checkpoints)
+        if tag is None:
+            raise SystemExit(f"[demo] no complete checkpoint in {checkpoints} to resume from; redo the run with "
+                             "--from pretrain")
+        marker = json.loads((checkpoints / tag / ckpt.MARKER).read_text())
+        lr_before = {s: r["lr"] for s, r in self.records().items() if s <= marker["step"]}
         output = self.command(self.train_command(), log, env={"OMP_NUM_THREADS": "1"})
-        before = self.done("pretrain")
+        self.stop_short("the resumed launch", self.last_step(), self.steps, "rerun the same command to continue it "
+                        "(the resume check then checks that resume)")
         found = re.search(r"\[resume\] (\S+): step (\d+), consumed_samples (\d+)", output)
-        records = {r["step"]: r for r in self.metrics() if "loss" in r}
+        records = self.records()
         global_batch = _global_batch(self.run_dir)
-        first = records.get(self.half + 1, {})
+        step = marker["step"]
         checks = {
-            "resumed_from_checkpoint": found is not None and found.group(1) == f"global_step{self.half}",
-            "resumed_step": int(found.group(2)) == before["exit_step"] if found else False,
-            "resumed_consumed_samples": int(found.group(3)) == before["consumed_samples"] == self.half * global_batch
+            "resumed_from_checkpoint": found is not None and found.group(1) == tag,
+            "resumed_step": int(found.group(2)) == step if found else False,
+            "resumed_consumed_samples": int(found.group(3)) == marker["consumed_samples"] == step * global_batch
             if found else False,
-            "next_step_consumed_samples": first.get("consumed_samples") == (self.half + 1) * global_batch,
+            "next_step_consumed_samples": records.get(step + 1, {}).get("consumed_samples") == (step + 1) * global_batch,
             "reached_max_steps": max(records, default=0) == self.steps,
         }
-        lr = {row["step"]: row["lr"] for row in before["losses_before"]} | {s: r["lr"] for s, r in records.items()}
-        if all(s in lr for s in (self.half - 1, self.half, self.half + 1)) and self.half > self.warmup + 1:
+        lr = lr_before | {s: r["lr"] for s, r in records.items() if s > step}
+        if all(s in lr for s in (step - 1, step, step + 1)) and self.warmup + 1 < step < self.steps:
             # in the linear decay every step lowers the lr by the same amount, across the restart too
-            checks["lr_schedule_continues"] = abs((lr[self.half + 1] - lr[self.half])
-                                                  - (lr[self.half] - lr[self.half - 1])) < 1e-9
+            checks["lr_schedule_continues"] = abs((lr[step + 1] - lr[step]) - (lr[step] - lr[step - 1])) < 1e-9
         print(f"[demo]   resume check: {checks}", flush=True)
         if not all(checks.values()):
             raise SystemExit(f"[demo] resume check failed: {checks} (see {log})")
-        return {"resumed_line": found.group(0), "global_batch_size": global_batch, "checks": checks,
-                "losses_after": [_loss_row(records[s]) for s in range(self.half + 1, self.half + 4) if s in records]}
+        return {"resumed_line": found.group(0), "resumed_step": step, "global_batch_size": global_batch,
+                "checks": checks, "losses_after": [_loss_row(records[s]) for s in range(step + 1, step + 4)
+                                                   if s in records]}
 
     def plot(self) -> dict[str, Any]:
         self.command([self.python, "-m", "pretrain.plot", str(self.run_dir), "--out", str(self.out / "loss.png")])
@@ -248,7 +270,7 @@ def render_report(demo: Demo) -> str:
               "trained on the training inputs. Held-out shards: the 300 news articles of `news/lee.txt` "
               "(not in the training inputs).", ""]
 
-    records = [r for r in demo.metrics() if "loss" in r]
+    records = list(demo.records().values())
     lines += ["## Pre-training", "",
               f"`tiny` preset, DeepSpeed ZeRO-2 fp32 on two local ranks (gloo), {demo.steps} steps × "
               f"{_global_batch(demo.run_dir) if records else '?'} sequences of ≤ 128 tokens, "
@@ -262,7 +284,10 @@ def render_report(demo: Demo) -> str:
         lines += ["### Resume check", "",
                   f"The first launch stopped at step {pre['exit_step']} (`train.exit_at_step={demo.half}`) and "
                   f"saved a ZeRO-{pre['zero_stage']} checkpoint on {pre['world_size']} ranks; the same command "
-                  f"launched again printed `{res['resumed_line']}`.", "",
+                  + ("launched again printed" if res.get("resumed_step", pre["exit_step"]) == pre["exit_step"] else
+                     f"launched again was stopped in turn and saved step {res['resumed_step']}; launched once more, "
+                     "it printed")
+                  + f" `{res['resumed_line']}`.", "",
                   "| check | result |", "|---|---|"]
         lines += [f"| {name.replace('_', ' ')} | {'ok' if ok else 'FAILED'} |" for name, ok in res["checks"].items()]
         lines += ["", "| | step | consumed_samples | lr | loss | " + " | ".join(OBJECTIVE_COLUMNS) + " |",
@@ -377,7 +402,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--samples", default="data/samples", help="sample corpora (default data/samples)")
     parser.add_argument("--steps", type=int, default=600, help="pre-training steps (stops and resumes at half)")
     parser.add_argument("--vocab-size", type=int, default=8000)
-    parser.add_argument("--from", dest="redo_from", choices=STAGES, help="redo this stage and all later ones")
+    parser.add_argument("--from", dest="redo_from", choices=STAGES,
+                        help="redo this stage and all later ones (resume: from pretrain, whose run it continues)")
     parser.add_argument("--ablation-out", default="ablation_out", help="where `make ablation` wrote its table")
     args = parser.parse_args(argv)
     driver_environment()
@@ -387,8 +413,12 @@ def main(argv: list[str] | None = None) -> None:
     runners = {"corpus": demo.corpus, "vocab": demo.vocab_stage, "shards": demo.shards_stage,
                "pretrain": demo.pretrain_stage, "resume": demo.resume, "plot": demo.plot, "export": demo.export,
                "finetune": demo.finetune, "headlines": demo.headlines, "report": demo.report}
+    if args.redo_from == "resume":
+        print("[demo] --from resume redoes pretrain as well: the resume check needs a new run's half-way stop",
+              flush=True)
+        args.redo_from = "pretrain"
     if args.redo_from:
-        if STAGES.index(args.redo_from) <= STAGES.index("resume"):  # a new run, not a continuation
+        if STAGES.index(args.redo_from) <= STAGES.index("pretrain"):  # a new run, not a continuation
             shutil.rmtree(demo.run_dir, ignore_errors=True)
         if STAGES.index(args.redo_from) <= STAGES.index("finetune"):
             shutil.rmtree(demo.finetune_dir, ignore_errors=True)

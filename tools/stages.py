@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
 import socket
 import subprocess
 import sys
@@ -45,11 +46,25 @@ class Stages:
         Returns the output."""
         shown = " ".join(Path(a).name if a in (self.python, self.deepspeed) else a for a in argv)
         self.say(f"  $ {shown}")
-        returncode, output = stream(argv, log, env)
+        signals: list[str] = []
+        returncode, output = stream(argv, log, env, signals)
+        if signals:  # the command heard it too, and a training run has saved its step (the launcher exits 1 anyway)
+            self.say(f"stopped by {signals[0]} (exit code {returncode}): {shown}; what it saved is kept: rerun the "
+                     "same command to continue")
+            raise SystemExit(0)
         if returncode:
             raise SystemExit(f"[{self.tag}] failed (exit code {returncode}): {shown}"
                              + (f" (log: {log})" if log else ""))
         return output
+
+    def stop_short(self, run: str, reached: int, target: int, rerun: str) -> None:
+        """Stop the driver (exit 0) when a pre-training launch ended at step ``reached`` < ``target``: `pretrain.train`
+        saves its step and exits 0 on SIGTERM, Ctrl-C or a time limit, and a stage recorded as done from such a run
+        would go on with a half-trained model. ``rerun`` tells what running the driver again does."""
+        if reached < target:
+            self.say(f"stopped: {run} saved step {reached} of {target} and exited (SIGTERM, Ctrl-C or a time "
+                     f"limit); {rerun}")
+            raise SystemExit(0)
 
     def launcher(self, max_gpus: int | None = None) -> list[str]:
         """The DeepSpeed launcher on this machine alone (no ssh): the localhost hostfile's two ranks on a CPU, one
@@ -84,22 +99,43 @@ class Stages:
         return time.monotonic() - started
 
 
-def stream(argv: Sequence[str], log: Path | None = None, env: dict[str, str] | None = None) -> tuple[int, str]:
+def stream(argv: Sequence[str], log: Path | None = None, env: dict[str, str] | None = None,
+           signals: list[str] | None = None) -> tuple[int, str]:
     """Run ``argv`` in the repository, its output (standard error merged in) passed to the terminal line by line
     as it comes and appended to ``log``: a log being written keeps the progress of a run that is stopped.
-    Returns the exit code and the output."""
+    Returns the exit code and the output.
+
+    With a ``signals`` list, a first Ctrl-C or SIGTERM while the command runs is appended to it instead of
+    stopping this process, which reads the command's output to its end: a training run's save and its last lines
+    ("saved global_stepN …") still reach the terminal and the log. A terminal's Ctrl-C reaches the command by
+    itself; a SIGTERM is passed on to it. A second one stops this process at once."""
     if log:
         log.parent.mkdir(parents=True, exist_ok=True)
     process = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, env=dict(os.environ, **(env or {})), bufsize=1)
+
+    def heard(signum: int, _frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if signals:
+            raise SystemExit(f"\n{name} again: stopped at once, without waiting for {argv[0]} to end")
+        signals.append(name)
+        if signum == signal.SIGTERM:
+            process.send_signal(signal.SIGTERM)
+
+    previous = {s: signal.signal(s, heard) for s in (signal.SIGINT, signal.SIGTERM)} if signals is not None else {}
     lines = []
-    with open(log, "a") if log else open(os.devnull, "w") as sink:
-        for line in process.stdout:
-            sys.stdout.write(line)
-            sys.stdout.flush()
-            sink.write(line)
-            lines.append(line)
-    return process.wait(), "".join(lines)
+    try:
+        with open(log, "a") if log else open(os.devnull, "w") as sink:
+            for line in process.stdout:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+                sink.write(line)
+                sink.flush()  # `tail -f` of the log follows the run
+                lines.append(line)
+        return process.wait(), "".join(lines)
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
 
 
 def finetune_in_process(argv: Sequence[str], tag: str) -> dict[str, Any]:

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import subprocess_env
+from training_runs import train_command
 from tools import demo as demo_module
 
 
@@ -30,6 +32,58 @@ def test_finished_stages_are_skipped_and_from_redoes_the_rest(tmp_path: Path, mo
     calls.clear()
     demo_module.main(argv + ["--from", "export"])
     assert calls == ["export", "finetune", "headlines", "report"]
+
+
+def test_from_resume_redoes_the_pretraining_it_continues(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    for method in ("corpus", "vocab_stage", "shards_stage", "pretrain_stage", "resume", "plot", "export",
+                   "finetune", "headlines", "report"):
+        monkeypatch.setattr(demo_module.Demo, method, lambda self, m=method: calls.append(m) or {"available": True})
+    demo_module.main(["--out", str(tmp_path)])
+    (tmp_path / "pretrain" / "checkpoints").mkdir(parents=True)
+    calls.clear()
+    demo_module.main(["--out", str(tmp_path), "--from", "resume"])
+    assert calls[:3] == ["pretrain_stage", "resume", "plot"]
+    assert not (tmp_path / "pretrain").exists()  # a new run, not a continuation of the finished one
+
+
+@pytest.mark.slow
+def test_launches_stopped_short_stop_the_demo_and_a_rerun_checks_the_resume_it_makes(
+        unilm_shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """A launch that saves and exits 0 before its steps (SIGTERM, Ctrl-C: here `train.exit_at_step` in its place)
+    stops the demo unrecorded; running the stage again continues the run, and the resume check checks the resume
+    from the step that stop saved. Real single-rank runs of the tiny preset on CPU."""
+    for name, value in subprocess_env().items():
+        monkeypatch.setenv(name, value)
+    demo = make_demo(tmp_path)
+    demo.steps, demo.half, demo.warmup = 8, 4, 1
+    stop_at: list[str] = []
+    monkeypatch.setattr(demo, "train_command", lambda *extra: train_command(
+        [f"out_dir={demo.run_dir}", f"data.shards={unilm_shards}", "model.overrides.vocab_size=4000",
+         "train.global_batch_size=8", "train.max_steps=8", "optim.warmup_steps=1", "train.save_interval=4",
+         *extra, *stop_at]))
+
+    stop_at[:] = ["train.exit_at_step=2"]  # the first launch, stopped before its half-way stop
+    with pytest.raises(SystemExit) as stopped:
+        demo.run({"pretrain": demo.pretrain_stage})
+    assert stopped.value.code == 0 and not demo.marker("pretrain").exists()
+    assert "stopped: the first launch saved step 2 of 4" in capsys.readouterr().out
+    stop_at.clear()
+    demo.run({"pretrain": demo.pretrain_stage})
+    assert demo.done("pretrain")["exit_step"] == 4
+
+    stop_at[:] = ["train.exit_at_step=6"]  # the resumed launch, stopped in turn
+    with pytest.raises(SystemExit) as stopped:
+        demo.run({"resume": demo.resume})
+    assert stopped.value.code == 0 and not demo.marker("resume").exists()
+    assert "stopped: the resumed launch saved step 6 of 8" in capsys.readouterr().out
+    stop_at.clear()
+    demo.run({"resume": demo.resume})
+    resumed = demo.done("resume")
+    assert resumed["resumed_step"] == 6 and resumed["resumed_line"].startswith("[resume] global_step6: step 6")
+    assert all(resumed["checks"].values()) and "lr_schedule_continues" in resumed["checks"]
+    assert [row["step"] for row in resumed["losses_after"]] == [7, 8]
+    assert "was stopped in turn and saved step 6" in demo_module.render_report(demo)
 
 
 def test_report_renders_before_anything_ran(tmp_path: Path) -> None:
