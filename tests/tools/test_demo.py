@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -63,23 +64,20 @@ def test_launches_stopped_short_stop_the_demo_and_a_rerun_checks_the_resume_it_m
          "train.global_batch_size=8", "train.max_steps=8", "optim.warmup_steps=1", "train.save_interval=4",
          *extra, *stop_at]))
 
-    stop_at[:] = ["train.exit_at_step=2"]  # the first launch, stopped before its half-way stop
-    with pytest.raises(SystemExit) as stopped:
-        demo.run({"pretrain": demo.pretrain_stage})
-    assert stopped.value.code == 0 and not demo.marker("pretrain").exists()
-    assert "stopped: the first launch saved step 2 of 4" in capsys.readouterr().out
-    stop_at.clear()
-    demo.run({"pretrain": demo.pretrain_stage})
-    assert demo.done("pretrain")["exit_step"] == 4
+    def stopped_at_then_rerun(stage: str, run: Callable, step: int, message: str) -> dict:
+        stop_at[:] = [f"train.exit_at_step={step}"]
+        with pytest.raises(SystemExit) as stopped:
+            demo.run({stage: run})
+        assert stopped.value.code == 0 and not demo.marker(stage).exists()
+        assert message in capsys.readouterr().out
+        stop_at.clear()
+        demo.run({stage: run})
+        return demo.done(stage)
 
-    stop_at[:] = ["train.exit_at_step=6"]  # the resumed launch, stopped in turn
-    with pytest.raises(SystemExit) as stopped:
-        demo.run({"resume": demo.resume})
-    assert stopped.value.code == 0 and not demo.marker("resume").exists()
-    assert "stopped: the resumed launch saved step 6 of 8" in capsys.readouterr().out
-    stop_at.clear()
-    demo.run({"resume": demo.resume})
-    resumed = demo.done("resume")
+    # the first launch, stopped before its half-way stop; then the resumed launch, stopped in turn
+    assert stopped_at_then_rerun("pretrain", demo.pretrain_stage, 2,
+                                 "stopped: the first launch saved step 2 of 4")["exit_step"] == 4
+    resumed = stopped_at_then_rerun("resume", demo.resume, 6, "stopped: the resumed launch saved step 6 of 8")
     assert resumed["resumed_step"] == 6 and resumed["resumed_line"].startswith("[resume] global_step6: step 6")
     assert all(resumed["checks"].values()) and "lr_schedule_continues" in resumed["checks"]
     assert [row["step"] for row in resumed["losses_after"]] == [7, 8]
