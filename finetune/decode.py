@@ -90,16 +90,21 @@ class SpecialIds:
     mask_id: int
     pad_id: int
     unk_id: int | None = None
+    unused_ids: tuple[int, ...] = ()
+    """BERT's placeholder entries (`finetune.tokenizer.UNUSED`) no text is read as."""
 
     @classmethod
     def of(cls, tokenizer: Tokenizer) -> "SpecialIds":
-        return cls(tokenizer.cls_id, tokenizer.sep_id, tokenizer.mask_id, tokenizer.pad_id, tokenizer.unk_id)
+        return cls(tokenizer.cls_id, tokenizer.sep_id, tokenizer.mask_id, tokenizer.pad_id, tokenizer.unk_id,
+                   tokenizer.unused_ids)
 
     @property
     def never_generated(self) -> list[int]:
-        """The special tokens a target never holds ([SEP] ends it): a generated one would vanish from the text
-        while taking a place in the length budget and hiding repeats from n-gram blocking."""
-        return [i for i in (self.cls_id, self.mask_id, self.pad_id, self.unk_id) if i is not None]
+        """The tokens a target never holds ([SEP] ends it): a generated special token would vanish from the text
+        while taking a place in the length budget and hiding repeats from n-gram blocking; a generated placeholder
+        would print as "[unused5]"."""
+        return [i for i in (self.cls_id, self.mask_id, self.pad_id, self.unk_id) if i is not None] \
+            + list(self.unused_ids)
 
 
 # ------------------------------------------------------------------------------------------------ steppers

@@ -20,6 +20,7 @@ the words "[ X _ SEP ]" (`Tokenizer.x_sep_id` is None).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,9 @@ X_SEP = "[X_SEP]"
 """UniLM's sentence separator in its CNN/DailyMail targets (and so in its models' output)."""
 X_SEP_ENTRIES = (X_SEP, "[unused1]")
 """The vocabulary entries that stand for `X_SEP`, in order of preference (UniLM's code maps `[unused1]` to it)."""
+UNUSED = re.compile(r"\[unused\d+\]")
+"""The placeholder entries BERT's vocabularies reserve (`[unused0]` …): no text is read as one (the encoder reads
+"[unused5]" as the words "[ unused5 ]"), so no target holds one, except the one that stands for `X_SEP`."""
 
 
 def _encodable(text: str) -> str:
@@ -66,6 +70,11 @@ class Tokenizer:
     cls_id = property(lambda self: self.vocab.special_ids["cls"])
     sep_id = property(lambda self: self.vocab.special_ids["sep"])
     mask_id = property(lambda self: self.vocab.special_ids["mask"])
+
+    @property
+    def unused_ids(self) -> tuple[int, ...]:
+        """The ids of the vocabulary's `UNUSED` entries but `X_SEP`'s."""
+        return tuple(i for i, token in enumerate(self.vocab.tokens) if UNUSED.fullmatch(token) and i != self.x_sep_id)
 
     def encode(self, text: str) -> list[int]:
         """Word-piece ids of `text` (no [CLS]/[SEP] added)."""

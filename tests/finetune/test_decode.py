@@ -230,6 +230,25 @@ def test_special_tokens_other_than_sep_are_never_generated():
             assert best.tokens and not set(best.tokens) & {0, 1, 2, 4}, best.tokens
 
 
+def test_bert_placeholder_entries_are_never_generated_but_the_one_standing_for_x_sep(tmp_path):
+    """BERT's `[unusedN]` entries: no text is read as one, so no target holds one, and a generated one would print
+    as "[unused0]"; `[unused1]`, UniLM's sentence separator, stays (a CNN/DailyMail model writes it)."""
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[unused0]", "[unused1]", "[unused2]", "[UNK]", "[CLS]", "[SEP]", "[MASK]",
+                                "the", "cat", "sat", "mat"]) + "\n")
+    tokenizer = load_tokenizer(vocab)
+    assert not {1, 3} & set(tokenizer.encode("[unused0] the [unused2]")) and tokenizer.encode("[X_SEP]") == [2]
+    special = SpecialIds.of(tokenizer)
+    assert special.unused_ids == (1, 3) and 2 not in special.never_generated
+    model = bigram({t: {1: 0.3, 3: 0.3, 2: 0.2, 9: 0.1, 6: 0.1} for t in range(12)})
+    for beam_size in (1, 3):
+        for use_cache in (True, False):
+            best = generate(model, [[5, 8, 6]], special, DecodeConfig(beam_size=beam_size, max_tgt_len=3,
+                                                                      no_repeat_ngram=0, use_cache=use_cache))[0]
+            assert best.tokens and best.tokens[0] == 2 and not {1, 3} & set(best.tokens), (beam_size, use_cache)
+    assert tokenizer.decode([2, 9]) == "[X_SEP] cat"
+
+
 def test_min_and_max_length_and_length_penalty():
     model = bigram({3: {3: 0.9, 5: 0.1}, 5: {3: 0.9, 6: 0.1}, 6: {3: 0.9, 5: 0.1}})
     short = generate(model, [[2, 7, 3]], SPECIAL, DecodeConfig(beam_size=2, max_tgt_len=6, min_tgt_len=0))[0]
