@@ -35,6 +35,7 @@ import multiprocessing
 import os
 import re
 import shutil
+import signal
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -553,9 +554,21 @@ def _pack(cfg: BuildConfig, vocab: Vocab, random_ids: np.ndarray, unit: int, doc
     return ShardArrays.concatenate(copies, dtype)
 
 
-def _quiet_tokenizer_threads() -> None:
+def _start_worker() -> None:
     # worker processes already give the parallelism; tokenizers' own thread pool would oversubscribe the cores
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    # a Ctrl-C reaches the whole process group: the main process stops the pool (SIGTERM, which ends a worker
+    # quietly) instead of each worker printing its own traceback
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's time limit, `kill`): stops a build as Ctrl-C does."""
+
+
+def _raise_terminated(*_: object) -> None:
+    raise Terminated
 
 
 def _process_chunk_task(cfg: BuildConfig, chunk: Chunk, out_path: Path) -> tuple[int, int, DocumentStats, int]:
@@ -804,7 +817,7 @@ def _run_builder(cfg: BuildConfig, out: Path, workers: int, builder_index: int, 
         # fork starts workers in milliseconds (spawn re-imports numpy and tokenizers: ~1 s); workers only run
         # process_chunk, and tokenizers disables its thread pool in a forked child by itself
         method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-        with multiprocessing.get_context(method).Pool(workers, initializer=_quiet_tokenizer_threads) as pool:
+        with multiprocessing.get_context(method).Pool(workers, initializer=_start_worker) as pool:
             pending: collections.deque = collections.deque()
             for chunk in chunks():
                 pending.append(pool.apply_async(_process_chunk_task,
@@ -1120,6 +1133,7 @@ def _warn_low_cap(masking: MaskingConfig, max_seq_len: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    previous_sigterm = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         if args.finalize:
             if args.out is None:
@@ -1185,10 +1199,13 @@ def main(argv: list[str] | None = None) -> None:
                   f"when all builders are done run: python -m data_prep.build --finalize --out {args.out}")
     except (ValueError, OSError) as err:  # our errors are ValueError subclasses that name the file and the fix
         sys.exit(f"data_prep.build: error: {err}")
-    except KeyboardInterrupt:  # a build replaces --out only once complete; the next run clears the staging
-        print("data_prep.build: interrupted" + (f"; {args.out} holds what it held before this run, and a rerun "
-                                                "clears the half-built leftovers" if args.out else ""), file=sys.stderr)
-        sys.exit(130)
+    except KeyboardInterrupt as stop:  # a build replaces --out only once complete; the next run clears the staging
+        print(f"data_prep.build: {'stopped by SIGTERM' if isinstance(stop, Terminated) else 'interrupted'}"
+              + (f"; {args.out} holds what it held before this run, and a rerun clears the half-built leftovers"
+                 if args.out else ""), file=sys.stderr)
+        sys.exit(128 + signal.SIGTERM if isinstance(stop, Terminated) else 130)
+    finally:
+        signal.signal(signal.SIGTERM, previous_sigterm)
 
 
 def _check_vocab_out(vocab_out: Path, overwrite: bool) -> None:

@@ -45,6 +45,25 @@ os.fsync, b.shutil.rmtree, b.os.rename = fsync, rmtree, rename
 b.main(args)
 """
 
+# data_prep.build on 2 workers, signalled by argv[1] (SIGTERM: to the main process, as `kill` or a scheduler sends
+# it; SIGINT: to the whole process group, as a terminal's Ctrl-C) once a worker has built its first chunk
+SIGNALLED_BUILD = """
+import os, signal, sys, time
+import data_prep.build as b
+name, args = sys.argv[1], sys.argv[2:]
+real_process_chunk = b.process_chunk
+def process_chunk(*a, **k):
+    result = real_process_chunk(*a, **k)
+    if name == "SIGTERM":
+        os.kill(os.getppid(), signal.SIGTERM)
+    else:
+        os.killpg(0, signal.SIGINT)
+    time.sleep(5)  # still working when the main process stops the pool
+    return result
+b.process_chunk = process_chunk
+b.main(args)
+"""
+
 
 def directory_bytes(directory: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
@@ -152,3 +171,26 @@ def test_tmp_files_an_older_version_put_into_out_do_not_block_overwrite(samples_
     (out / "shard-00000.bin.tmp4242").write_bytes(b"half a shard")
     assert run_build(*args, "--overwrite", "--seed", 2)["seed"] == 2
     assert not list(out.glob("*.tmp*"))
+
+
+@pytest.mark.parametrize("name, code, said", [("SIGTERM", 128 + signal.SIGTERM, "stopped by SIGTERM"),
+                                              ("SIGINT", 130, "interrupted")])
+def test_a_signalled_build_stops_its_workers_says_so_once_and_keeps_the_previous_build(
+        samples_dir, vocab_file, tmp_path, name, code, said):
+    out = tmp_path / "shards"
+    args = ["--input", samples_dir / "news/lee.txt", "--vocab", vocab_file, "--max-seq-len", 32, "--out", out]
+    run_build(*args)
+    before = directory_bytes(out)
+    signalled = subprocess.Popen([sys.executable, "-c", SIGNALLED_BUILD, name, *map(str, args), "--overwrite",
+                                  "--seed", "2", "--workers", "2", "--chunk-chars", "20000", "--quiet"],
+                                 cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True, start_new_session=True)
+    _, stderr = signalled.communicate(timeout=300)
+    assert signalled.returncode == code
+    assert stderr.strip().splitlines() == [f"data_prep.build: {said}; {out} holds what it held before this run, and "
+                                           "a rerun clears the half-built leftovers"]  # no worker's traceback
+    left = subprocess.run(["pgrep", "-g", str(signalled.pid)], capture_output=True, text=True).stdout.split()
+    assert left == []  # the workers ended with the build
+    assert directory_bytes(out) == before
+    assert run_build(*args, "--overwrite", "--seed", 3)["seed"] == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".shards.lock", "shards"]
