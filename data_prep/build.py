@@ -44,7 +44,7 @@ from typing import IO, Iterator, Sequence
 import numpy as np
 from tqdm import tqdm
 
-from data_prep import locks
+from data_prep import locks, signals
 from data_prep.instances import (RECIPES, Instance, InstanceConfig, MaskingConfig, Uniforms, default_max_predictions,
                                  document_instances, masking_budget, mask_samples, parse_objective_mix)
 from data_prep.shard_format import (INDEX_DTYPE, MANIFEST_NAME, SHARD_GLOB, VOCAB_NAME, Objective,
@@ -561,14 +561,6 @@ def _start_worker() -> None:
     # quietly) instead of each worker printing its own traceback
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (a scheduler's time limit, `kill`): stops a build as Ctrl-C does."""
-
-
-def _raise_terminated(*_: object) -> None:
-    raise Terminated
 
 
 def _process_chunk_task(cfg: BuildConfig, chunk: Chunk, out_path: Path) -> tuple[int, int, DocumentStats, int]:
@@ -1133,7 +1125,11 @@ def _warn_low_cap(masking: MaskingConfig, max_seq_len: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    previous_sigterm = signal.signal(signal.SIGTERM, _raise_terminated)
+    with signals.sigterm_as_interrupt():
+        _main(args)
+
+
+def _main(args: argparse.Namespace) -> None:
     try:
         if args.finalize:
             if args.out is None:
@@ -1200,12 +1196,10 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, OSError) as err:  # our errors are ValueError subclasses that name the file and the fix
         sys.exit(f"data_prep.build: error: {err}")
     except KeyboardInterrupt as stop:  # a build replaces --out only once complete; the next run clears the staging
-        print(f"data_prep.build: {'stopped by SIGTERM' if isinstance(stop, Terminated) else 'interrupted'}"
-              + (f"; {args.out} holds what it held before this run, and a rerun clears the half-built leftovers"
-                 if args.out else ""), file=sys.stderr)
-        sys.exit(128 + signal.SIGTERM if isinstance(stop, Terminated) else 130)
-    finally:
-        signal.signal(signal.SIGTERM, previous_sigterm)
+        said, code = signals.describe(stop)
+        print(f"data_prep.build: {said}" + (f"; {args.out} holds what it held before this run, and a rerun clears "
+                                           "the half-built leftovers" if args.out else ""), file=sys.stderr)
+        sys.exit(code)
 
 
 def _check_vocab_out(vocab_out: Path, overwrite: bool) -> None:

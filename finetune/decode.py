@@ -25,12 +25,14 @@ CLI: `python -m finetune.decode --model DIR --input FILE.jsonl --output FILE.jso
 line files: `--input NAME.src` and an output not named `.jsonl`, one prediction per line, tokenised as UniLM writes
 it: "the u . s . ?"); when every record has a
 `tgt` (or `NAME.tgt` is beside `NAME.src`), ROUGE and BLEU against it go to `FILE.metrics.json`
-(`score_predictions`).
+(`score_predictions`). Finished batches are kept in `FILE.partial.jsonl` until the output is written, so a decode
+that is stopped continues after them (`PredictionJournal`).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -39,9 +41,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from data_prep.shard_format import sha256_file
+from data_prep.signals import describe, sigterm_as_interrupt
 from data_prep.text import split_sentences
 from pretrain.accelerator import default_device
 from pretrain.masks import SEQ2SEQ, build_segment_ids
@@ -357,12 +362,81 @@ def pack_source(tokenizer: Tokenizer, text: str, max_src_len: int) -> tuple[list
     return [tokenizer.cls_id, *ids[:max_src_len], tokenizer.sep_id], len(ids) > max_src_len
 
 
+class PredictionJournal:
+    """The predictions of the batches decoded so far, appended to a file beside the output as each batch ends
+    (flushed and fsync'ed), so that a decode stopped by Ctrl-C, SIGTERM, a crash or a lost machine continues where
+    it stopped when the same command runs again. The file's first line is the `fingerprint` of what decides the
+    predictions (the model's files, the sources, the decoding settings and batch size); a file of another
+    fingerprint is started afresh. The output's writer removes the file once the output is in place."""
+
+    def __init__(self, path: Path, fingerprint: str) -> None:
+        self.path, self.fingerprint = path, fingerprint
+        self.predictions: list[str] = []
+        self.truncated = 0
+
+    @staticmethod
+    def fingerprint_of(model_files: dict[str, str], records: list[dict], settings: dict[str, Any]) -> str:
+        sources = hashlib.sha256(json.dumps([r.get("src") for r in records], ensure_ascii=False).encode()).hexdigest()
+        return hashlib.sha256(json.dumps({"model": model_files, "sources": sources, "settings": settings},
+                                         sort_keys=True, default=sorted).encode()).hexdigest()
+
+    def open(self) -> str | None:
+        """Read what an earlier run of the same fingerprint left (a torn last line, from a kill mid-write, is
+        dropped) and rewrite the file to that; returns what happened, in words, when there was a file. A file that
+        is no decode's journal is refused (ValueError), not replaced."""
+        found = None
+        if self.path.is_file():
+            try:
+                lines = self.path.read_text(encoding="utf-8").splitlines()
+                header = json.loads(lines[0]) if lines else None
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                header = None
+            if not isinstance(header, dict) or "fingerprint" not in header:
+                raise ValueError(f"{self.path} exists and is not the predictions an earlier decode kept there; "
+                                 "move it, or choose another --output")
+            if header["fingerprint"] == self.fingerprint:
+                for line in lines[1:]:
+                    try:
+                        entry = json.loads(line)
+                    except json.JSONDecodeError:
+                        break
+                    if not isinstance(entry, dict) or entry.get("start") != len(self.predictions):
+                        break
+                    self.predictions += entry["predictions"]
+                    self.truncated += entry["truncated"]
+                found = f"continuing after the {len(self.predictions)} predictions {self.path} holds"
+            else:
+                found = (f"{self.path} holds predictions of another model, input or settings; starting afresh "
+                         "(it is replaced)")
+        kept = self._line(0, self.predictions, self.truncated) if self.predictions else ""  # one entry for it all
+        write_file_atomically(self.path, lambda tmp: tmp.write_text(
+            json.dumps({"fingerprint": self.fingerprint}) + "\n" + kept, encoding="utf-8"))
+        return found
+
+    @staticmethod
+    def _line(start: int, predictions: list[str], truncated: int) -> str:
+        return json.dumps({"start": start, "predictions": predictions, "truncated": truncated},
+                          ensure_ascii=False) + "\n"
+
+    def add(self, start: int, predictions: list[str], truncated: int) -> None:
+        with open(self.path, "a", encoding="utf-8") as handle:
+            handle.write(self._line(start, predictions, truncated))
+            handle.flush()
+            os.fsync(handle.fileno())
+        self.predictions += predictions
+        self.truncated += truncated
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
 def decode_records(model: torch.nn.Module, tokenizer: Tokenizer, records: list[dict], config: DecodeConfig,
                    max_src_len: int, batch_size: int = 8, progress: bool = False,
-                   spaced: bool = False) -> tuple[list[str], int]:
+                   spaced: bool = False, journal: PredictionJournal | None = None) -> tuple[list[str], int]:
     """Predicted text per record (`src` field) and how many sources were truncated (to `max_src_len`, lowered by
     `source_budget` to leave room for a target of `config.max_tgt_len`). `spaced`: words and punctuation
-    separated by spaces, as UniLM writes its predictions (`Tokenizer.decode`)."""
+    separated by spaces, as UniLM writes its predictions (`Tokenizer.decode`). `journal`: starts after the
+    batches it holds and records each batch decoded."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     check_vocab(model, tokenizer)
@@ -372,16 +446,20 @@ def decode_records(model: torch.nn.Module, tokenizer: Tokenizer, records: list[d
     if missing is not None:  # before any decoding: a bad record at the end would waste the work before it
         raise ValueError(f"record {missing} has no 'src' text (decoding reads JSONL records with a 'src' text, and "
                          "'tgt' references to score against)")
-    predictions, truncated = [], 0
-    for start in range(0, len(records), batch_size):
+    predictions, truncated = (list(journal.predictions), journal.truncated) if journal else ([], 0)
+    for start in range(len(predictions), len(records), batch_size):
         batch = records[start: start + batch_size]
-        sources = []
+        sources, batch_truncated = [], 0
         for record in batch:
             packed, cut = pack_source(tokenizer, record["src"], max_src_len)
             sources.append(packed)
-            truncated += cut
-        for hypothesis in generate(model, sources, SpecialIds.of(tokenizer), config):
-            predictions.append(tokenizer.decode(hypothesis.tokens, spaced))
+            batch_truncated += cut
+        decoded = [tokenizer.decode(hypothesis.tokens, spaced)
+                   for hypothesis in generate(model, sources, SpecialIds.of(tokenizer), config)]
+        if journal:
+            journal.add(start, decoded, batch_truncated)
+        predictions += decoded
+        truncated += batch_truncated
         if progress:
             print(f"[decode] {len(predictions)}/{len(records)}", file=sys.stderr, flush=True)
     return predictions, truncated
@@ -514,6 +592,8 @@ def main(argv: list[str] | None = None) -> None:
     paired_references = Path(args.input).with_suffix(".tgt") if Path(args.input).suffix == ".src" else None
     try:
         check_output(args.output, [args.input, paired_references, args.model], force=args.force, file=True)
+        # the predictions so far, kept beside the output until it is written (`PredictionJournal`)
+        check_output(beside(args.output, ".partial.jsonl"), [args.input, paired_references], force=True, file=True)
     except (ValueError, FileExistsError) as error:
         parser.error(str(error))
 
@@ -551,12 +631,33 @@ def main(argv: list[str] | None = None) -> None:
         records = read_seq2seq(args.input, targets=False)
     except (ValueError, OSError) as error:
         parser.error(f"--input {args.input}: {error.strerror if isinstance(error, OSError) else error}")
+    spaced = writes_lines(Path(args.output))
+    model_files = finetuned.meta.get("files") or {path.name: sha256_file(path)
+                                                  for path in sorted(Path(args.model).iterdir()) if path.is_file()}
+    journal = PredictionJournal(beside(args.output, ".partial.jsonl"), PredictionJournal.fingerprint_of(
+        model_files, records, dict(dataclasses.asdict(config), max_src_len=max_src_len, batch_size=args.batch_size,
+                                   spaced=spaced)))
+    try:
+        found = journal.open()
+    except ValueError as error:
+        parser.error(str(error))
+    if found:
+        print(f"[decode] {found}", file=sys.stderr, flush=True)
+    kept = len(journal.predictions)
     began = time.perf_counter()
     try:
-        predictions, truncated = decode_records(finetuned.model, finetuned.tokenizer, records, config, max_src_len,
-                                                args.batch_size, progress=True, spaced=writes_lines(Path(args.output)))
+        with sigterm_as_interrupt():
+            predictions, truncated = decode_records(finetuned.model, finetuned.tokenizer, records, config,
+                                                    max_src_len, args.batch_size, progress=True, spaced=spaced,
+                                                    journal=journal)
     except ValueError as error:  # a record it cannot decode, found before decoding any
+        journal.remove()
         parser.error(f"--input {args.input}: {error}")
+    except KeyboardInterrupt as stop:
+        said, code = describe(stop)
+        print(f"\n[decode] {said}: {len(journal.predictions)} of {len(records)} predictions are kept in "
+              f"{journal.path}; the same command continues after them", file=sys.stderr, flush=True)
+        sys.exit(code)
     seconds = time.perf_counter() - began
     empty = [number for number, record in enumerate(records, 1) if not record["src"].strip()]
     if empty:
@@ -566,7 +667,9 @@ def main(argv: list[str] | None = None) -> None:
     if len(predictions) != len(records):
         raise RuntimeError(f"{len(predictions)} predictions for {len(records)} input records; nothing written")
     write_predictions(Path(args.output), records, predictions)
-    print(f"[decode] {len(records)} inputs in {seconds:.1f}s ({truncated} sources truncated to {max_src_len} "
+    journal.remove()
+    before = f"{len(records) - kept} decoded now, {kept} kept from before; " if kept else ""
+    print(f"[decode] {len(records)} inputs in {seconds:.1f}s ({before}{truncated} sources truncated to {max_src_len} "
           f"word pieces) → {args.output}")
     if all(isinstance(r.get("tgt"), str) for r in records):
         scores = score_predictions(finetuned.tokenizer, predictions, [r["tgt"] for r in records])

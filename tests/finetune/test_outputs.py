@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
 import torch
 
 from finetune import decode, predict, run
-from finetune.task_files import write_jsonl
+from finetune.task_files import read_jsonl, write_jsonl
 from finetune.model_io import load_finetuned, save_finetuned
 from finetune.tokenizer import load_tokenizer
 from pretrain import checkpoint as ckpt
@@ -223,3 +225,69 @@ def test_a_non_utf8_byte_names_the_file_and_line(tmp_path):
     path.write_bytes(b'{"src": "fine"}\n{"src": "caf\xe9"}\n')
     with pytest.raises(ValueError, match=rf"{path}:2: not UTF-8 text \(byte 0xe9 at column 13\)"):
         read_jsonl(path)
+
+
+@pytest.mark.parametrize("stop, code", [("SIGTERM", 143), ("Ctrl-C", 130)])
+def test_a_stopped_decode_keeps_its_predictions_and_the_same_command_continues_after_them(
+        tiny_init, tmp_path, monkeypatch, capsys, stop, code):
+    source = tmp_path / "sources.jsonl"
+    write_jsonl([{"src": f"the minister said on day {i} that talks would go on", "tgt": "talks go on"}
+                 for i in range(9)], source)
+    whole = tmp_path / "whole.jsonl"
+    decode.main(decode_args(tiny_init, source, whole, "--batch-size", "2"))
+    output = tmp_path / "out.jsonl"
+    journal = tmp_path / "out.partial.jsonl"
+    real_generate, calls, stop_at = decode.generate, [], [3]
+
+    def generate_then_stop(*args, **kwargs):  # the third batch is stopped: two are decoded and kept
+        calls.append(1)
+        if len(calls) in stop_at:
+            if stop == "SIGTERM":
+                os.kill(os.getpid(), signal.SIGTERM)
+            raise KeyboardInterrupt
+        return real_generate(*args, **kwargs)
+
+    monkeypatch.setattr(decode, "generate", generate_then_stop)
+    ignore = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a SIGTERM decoding does not take fails the test below
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            decode.main(decode_args(tiny_init, source, output, "--batch-size", "2"))
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN  # its own handler is gone again
+    finally:
+        signal.signal(signal.SIGTERM, ignore)
+    assert stopped.value.code == code and not output.exists()
+    said = "stopped by SIGTERM" if stop == "SIGTERM" else "interrupted"
+    assert f"[decode] {said}: 4 of 9 predictions are kept in {journal}" in capsys.readouterr().err
+    with open(journal, "a") as handle:
+        handle.write('{"start": 4, "predictions": ["half writ')  # a kill in the middle of a write
+
+    calls.clear()
+    stop_at.clear()
+    decode.main(decode_args(tiny_init, source, output, "--batch-size", "2"))
+    assert len(calls) == 3  # the batches from the fifth input on: 4-5, 6-7, 8
+    assert f"continuing after the 4 predictions {journal} holds" in capsys.readouterr().err
+    assert read_jsonl(output) == read_jsonl(whole) and not journal.exists()
+    assert json.loads((tmp_path / "out.metrics.json").read_text()) == json.loads(
+        (tmp_path / "whole.metrics.json").read_text())
+
+
+def test_kept_predictions_of_other_settings_are_not_used(tiny_init, sources, tmp_path, monkeypatch, capsys):
+    output, journal = tmp_path / "out.txt", tmp_path / "out.partial.jsonl"
+    monkeypatch.setattr(decode, "generate", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(SystemExit):  # stopped at once: the journal holds its settings' fingerprint
+        decode.main(decode_args(tiny_init, sources, output, "--batch-size", "1"))
+    monkeypatch.undo()
+    journal.write_text(journal.read_text().splitlines()[0] + "\n" + json.dumps(
+        {"start": 0, "predictions": ["from", "elsewhere"], "truncated": 0}) + "\n")
+    decode.main(decode_args(tiny_init, sources, output, "--batch-size", "1", "--max-tgt-len", "2"))
+    assert "holds predictions of another model, input or settings; starting afresh" in capsys.readouterr().err
+    assert "from" not in output.read_text().split() and len(output.read_text().splitlines()) == 5
+
+
+def test_a_file_of_the_journals_name_that_is_not_one_is_refused_not_replaced(tiny_init, sources, tmp_path, capsys):
+    mine = tmp_path / "out.partial.jsonl"
+    mine.write_text('{"src": "my own records"}\n')
+    with pytest.raises(SystemExit) as refused:
+        decode.main(decode_args(tiny_init, sources, tmp_path / "out.jsonl"))
+    assert refused.value.code == 2 and "is not the predictions an earlier decode kept there" in capsys.readouterr().err
+    assert mine.read_text() == '{"src": "my own records"}\n' and not (tmp_path / "out.jsonl").exists()
