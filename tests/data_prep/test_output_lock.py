@@ -51,6 +51,7 @@ SIGNALLED_BUILD = """
 import os, signal, sys, time
 import data_prep.build as b
 name, args = sys.argv[1], sys.argv[2:]
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a background job starts with it ignored)
 real_process_chunk = b.process_chunk
 def process_chunk(*a, **k):
     result = real_process_chunk(*a, **k)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import subprocess_env
+from conftest import DISTRIBUTED_VARIABLES, subprocess_env
 from training_runs import train_command
 from tools import demo as demo_module
 
@@ -54,6 +54,8 @@ def test_launches_stopped_short_stop_the_demo_and_a_rerun_checks_the_resume_it_m
     """A launch that saves and exits 0 before its steps (SIGTERM, Ctrl-C: here `train.exit_at_step` in its place)
     stops the demo unrecorded; running the stage again continues the run, and the resume check checks the resume
     from the step that stop saved. Real single-rank runs of the tiny preset on CPU."""
+    for name in DISTRIBUTED_VARIABLES:  # an in-process group of an earlier test may have left its port here
+        monkeypatch.delenv(name, raising=False)
     for name, value in subprocess_env().items():
         monkeypatch.setenv(name, value)
     demo = make_demo(tmp_path)
