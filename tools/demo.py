@@ -150,12 +150,13 @@ class Demo(Stages):
         records = self.records()
         global_batch = _global_batch(self.run_dir)
         step = marker["step"]
+        following = records.get(step + 1, {})
         checks = {
             "resumed_from_checkpoint": found is not None and found.group(1) == tag,
             "resumed_step": int(found.group(2)) == step if found else False,
             "resumed_consumed_samples": int(found.group(3)) == marker["consumed_samples"] == step * global_batch
             if found else False,
-            "next_step_consumed_samples": records.get(step + 1, {}).get("consumed_samples") == (step + 1) * global_batch,
+            "next_step_consumed_samples": following.get("consumed_samples") == (step + 1) * global_batch,
             "reached_max_steps": max(records, default=0) == self.steps,
         }
         lr = lr_before | {s: r["lr"] for s, r in records.items() if s > step}
