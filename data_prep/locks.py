@@ -4,6 +4,7 @@ training run's ``out_dir`` (``pretrain.checkpoint.RunLock``).
 The kernel drops a ``flock`` when its process exits in any way (``kill -9`` included), so a lock never outlives its
 holder. The locked file records the holder (pid, host, start time, command) for the message that refuses a second
 process, and is emptied on a clean release: a record found by the next holder was left by one that was killed.
+Beside those two, ``finetune.decode`` holds ``.NAME.lock`` beside its output (`take`).
 Across machines the lock holds where the shared filesystem supports ``flock`` (NFSv4 maps it to byte-range locks;
 Lustre needs the ``flock`` mount option). Lock files stay after use: deleting one would let a waiting process lock
 a file that is no longer there. Light on purpose (no torch): every shard build takes one.
@@ -36,6 +37,25 @@ def try_lock(handle: IO[str], shared: bool = False) -> bool:
     except BlockingIOError:
         return False
     return True
+
+
+class Held(Exception):
+    """Another live process holds the lock; the message names it (`holder_text`)."""
+
+
+def take(path: Path, sync: bool = False) -> tuple[IO[str], dict[str, Any]]:
+    """Lock ``path`` exclusively without waiting and record this process as its holder (``sync``: fsync'ed).
+    Returns the open handle (keep it for as long as the lock should hold; `release` ends it) and the record a
+    holder that was killed left ({} after a clean release). Raises `Held` when another process holds the lock, and
+    a filesystem's ``OSError`` when it cannot lock (`cannot_lock`)."""
+    handle = open_lock(path)
+    try:
+        if not try_lock(handle):
+            raise Held(holder_text(read_holder(handle), held=True))
+    except BaseException:
+        handle.close()
+        raise
+    return handle, record_holder(handle, sync)
 
 
 def cannot_lock(error: OSError) -> bool:

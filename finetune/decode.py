@@ -26,7 +26,8 @@ line files: `--input NAME.src` and an output not named `.jsonl`, one prediction 
 it: "the u . s . ?"); when every record has a
 `tgt` (or `NAME.tgt` is beside `NAME.src`), ROUGE and BLEU against it go to `FILE.metrics.json`
 (`score_predictions`). Finished batches are kept in `FILE.partial.jsonl` until the output is written, so a decode
-that is stopped continues after them (`PredictionJournal`).
+that is stopped continues after them (`PredictionJournal`); a second decode of the same output while one runs is
+refused, naming the first (`lock_output`).
 """
 from __future__ import annotations
 
@@ -41,10 +42,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
+from data_prep import locks
 from data_prep.shard_format import sha256_file
 from data_prep.signals import describe, sigterm_as_interrupt
 from data_prep.text import split_sentences
@@ -589,6 +591,34 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--force", action="store_true", help="replace an existing non-empty --output")
     args = parser.parse_args(argv)
     refuse_distributed_launch(parser)
+    handle = lock_output(parser, args.output)
+    try:
+        _decode(parser, args)
+    finally:
+        locks.release(handle)
+
+
+def lock_output(parser: argparse.ArgumentParser, output: str) -> IO[str]:
+    """The lock (``data_prep.locks``) a decode holds on ``.NAME.decode.lock`` beside its output from start to end,
+    so that a second decode of the same output (which would share its `PredictionJournal`) is refused, naming the
+    first; returns the handle that holds it."""
+    path = beside(output, ".decode.lock")
+    path = path.with_name("." + path.name)
+    try:
+        handle, previous = locks.take(path)
+    except locks.Held as held:
+        parser.error(f"--output {output}: another decode of it is running ({held}); wait for it to end or stop "
+                     "it, or choose another --output")
+    except OSError as error:
+        parser.error(f"--output {output}: cannot lock {path} ({error})"
+                     + (f"; put the output on {locks.NO_LOCKS_HINT}" if locks.cannot_lock(error) else ""))
+    if previous:
+        print(f"[decode] an earlier decode of {output} ended without releasing {path} (killed): "
+              f"{locks.holder_text(previous)}", file=sys.stderr, flush=True)
+    return handle
+
+
+def _decode(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     paired_references = Path(args.input).with_suffix(".tgt") if Path(args.input).suffix == ".src" else None
     try:
         check_output(args.output, [args.input, paired_references, args.model], force=args.force, file=True)

@@ -436,18 +436,11 @@ class RunLock:
     @classmethod
     def acquire(cls, out_dir: str | Path, report: Any = print) -> "RunLock":
         path = Path(out_dir) / LOCK_FILE
-        handle = locks.open_lock(path)
         try:
-            taken = locks.try_lock(handle)
-        except OSError:
-            handle.close()
-            raise
-        if not taken:
-            holder = locks.holder_text(locks.read_holder(handle), held=True)
-            handle.close()
-            raise RunLockedError(f"{Path(out_dir)} is in use by another run: {holder}. Wait for it to end (or stop "
-                                 "it), or use another out_dir")
-        previous = locks.record_holder(handle, sync=True)
+            handle, previous = locks.take(path, sync=True)
+        except locks.Held as held:
+            raise RunLockedError(f"{Path(out_dir)} is in use by another run: {held}. Wait for it to end (or stop "
+                                 "it), or use another out_dir") from None
         if previous:
             report(f"[lock] {path}: the previous holder ({locks.holder_text(previous)}) ended without releasing it "
                    "(killed or crashed); taking it over")

@@ -291,3 +291,31 @@ def test_a_file_of_the_journals_name_that_is_not_one_is_refused_not_replaced(tin
         decode.main(decode_args(tiny_init, sources, tmp_path / "out.jsonl"))
     assert refused.value.code == 2 and "is not the predictions an earlier decode kept there" in capsys.readouterr().err
     assert mine.read_text() == '{"src": "my own records"}\n' and not (tmp_path / "out.jsonl").exists()
+
+
+def test_a_second_decode_of_the_same_output_is_refused_while_the_first_runs(tiny_init, sources, tmp_path,
+                                                                              monkeypatch, capsys):
+    first, second = tmp_path / "out.txt", tmp_path / "out.jsonl"  # both keep their predictions in out.partial.jsonl
+    real_generate, refusals = decode.generate, []
+
+    def generate_and_start_another(*args, **kwargs):
+        if not refusals:
+            with pytest.raises(SystemExit) as refused:
+                decode.main(decode_args(tiny_init, sources, second))
+            refusals.append((refused.value.code, capsys.readouterr().err))
+        return real_generate(*args, **kwargs)
+
+    monkeypatch.setattr(decode, "generate", generate_and_start_another)
+    decode.main(decode_args(tiny_init, sources, first))
+    code, said = refusals[0]
+    assert code == 2 and f"--output {second}: another decode of it is running (pid {os.getpid()} on " in said
+    assert len(first.read_text().splitlines()) == 5 and not second.exists()
+    monkeypatch.undo()
+
+    lock = tmp_path / ".out.decode.lock"
+    assert lock.read_text() == ""  # released: the next decode takes it without a word
+    lock.write_text(json.dumps({"pid": 1, "host": "elsewhere", "started": "then"}) + "\n")  # a killed decode's
+    decode.main(decode_args(tiny_init, sources, second))
+    assert f"an earlier decode of {second} ended without releasing {lock} (killed): pid 1 on elsewhere" in \
+        capsys.readouterr().err
+    assert len(read_jsonl(second)) == 5 and lock.read_text() == ""
