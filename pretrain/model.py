@@ -21,7 +21,8 @@ Differences from vanilla BERT (Devlin et al. 2019, google-research/bert `modelin
      samples in its row, so the loss is that of one sample per row, with less padding.
   7. `encode` takes an optional per-layer key/value cache (`past_key_values`) for UniLM-style incremental
      decoding: several query positions at once, keys = cached positions + new ones.
-  8. Optional speed-ups, same numerics: apex's FusedLayerNorm when importable (torch LayerNorm otherwise);
+  8. Optional speed-ups, same numerics: apex's FusedLayerNorm when importable (torch LayerNorm otherwise, and in
+     compiled blocks, which fuse it: `torch_layer_norms`);
      training settings, not architecture, set by the run (``train.*``): activation checkpointing of each block
      (`torch.utils.checkpoint`, non-reentrant), `torch.compile` of each block (`compile_blocks`), and a token
      loss computed in chunks of rows without fp32 logits of all of them (`chunked_loss`,
@@ -498,8 +499,10 @@ class UniLMModel(nn.Module):
     def compile_blocks(self) -> None:
         """`torch.compile` every Transformer block in place (``nn.Module.compile``: parameter names, checkpoints and
         activation checkpointing unchanged): the compiler fuses dropout, residual adds, LayerNorm and gelu around
-        the matrix multiplies. A training setting (``train.compile``)."""
+        the matrix multiplies (apex's FusedLayerNorm, when in use, gives way to torch's there: `torch_layer_norms`).
+        A training setting (``train.compile``)."""
         for layer in self.layers:
+            torch_layer_norms(layer)
             layer.compile()
 
     def num_parameters(self, non_embedding: bool = False) -> int:
@@ -509,6 +512,22 @@ class UniLMModel(nn.Module):
             total -= sum(p.numel() for p in (self.embeddings.token.weight, self.embeddings.position.weight,
                                              self.embeddings.segment.weight))
         return total
+
+
+def torch_layer_norms(module: nn.Module) -> None:
+    """Replace each apex FusedLayerNorm under ``module`` (the `LayerNorm` in use when apex is importable) by torch's
+    ``nn.LayerNorm`` holding the very same parameters, so names, checkpoints and optimizer state are unchanged. For
+    compiled blocks: the compiler fuses torch's LayerNorm with the dropout and residual add before it, whereas
+    apex's extension is an opaque call that splits the compiled graph (a graph break, on apex releases before its
+    traceable op); the two compute the same normalisation."""
+    for name, child in module.named_children():
+        if LayerNorm is not nn.LayerNorm and type(child) is LayerNorm:
+            plain = nn.LayerNorm(child.normalized_shape, eps=child.eps, elementwise_affine=child.elementwise_affine,
+                                 device="meta")
+            plain.weight, plain.bias = child.weight, child.bias
+            setattr(module, name, plain)
+        else:
+            torch_layer_norms(child)
 
 
 def training_flops(cfg: ModelConfig, tokens: float, squared_lengths: float, predictions: float,

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import pretrain.model as model_module
 from pretrain.masks import (
@@ -471,6 +472,41 @@ def test_compiled_blocks_match_eager_in_fp32():
         # atol: gradients that are 0 in exact arithmetic (the key bias: softmax ignores a per-row constant) are
         # rounding noise of ~1e-9 on both sides
         torch.testing.assert_close(mine.grad, reference.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+class ApexStyleLayerNorm(nn.Module):
+    """apex.normalization.FusedLayerNorm's interface (apex is not on PyPI): its constructor and attributes, and on
+    CPU tensors its computation, ``F.layer_norm``."""
+
+    def __init__(self, normalized_shape: int, eps: float = 1e-5, elementwise_affine: bool = True) -> None:
+        super().__init__()
+        self.normalized_shape, self.eps, self.elementwise_affine = (normalized_shape,), eps, elementwise_affine
+        self.weight = nn.Parameter(torch.ones(normalized_shape))
+        self.bias = nn.Parameter(torch.zeros(normalized_shape))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+def test_compiled_blocks_take_torchs_layer_norm_with_the_same_parameters_when_apex_is_in_use(monkeypatch):
+    monkeypatch.setattr(model_module, "LayerNorm", ApexStyleLayerNorm)
+    torch.manual_seed(0)
+    model = build_model(dataclasses.replace(TINY, hidden_dropout=0.0, attention_dropout=0.0))
+    names, parameters = list(model.state_dict()), list(model.parameters())
+    batch = make_batch()
+    before = model(**batch)
+    compiled = []
+    monkeypatch.setattr(nn.Module, "compile", lambda module: compiled.append(module))  # the swap alone, eagerly
+    model.compile_blocks()
+    assert compiled == list(model.layers)
+    norms = {name: type(module) for name, module in model.named_modules() if name.endswith("norm")}
+    assert {name for name, kind in norms.items() if kind is nn.LayerNorm} == {
+        f"layers.{index}.{norm}" for index in range(TINY.num_layers) for norm in ("attention_norm", "ffn_norm")}
+    assert {kind for name, kind in norms.items() if not name.startswith("layers.")} == {ApexStyleLayerNorm}
+    assert list(model.state_dict()) == names and all(a is b for a, b in zip(model.parameters(), parameters))
+    assert model.layers[0].ffn_norm.eps == TINY.layer_norm_eps
+    after = model(**batch)
+    torch.testing.assert_close(after.loss, before.loss, rtol=0, atol=0)
 
 
 def varied_samples(count: int, max_len: int, vocab_size: int, seed: int = 0) -> list[Sample]:
