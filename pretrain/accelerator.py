@@ -6,6 +6,7 @@ On a CPU machine (``DS_ACCELERATOR=cpu``, or DeepSpeed finding no GPU) every fun
     model and the loader's copies all follow the current device);
   * ``collective_device`` is where a tensor handed to a collective must live (NCCL refuses CPU tensors);
   * ``matmul_peak_tflops`` measures the device's dense matmul throughput in a dtype (the denominator of MFU);
+  * ``compiler_failure`` tells whether ``torch.compile`` works on the device here (its toolchain is not a package);
   * ``deepspeed_arch_list`` rewrites ``TORCH_CUDA_ARCH_LIST`` into the ``X.Y`` / ``X.Y+PTX`` tokens DeepSpeed's JIT
     op builder parses (``deepspeed/ops/op_builder/builder.py`` reads each token as ``int`` major and minor, so the
     arch-specific ``9.0a`` that CUDA images set fails its FusedAdam build with ``invalid literal for int()``).
@@ -130,6 +131,29 @@ def matmul_peak_tflops(device: torch.device, dtype: torch.dtype, seconds: float 
         best = max(best, 2 * size**3 * group / elapsed)
         group = group * 2 if elapsed < seconds / 20 else group  # groups long enough to hide the launch overhead
     return best / 1e12
+
+
+COMPILER_NEEDS = ("torch.compile builds its kernels at run time, with Triton on GPUs and a C++ compiler on CPUs: "
+                  "both need a C compiler (gcc; or set CC / CXX) and Python's headers (Debian/Ubuntu: python3-dev)")
+
+
+def compiler_failure(device: torch.device) -> str | None:
+    """Why ``torch.compile`` cannot build a kernel for ``device`` on this machine (the innermost error, type and
+    first line), or None when it can: a two-op function compiled and run there once (seconds; the blocks' own
+    compilation then finds the toolchain warm). Slim containers and some clusters lack what `COMPILER_NEEDS`."""
+    def probe(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(x) * 2 + 1
+
+    try:
+        probe_input = torch.arange(8.0, device=device)
+        torch.compile(probe, dynamic=False)(probe_input)
+        synchronize(device)
+    except Exception as error:  # noqa: BLE001 -- any failure of the compiler stack is the answer
+        while error.__cause__ is not None:
+            error = error.__cause__
+        first_line = next((line for line in str(error).splitlines() if line.strip()), "")
+        return f"{type(error).__name__}: {first_line}"[:400]
+    return None
 
 
 # ------------------------------------------------------------------------------------------- one-machine launch

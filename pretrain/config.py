@@ -210,8 +210,8 @@ class TrainConfig:
     change when resuming."""
     compile: bool | None = None
     """`torch.compile` each Transformer block (fuses dropout, residual adds, LayerNorm and gelu; same parameters and
-    checkpoints). Null: on when training on CUDA with ZeRO 0-2, off on the CPU (where it was measured slower) and
-    under ZeRO-3."""
+    checkpoints). Null: on when training on CUDA with ZeRO 0-2 and torch.compile works there (else off, with a
+    note), off on the CPU (where it was measured slower) and under ZeRO-3."""
     chunked_loss: bool | None = None
     """Compute the MLM/LM loss in chunks of rows, logits in the training dtype and never all in fp32
     (``pretrain.kernels.chunked_cross_entropy``). Null: on under bf16/fp16, off in fp32 (nothing to save there)."""

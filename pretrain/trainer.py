@@ -33,7 +33,8 @@ from data_prep.shard_format import MANIFEST_NAME, ShardDataset, ShardError, sha2
 from pretrain import checkpoint as ckpt
 from pretrain.batch_plan import BatchPlan, plan_batch
 from pretrain.config import RunConfig
-from pretrain.accelerator import accelerator_name, collective_device, matmul_peak_tflops
+from pretrain.accelerator import (COMPILER_NEEDS, accelerator_name, collective_device, compiler_failure,
+                                  default_device, matmul_peak_tflops)
 from pretrain.data import PretrainLoader, SampleOrder, collate, sample_objectives, to_device
 from pretrain.engine import (NonFiniteLossError, SetupError, build_engine, engine_config, first_error,
                              gather_objects, init_distributed, nonfinite_gradient_norm, on_every_rank,
@@ -372,6 +373,8 @@ def _train_locked(cfg: RunConfig, rank: int, world_size: int, started: float) ->
             initial_model(cfg, model_cfg)))
     except (ValueError, OSError) as error:  # raised on every rank alike (the collective checks)
         raise SetupError(str(error)) from error
+    if fast_paths["compile"]:
+        fast_paths["compile"] = compiler_works(cfg.train.compile, rank)
     if rank == 0:
         print("[fast paths] " + ", ".join(f"train.{name}={'on' if on else 'off'}" for name, on in fast_paths.items())
               + " (null settings resolved for this run's device, precision and model)", flush=True)
@@ -575,6 +578,25 @@ def fast_path_settings(cfg: RunConfig, engine_json: dict[str, Any], model_cfg: M
         raise ValueError("train.pack_samples=true does not apply to a causal LM (model.causal_lm: its samples are "
                          "full-length blocks, each predicted whole); use train.pack_samples=false or null")
     return {"compile": compile_blocks, "chunked_loss": chunked_loss, "pack_samples": pack_samples}
+
+
+def compiler_works(setting: bool | None, rank: int) -> bool:
+    """Whether to compile the blocks, ``train.compile`` having resolved to on: `compiler_failure` on every rank's
+    device (a collective: every rank decides alike). A failure stops the run, naming the fix, when the run config
+    asked for compilation (``true``), and turns it off with a note when that was the default (``null``)."""
+    failure = compiler_failure(default_device())
+    if failure is not None and rank != 0:
+        failure += f" (rank {rank} on {socket.gethostname()})"
+    failure = first_error(failure)
+    if failure is None:
+        return True
+    if setting:
+        raise SetupError(f"train.compile=true, but torch.compile fails here: {failure}. {COMPILER_NEEDS}; or set "
+                         "train.compile=false")
+    if rank == 0:
+        print(f"[fast paths] torch.compile fails here ({failure}), so the blocks run uncompiled (slower). "
+              f"{COMPILER_NEEDS}; train.compile=false silences this", file=sys.stderr, flush=True)
+    return False
 
 
 def restore_progress(engine: Any, resume: ckpt.ResumePoint | None, seed: int, rank: int,

@@ -1,13 +1,18 @@
 """The rank's device and DeepSpeed's op builds, as far as a CPU machine can check them: TORCH_CUDA_ARCH_LIST in the
 form DeepSpeed's own builder parses (checked against that builder), the preflight's note, local-rank discovery,
-device binding and collectives on the CPU accelerator, the accelerator a child process gets."""
+device binding and collectives on the CPU accelerator, the accelerator a child process gets, and what a run does
+where torch.compile cannot build its kernels."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
+from conftest import ROOT, subprocess_env
 from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
+from training_runs import TESTS, launch
 
 from pretrain import accelerator
 from pretrain.accelerator import apply_deepspeed_arch_list, deepspeed_arch_list
@@ -187,3 +192,50 @@ def test_child_processes_get_the_cpu_accelerator_only_without_a_gpu_or_a_choice(
     if torch.cuda.is_available():
         assert accelerator.local_launch_arguments({}, max_gpus=1)[:2] == ["--num_gpus", "1"]
     assert os.environ.get("DS_ACCELERATOR") == "cpu"  # the test process itself was left alone
+
+
+# ------------------------------------------------------------------------------- torch.compile's toolchain
+DECIDE = """
+import torch
+from no_compiler import MISSING_COMPILER  # torch.compile finds no C++ compiler
+from pretrain.accelerator import compiler_failure
+from pretrain.engine import SetupError
+from pretrain.trainer import compiler_works
+print("failure:", compiler_failure(torch.device("cpu")))
+print("left to the default:", compiler_works(None, 0))
+try:
+    compiler_works(True, 0)
+except SetupError as error:
+    print("asked for:", error)
+"""
+
+
+@pytest.mark.slow  # ≈ 20 s: the compiler's first CPU build
+def test_compiler_failure_is_none_where_torch_compile_builds(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    assert accelerator.compiler_failure(torch.device("cpu")) is None
+
+
+def test_without_a_compiler_a_default_run_goes_uncompiled_and_a_run_that_asked_for_it_stops(tmp_path):
+    process = subprocess.run([sys.executable, "-c", DECIDE], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                             env=subprocess_env(TORCHINDUCTOR_CACHE_DIR=str(tmp_path), PYTHONPATH=str(TESTS)))
+    assert process.returncode == 0, process.stderr[-3000:]
+    lines = dict(line.split(": ", 1) for line in process.stdout.splitlines())
+    assert "InvalidCxxCompiler: No working C++ compiler found" in lines["failure"]
+    assert "/nonexistent/g++" in lines["failure"]
+    assert lines["left to the default"] == "False"
+    assert f"[fast paths] torch.compile fails here ({lines['failure']}), so the blocks run uncompiled (slower). " \
+           "torch.compile builds its kernels at run time" in process.stderr
+    assert lines["asked for"].startswith(f"train.compile=true, but torch.compile fails here: {lines['failure']}. ")
+    assert lines["asked for"].endswith("python3-dev); or set train.compile=false")
+
+
+@pytest.mark.slow
+def test_a_training_run_that_asks_for_compiled_blocks_stops_before_its_first_step_where_they_cannot_build(
+        unilm_shards, tmp_path):
+    process = launch([f"data.shards={unilm_shards}", "model.overrides.vocab_size=4000", f"out_dir={tmp_path / 'run'}",
+                      "train.compile=true"], extra_env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}, module="no_compiler")
+    assert process.returncode != 0, process.stdout[-2000:]
+    assert "train.compile=true, but torch.compile fails here: InductorError: InvalidCxxCompiler" in process.stderr, \
+        process.stderr[-3000:]
+    assert "Traceback" not in process.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()
