@@ -73,7 +73,7 @@ class FinetuneConfig:
     optimizer: str = "adamw"
     """adamw (DeepSpeed's, from the JSON) or adamax (the UniLM paper's GLUE optimiser, torch.optim.Adamax)."""
     lr: float = 5e-5
-    """Peak learning rate; at most 1 (Adam moves each weight by up to about lr a step)."""
+    """Peak learning rate."""
     warmup_ratio: float = 0.1
     """Share of the steps spent in linear warm-up, then linear decay to 0. DeepSpeed's WarmupDecayLR warms up over
     at least 2 steps: a share that rounds to 0 or 1 step gives 2 (the first step at 0, the second at half the
@@ -161,7 +161,7 @@ class FinetuneConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.optimizer not in ("adamw", "adamax"):
             raise ValueError(f"optimizer must be adamw or adamax, got {self.optimizer!r}")
-        for name, valid, rule in (("lr", 0 < self.lr <= 1, "in (0, 1] (Adam moves each weight by up to about lr a step)"),
+        for name, valid, rule in (("lr", self.lr > 0, "> 0"),
                                   ("warmup_ratio", 0 <= self.warmup_ratio < 1, "in [0, 1)"),
                                   ("mask_prob", 0 < self.mask_prob <= 1, "in (0, 1]"),
                                   ("label_smoothing", 0 <= self.label_smoothing < 1, "in [0, 1)"),

@@ -143,7 +143,7 @@ class ModelSection:
 @dataclass(frozen=True)
 class OptimConfig:
     lr: float = 3e-5
-    """Peak learning rate (UniLM: 3e-5); at most 1 (Adam moves each weight by up to about lr a step)."""
+    """Peak learning rate (UniLM: 3e-5)."""
     betas: tuple[float, float] = (0.9, 0.999)
     """Adam betas."""
     eps: float = 1e-6
@@ -167,9 +167,6 @@ class OptimConfig:
             raise ValueError(f"optim.eps must be > 0, got {self.eps}")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ValueError(f"need 0 <= optim.min_lr <= optim.lr and lr > 0, got lr={self.lr} min_lr={self.min_lr}")
-        if self.lr > 1:
-            raise ValueError(f"optim.lr={self.lr} is above 1: Adam moves each weight by up to about lr a step, so "
-                             f"this is a slip of the exponent (BERT: 1e-4, UniLM: 3e-5)")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"optim.betas must be two numbers in [0, 1), got {self.betas}")
         if self.weight_decay < 0 or self.grad_clip < 0:

@@ -28,8 +28,7 @@ def test_precedence_yaml_then_flags_then_set(tmp_path) -> None:
 @pytest.mark.parametrize("override, message", [
     ("lr=fast", "lr='fast' is not a valid"),
     ("epoch=3", "unknown config key.*epoch"),
-    ("lr=-1", r"lr must be in \(0, 1\] \(Adam moves each weight by up to about lr a step\), got -1.0"),
-    ("lr=5e5", r"lr must be in \(0, 1\] .*, got 500000.0"),
+    ("lr=-1", "lr must be > 0, got -1.0"),
     ("warmup_ratio=1", r"warmup_ratio must be in \[0, 1\), got 1.0"),
     ("exit_after_minutes=0", "exit_after_minutes must be > 0"),
     ("save_interval=0", "save_interval must be >= 1"),
