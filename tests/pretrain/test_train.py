@@ -223,9 +223,10 @@ def test_the_fast_paths_together_train_with_the_plain_paths_losses(runs: dict) -
     assert "[fast paths] train.compile=off, train.chunked_loss=off, train.pack_samples=on" in runs["nodrop_log"].stdout
     assert "[fast paths] train.compile=on, train.chunked_loss=on, train.pack_samples=on" in runs["fast_log"].stdout
     # The blocks really ran compiled: one graph serves every block (a second at most, when a micro-batch's shape
-    # first changes and dynamo recompiles with dynamic sizes), traced without a graph break.
+    # first changes and dynamo recompiles with dynamic sizes), traced without a graph break; one graph more is the
+    # probe that tells torch.compile works here (`pretrain.trainer.compiler_works`).
     report = json.loads(runs["fast_log"].stdout.split("[compile report] ", 1)[1].splitlines()[0])
-    assert report["frames"] >= 1 and 1 <= report["unique_graphs"] <= 2 and report["graph_breaks"] == 0, report
+    assert report["frames"] >= 2 and 2 <= report["unique_graphs"] <= 3 and report["graph_breaks"] == 0, report
     plain, fast = losses(runs["nodrop"]), losses(runs["fast"])
     assert sorted(fast) == list(range(1, 7))
     for step in fast:  # fp32, dropout off: compiled sums and chunked log-softmax round differently, 1 rank vs 2
