@@ -4,7 +4,7 @@ training run's ``out_dir`` (``pretrain.checkpoint.RunLock``).
 The kernel drops a ``flock`` when its process exits in any way (``kill -9`` included), so a lock never outlives its
 holder. The locked file records the holder (pid, host, start time, command) for the message that refuses a second
 process, and is emptied on a clean release: a record found by the next holder was left by one that was killed.
-Beside those two, ``finetune.decode`` holds ``.NAME.lock`` beside its output (`take`).
+Beside those two, ``finetune.decode`` holds ``.NAME.decode.lock`` beside its output (`take`).
 Across machines the lock holds where the shared filesystem supports ``flock`` (NFSv4 maps it to byte-range locks;
 Lustre needs the ``flock`` mount option). Lock files stay after use: deleting one would let a waiting process lock
 a file that is no longer there. Light on purpose (no torch): every shard build takes one.
