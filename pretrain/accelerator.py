@@ -7,6 +7,8 @@ On a CPU machine (``DS_ACCELERATOR=cpu``, or DeepSpeed finding no GPU) every fun
   * ``collective_device`` is where a tensor handed to a collective must live (NCCL refuses CPU tensors);
   * ``matmul_peak_tflops`` measures the device's dense matmul throughput in a dtype (the denominator of MFU);
   * ``compiler_failure`` tells whether ``torch.compile`` works on the device here (its toolchain is not a package);
+  * ``fused_adam_failure`` tells whether DeepSpeed's FusedAdam loads here (JIT-built with the CUDA toolkit's
+    ``nvcc``, which PyPI's CUDA torch does not bring);
   * ``deepspeed_arch_list`` rewrites ``TORCH_CUDA_ARCH_LIST`` into the ``X.Y`` / ``X.Y+PTX`` tokens DeepSpeed's JIT
     op builder parses (``deepspeed/ops/op_builder/builder.py`` reads each token as ``int`` major and minor, so the
     arch-specific ``9.0a`` that CUDA images set fails its FusedAdam build with ``invalid literal for int()``).
@@ -151,9 +153,56 @@ def compiler_failure(device: torch.device) -> str | None:
     except Exception as error:  # noqa: BLE001 -- any failure of the compiler stack is the answer
         while error.__cause__ is not None:
             error = error.__cause__
-        first_line = next((line for line in str(error).splitlines() if line.strip()), "")
-        return f"{type(error).__name__}: {first_line}"[:400]
+        return error_summary(error)
     return None
+
+
+FUSED_ADAM_NEEDS = ("DeepSpeed builds FusedAdam on first use with the CUDA toolkit's nvcc (the major version of "
+                    "torch's CUDA; found through CUDA_HOME, PATH or /usr/local/cuda) and ninja; or prebuild it: "
+                    "DS_BUILD_FUSED_ADAM=1 pip install deepspeed --no-build-isolation --no-cache-dir")
+
+
+def fused_adam_failure() -> str | None:
+    """Why DeepSpeed's FusedAdam op cannot be loaded here (its error, summarised), or None when it can: the very
+    load ``deepspeed.ops.adam.FusedAdam`` does in its constructor (prebuilt, cached in ``TORCH_EXTENSIONS_DIR``, or
+    JIT-built now, as it would be moments later), so the engine then finds it loaded."""
+    from deepspeed.ops.op_builder import FusedAdamBuilder
+    try:
+        FusedAdamBuilder().load(verbose=False)
+    except Exception as error:  # noqa: BLE001 -- a missing toolkit, a failed build, an incompatible op: the answer
+        return error_summary(error)
+    return None
+
+
+
+def fused_adam_toolkit_missing() -> str | None:
+    """What this CUDA machine lacks to build DeepSpeed's FusedAdam, found without building it (for the preflight):
+    None where the op is prebuilt, where torch finds a CUDA toolkit with nvcc, or where torch sees no GPU."""
+    if not torch.cuda.is_available():
+        return None
+    from deepspeed.git_version_info import installed_ops
+    if installed_ops.get("fused_adam", False):
+        return None
+    from torch.utils import cpp_extension
+    if cpp_extension.CUDA_HOME is None:
+        return "no CUDA toolkit found: CUDA_HOME is unset and there is no nvcc on PATH or in /usr/local/cuda"
+    if not os.access(os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc"), os.X_OK):
+        return f"the CUDA toolkit at {cpp_extension.CUDA_HOME} has no bin/nvcc"
+    return None
+
+
+_BUILD_PROGRESS = re.compile(r":? \[\d+/\d+\] .*")
+_CAUSE_LINE = re.compile(r"error|not found|no such file|fatal|unable|cannot", re.IGNORECASE)
+
+
+def error_summary(error: BaseException) -> str:
+    """One line for a toolchain's exception: its type and first line (without a build log's command lines), and
+    the line of the log that names the cause, when there is one (``/bin/sh: 1: g++: not found``, ``nvcc fatal``)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    first = _BUILD_PROGRESS.sub("", lines[0]) if lines else ""
+    cause = next((line for line in lines[1:] if _CAUSE_LINE.search(line) and not line.startswith("FAILED:")), None)
+    summary = f"{type(error).__name__}: {first}" + (f" ({cause})" if cause else "")
+    return summary if len(summary) <= 400 else summary[:399] + "…"
 
 
 # ------------------------------------------------------------------------------------------- one-machine launch

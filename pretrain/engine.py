@@ -34,7 +34,8 @@ import torch.distributed as torch_dist
 from deepspeed.accelerator import get_accelerator
 
 from data_prep.sources import json_type
-from pretrain.accelerator import apply_deepspeed_arch_list, bind_local_device, collective_device, local_rank
+from pretrain.accelerator import (FUSED_ADAM_NEEDS, apply_deepspeed_arch_list, bind_local_device, collective_device,
+                                  fused_adam_failure, local_rank)
 from pretrain.batch_plan import BatchPlan
 from pretrain.config import REPO_ROOT
 from pretrain.kernels import retain_freed_memory
@@ -423,10 +424,46 @@ def _scheduler_not_started(record: logging.LogRecord) -> bool:
     return not record.getMessage().startswith("Attempting to get learning rate from scheduler before it has started")
 
 
+def uses_fused_adam(config: dict[str, Any]) -> bool:
+    """Whether ``deepspeed.initialize`` builds DeepSpeed's FusedAdam for ``config``: an Adam or AdamW block without
+    ``torch_adam: true`` whose state is not offloaded (offloaded state steps with CPUAdam, a C++ build)."""
+    optimizer = config.get("optimizer") or {}
+    if str(optimizer.get("type", "")).lower() not in ("adam", "adamw"):
+        return False
+    if optimizer.get("params", {}).get("torch_adam", False):
+        return False
+    offload = (config.get("zero_optimization", {}).get("offload_optimizer") or {}).get("device", "none")
+    return offload not in ("cpu", "nvme")
+
+
+def adam_that_loads(config: dict[str, Any]) -> dict[str, Any]:
+    """``config``, or a copy that steps with torch's AdamW (``torch_adam: true``: the same update, unfused) where
+    DeepSpeed's FusedAdam cannot be loaded on some rank: without the CUDA toolkit (PyPI's CUDA torch brings no
+    nvcc) every run would otherwise stop inside ``deepspeed.initialize``. A JSON that sets ``torch_adam: false``
+    asked for FusedAdam: it stops with `SetupError` naming the cause and the fix. A collective."""
+    if not uses_fused_adam(config):
+        return config
+    failure = first_error(fused_adam_failure())
+    if failure is None:
+        return config
+    if "torch_adam" in config["optimizer"].get("params", {}):
+        raise SetupError(f"DeepSpeed's FusedAdam cannot be loaded here: {failure}. The DeepSpeed JSON sets "
+                         f"optimizer.params.torch_adam false; {FUSED_ADAM_NEEDS}; or drop torch_adam from the JSON "
+                         "to step with torch's AdamW where FusedAdam does not load")
+    say_once(f"[optimizer] DeepSpeed's FusedAdam cannot be loaded here ({failure}): stepping with torch's AdamW, "
+             f"the same update unfused. For the fused one: {FUSED_ADAM_NEEDS}. Resume the run where the same "
+             "optimizer loads: the two keep their step count in different places")
+    config = copy.deepcopy(config)
+    config["optimizer"].setdefault("params", {})["torch_adam"] = True
+    return config
+
+
 def build_engine(model: torch.nn.Module, config: dict[str, Any], weight_decay: float,
                  client_optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None = None) -> Any:
     """``deepspeed.initialize`` on ``model`` with `parameter_groups`; ``client_optimizer(groups)`` replaces the
-    JSON's optimizer block when given."""
+    JSON's optimizer block when given; `adam_that_loads` decides between DeepSpeed's FusedAdam and torch's AdamW."""
+    if client_optimizer is None:
+        config = adam_that_loads(config)
     groups = parameter_groups(model, weight_decay)
     optimizer = client_optimizer(groups) if client_optimizer is not None else None
     # Messages no user can act on, once per rank: DeepSpeed's schedulers ask for their rate in their constructor,

@@ -10,7 +10,9 @@ For the run config and hostfile it verifies, before any rank starts:
   * every host runs the same code version (``git describe`` / package version) as this one;
   * every host sees the shards with the same manifest hash (and opens them: sizes, magic, version);
   * every host has free disk for ``keep_last + 1`` checkpoints (≈20 bytes per parameter each, an estimate);
-  * every host's ``TORCH_CUDA_ARCH_LIST`` is one DeepSpeed's op builder can read (else the exact value to set).
+  * every host's ``TORCH_CUDA_ARCH_LIST`` is one DeepSpeed's op builder can read (else the exact value to set);
+  * every GPU host can build DeepSpeed's FusedAdam when the JSON uses it (a note otherwise: the run then steps
+    with torch's AdamW);
   * a checkpoint can be written within the launcher's SIGTERM grace period (a warning otherwise: see below).
 
 The hosts and slots checked are those DeepSpeed's launcher would use: the whole hostfile, or what its filters
@@ -54,11 +56,11 @@ from typing import Any
 from deepspeed.launcher.runner import apply_num_nodes_and_gpus, parse_inclusion_exclusion
 
 from data_prep.shard_format import MANIFEST_NAME, ShardDataset, sha256_file
-from pretrain.accelerator import deepspeed_arch_list
+from pretrain.accelerator import FUSED_ADAM_NEEDS, deepspeed_arch_list, fused_adam_toolkit_missing
 from pretrain.batch_plan import InfeasibleBatchError, plan_batch
 from pretrain.checkpoint import code_version
 from pretrain.config import REPO_ROOT, RunConfig, load_config
-from pretrain.engine import read_engine_json
+from pretrain.engine import read_engine_json, uses_fused_adam
 from pretrain.hf import hf_model_config, hf_weight_files
 from pretrain.trainer import model_for_shards, resolve_model_config
 
@@ -150,6 +152,11 @@ def probe(cfg: RunConfig, shared_file: str | None = None) -> dict[str, Any]:
             report["init_from_error"] = str(error)
     report["free_bytes"] = shutil.disk_usage(target).free
     report["cuda_arch_list"] = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    try:
+        if uses_fused_adam(read_engine_json(cfg.deepspeed_config_path)):
+            report["fused_adam_missing"] = fused_adam_toolkit_missing()
+    except (OSError, ValueError):  # the JSON's own check reports it
+        pass
     report["write_bytes_per_s"] = write_speed(target)
     return report
 
@@ -324,6 +331,10 @@ def check_host(host: str, report: dict[str, Any], local: dict[str, Any], cfg: Ru
             problems.append(f"{host}: {note}")
         else:
             print(f"[preflight] {host}: {note}")
+    if report.get("fused_adam_missing"):
+        print(f"[preflight] {host}: DeepSpeed's FusedAdam is not prebuilt and cannot be built here "
+              f"({report['fused_adam_missing']}): the run steps with torch's AdamW, the same update unfused. "
+              f"For the fused one: {FUSED_ADAM_NEEDS}")
     if report["code_version"] != local["code_version"]:
         problems.append(f"{host}: code version {report['code_version']} != {local['code_version']} here")
     if "init_from_error" in report:

@@ -86,6 +86,36 @@ def test_preflight_reports_the_arch_list_of_this_host(unilm_shards, tmp_path, mo
     assert len(problems) == 1 and "cannot read 'sm_90'" in problems[0]
 
 
+def test_preflight_notes_a_gpu_host_where_fused_adam_cannot_be_built(unilm_shards, tmp_path, monkeypatch,
+                                                                     capsys) -> None:
+    """A GPU host without the CUDA toolkit (PyPI's CUDA torch brings no nvcc): noted when the JSON uses FusedAdam,
+    not with a toolkit, nor with a JSON that steps with torch's AdamW."""
+    from torch.utils import cpp_extension
+
+    from pretrain.preflight import preflight
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
+    run = [f"data.shards={unilm_shards}", f"out_dir={tmp_path}"]
+    gpu_json = [*run, "deepspeed_config=ds_configs/zero2_bf16.json"]
+    assert preflight("pretrain/configs/tiny.yaml", gpu_json, None, local_ranks=2) == []
+    out = capsys.readouterr().out
+    assert "[preflight] localhost: DeepSpeed's FusedAdam is not prebuilt and cannot be built here (no CUDA toolkit " \
+           "found: CUDA_HOME is unset and there is no nvcc on PATH or in /usr/local/cuda): the run steps with " \
+           "torch's AdamW" in out, out
+    assert preflight("pretrain/configs/tiny.yaml", run, None, local_ranks=2) == []  # its CPU JSON: torch_adam
+    assert "FusedAdam" not in capsys.readouterr().out
+    toolkit = tmp_path / "cuda"
+    (toolkit / "bin").mkdir(parents=True)
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", str(toolkit))
+    assert accelerator.fused_adam_toolkit_missing() == f"the CUDA toolkit at {toolkit} has no bin/nvcc"
+    (toolkit / "bin" / "nvcc").write_text("#!/bin/sh\n")
+    (toolkit / "bin" / "nvcc").chmod(0o755)
+    assert accelerator.fused_adam_toolkit_missing() is None
+    assert preflight("pretrain/configs/tiny.yaml", gpu_json, None, local_ranks=2) == []
+    assert "FusedAdam" not in capsys.readouterr().out
+
+
 def test_local_rank_comes_from_whichever_launcher_set_it(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"):
         monkeypatch.delenv(name, raising=False)

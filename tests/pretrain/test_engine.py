@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from pretrain import engine
+from pretrain import accelerator, engine
 from pretrain.config import REPO_ROOT
 from pretrain.engine import first_slurm_host, launched_rank, slurm_task_environment
 
@@ -290,3 +290,66 @@ def test_without_zero_the_step_measures_the_gradient_norm_deepspeed_does_not(one
     assert engine.nonfinite_gradient_norm(zero0, measured) is None
     zero0, measured = step("zero0_fp32_cpu.json", scale=math.inf)
     assert not math.isfinite(engine.nonfinite_gradient_norm(zero0, measured))
+
+
+# ------------------------------------------------------------------------------- FusedAdam or torch's AdamW
+@pytest.mark.parametrize("optimizer, zero, uses", [
+    ({"type": "AdamW", "params": {}}, {"stage": 2}, True),
+    ({"type": "adam"}, {}, True),
+    ({"type": "AdamW", "params": {"torch_adam": False}}, {}, True),
+    ({"type": "AdamW", "params": {"torch_adam": True}}, {}, False),
+    ({"type": "AdamW", "params": {}}, {"stage": 2, "offload_optimizer": {"device": "cpu"}}, False),  # CPUAdam
+    ({"type": "AdamW", "params": {}}, {"stage": 3, "offload_optimizer": {"device": "none"}}, True),
+    ({"type": "Lamb", "params": {}}, {}, False),
+    (None, {}, False),  # a client optimizer
+])
+def test_which_configs_make_deepspeed_build_fused_adam(optimizer, zero, uses) -> None:
+    config = {"zero_optimization": zero} | ({"optimizer": optimizer} if optimizer is not None else {})
+    assert engine.uses_fused_adam(config) is uses
+
+
+def test_a_build_log_is_summarised_by_its_first_line_and_the_line_naming_the_cause() -> None:
+    log = ("Error building extension 'fused_adam': [1/3] /usr/local/cuda/bin/nvcc -c fused_adam_frontend.cpp -o f.o\n"
+           "FAILED: f.o\n/usr/local/cuda/bin/nvcc -c fused_adam_frontend.cpp -o f.o\n"
+           "nvcc fatal   : Unsupported gpu architecture 'compute_90a'\nninja: build stopped: subcommand failed.\n")
+    assert accelerator.error_summary(RuntimeError(log)) == \
+        "RuntimeError: Error building extension 'fused_adam' (nvcc fatal   : Unsupported gpu architecture 'compute_90a')"
+    assert accelerator.error_summary(RuntimeError("CUDA_HOME does not exist, unable to compile CUDA op(s)")) == \
+        "RuntimeError: CUDA_HOME does not exist, unable to compile CUDA op(s)"
+
+
+@pytest.mark.slow  # ≈ 10 s: a failed JIT build
+def test_where_fused_adam_cannot_be_built_the_engine_steps_with_torch_adamw_unless_the_json_insists(
+        one_rank_group, monkeypatch, tmp_path, capsys) -> None:
+    """A real failed FusedAdam build (DeepSpeed's own JIT load; here its C++ compiler is missing, on a GPU machine
+    without the CUDA toolkit nvcc is): the engine is built and steps with torch's AdamW, saying why once; a JSON
+    that sets torch_adam false stops before deepspeed.initialize, naming the cause and the fix."""
+    from pretrain.batch_plan import plan_batch
+
+    from deepspeed.accelerator import get_accelerator
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    get_accelerator().create_op_builder("ShareMemCommBuilder").load()  # DeepSpeed's CPU comm op, with the compiler
+    monkeypatch.setenv("CXX", "/nonexistent/g++")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ops"))  # nothing built before
+    engine_json = engine.read_engine_json(REPO_ROOT / "ds_configs/zero0_fp32_cpu.json")
+    del engine_json["optimizer"]["params"]["torch_adam"]  # as the GPU configs: DeepSpeed's FusedAdam
+    config = engine.engine_config(engine_json, plan_batch(1, 1, 1), 1.0, {"lr": 0.1}, 0.1, 0.0, 1, 4)
+    model = torch.nn.Linear(2, 1)
+    before = model.weight.detach().clone()
+    ds_engine = engine.build_engine(model, config, weight_decay=0.0)
+    assert type(ds_engine.optimizer) is torch.optim.AdamW
+    assert "torch_adam" not in config["optimizer"]["params"]  # the caller's config is left as it was
+    for _ in range(2):  # the first step runs at the warm-up's start, rate 0
+        ds_engine.backward(ds_engine(torch.ones(1, 2)).sum())
+        ds_engine.step()
+    assert not torch.equal(model.weight.detach(), before) and torch.isfinite(model.weight).all()
+    said = capsys.readouterr().err
+    assert "[optimizer] DeepSpeed's FusedAdam cannot be loaded here (RuntimeError: Error building extension " \
+           "'fused_adam' (/bin/sh: 1: /nonexistent/g++: not found)): stepping with torch's AdamW" in said, said
+    assert "CUDA toolkit's nvcc" in said
+
+    config["optimizer"]["params"]["torch_adam"] = False  # (torch does not retry a failed build in one process)
+    with pytest.raises(engine.SetupError, match=r"^DeepSpeed's FusedAdam cannot be loaded here: .*The DeepSpeed JSON "
+                                                r"sets optimizer.params.torch_adam false; DeepSpeed builds FusedAdam"):
+        engine.build_engine(torch.nn.Linear(2, 1), config, weight_decay=0.0)
