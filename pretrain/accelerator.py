@@ -7,8 +7,8 @@ On a CPU machine (``DS_ACCELERATOR=cpu``, or DeepSpeed finding no GPU) every fun
   * ``collective_device`` is where a tensor handed to a collective must live (NCCL refuses CPU tensors);
   * ``matmul_peak_tflops`` measures the device's dense matmul throughput in a dtype (the denominator of MFU);
   * ``compiler_failure`` tells whether ``torch.compile`` works on the device here (its toolchain is not a package);
-  * ``fused_adam_failure`` tells whether DeepSpeed's FusedAdam loads here (JIT-built with the CUDA toolkit's
-    ``nvcc``, which PyPI's CUDA torch does not bring);
+  * ``op_failure`` tells whether one of DeepSpeed's ops loads here (FusedAdam is JIT-built with the CUDA
+    toolkit's ``nvcc``, which PyPI's CUDA torch does not bring; CPUAdam with a C++ compiler);
   * ``deepspeed_arch_list`` rewrites ``TORCH_CUDA_ARCH_LIST`` into the ``X.Y`` / ``X.Y+PTX`` tokens DeepSpeed's JIT
     op builder parses (``deepspeed/ops/op_builder/builder.py`` reads each token as ``int`` major and minor, so the
     arch-specific ``9.0a`` that CUDA images set fails its FusedAdam build with ``invalid literal for int()``).
@@ -162,17 +162,16 @@ FUSED_ADAM_NEEDS = ("DeepSpeed builds FusedAdam on first use with the CUDA toolk
                     "DS_BUILD_FUSED_ADAM=1 pip install deepspeed --no-build-isolation --no-cache-dir")
 
 
-def fused_adam_failure() -> str | None:
-    """Why DeepSpeed's FusedAdam op cannot be loaded here (its error, summarised), or None when it can: the very
-    load ``deepspeed.ops.adam.FusedAdam`` does in its constructor (prebuilt, cached in ``TORCH_EXTENSIONS_DIR``, or
-    JIT-built now, as it would be moments later), so the engine then finds it loaded."""
-    from deepspeed.ops.op_builder import FusedAdamBuilder
+def op_failure(builder: str) -> str | None:
+    """Why DeepSpeed's op ``builder`` (``FusedAdamBuilder``, ``CPUAdamBuilder``) cannot be loaded here (its error,
+    summarised), or None when it can: the very load DeepSpeed's optimizer makes in its constructor (prebuilt, cached
+    in ``TORCH_EXTENSIONS_DIR``, or JIT-built now, as it would be moments later), so the engine finds it loaded."""
+    from deepspeed.ops import op_builder
     try:
-        FusedAdamBuilder().load(verbose=False)
+        getattr(op_builder, builder)().load(verbose=False)
     except Exception as error:  # noqa: BLE001 -- a missing toolkit, a failed build, an incompatible op: the answer
         return error_summary(error)
     return None
-
 
 
 def fused_adam_toolkit_missing() -> str | None:

@@ -35,7 +35,7 @@ from deepspeed.accelerator import get_accelerator
 
 from data_prep.sources import json_type
 from pretrain.accelerator import (FUSED_ADAM_NEEDS, apply_deepspeed_arch_list, bind_local_device, collective_device,
-                                  fused_adam_failure, local_rank)
+                                  local_rank, op_failure)
 from pretrain.batch_plan import BatchPlan
 from pretrain.config import REPO_ROOT
 from pretrain.kernels import retain_freed_memory
@@ -424,28 +424,34 @@ def _scheduler_not_started(record: logging.LogRecord) -> bool:
     return not record.getMessage().startswith("Attempting to get learning rate from scheduler before it has started")
 
 
-def uses_fused_adam(config: dict[str, Any]) -> bool:
-    """Whether ``deepspeed.initialize`` builds DeepSpeed's FusedAdam for ``config``: an Adam or AdamW block without
-    ``torch_adam: true`` whose state is not offloaded (offloaded state steps with CPUAdam, a C++ build)."""
+def adam_op(config: dict[str, Any]) -> str | None:
+    """The op builder ``deepspeed.initialize`` loads for ``config``'s optimizer: ``FusedAdamBuilder`` for an Adam or
+    AdamW block without ``torch_adam: true``, ``CPUAdamBuilder`` when its state is offloaded (CPU or NVMe); None
+    for another optimizer or torch's AdamW."""
     optimizer = config.get("optimizer") or {}
     if str(optimizer.get("type", "")).lower() not in ("adam", "adamw"):
-        return False
+        return None
     if optimizer.get("params", {}).get("torch_adam", False):
-        return False
+        return None
     offload = (config.get("zero_optimization", {}).get("offload_optimizer") or {}).get("device", "none")
-    return offload not in ("cpu", "nvme")
+    return "CPUAdamBuilder" if offload in ("cpu", "nvme") else "FusedAdamBuilder"
 
 
 def adam_that_loads(config: dict[str, Any]) -> dict[str, Any]:
     """``config``, or a copy that steps with torch's AdamW (``torch_adam: true``: the same update, unfused) where
     DeepSpeed's FusedAdam cannot be loaded on some rank: without the CUDA toolkit (PyPI's CUDA torch brings no
     nvcc) every run would otherwise stop inside ``deepspeed.initialize``. A JSON that sets ``torch_adam: false``
-    asked for FusedAdam: it stops with `SetupError` naming the cause and the fix. A collective."""
-    if not uses_fused_adam(config):
-        return config
-    failure = first_error(fused_adam_failure())
+    asked for FusedAdam, and offloaded optimizer state needs CPUAdam: where that cannot be loaded, `SetupError`
+    names the cause and the fix. A collective."""
+    op = adam_op(config)
+    failure = None if op is None else first_error(op_failure(op))
     if failure is None:
         return config
+    if op == "CPUAdamBuilder":
+        raise SetupError(f"DeepSpeed's CPUAdam, which steps optimizer state offloaded by the DeepSpeed JSON "
+                         f"(zero_optimization.offload_optimizer), cannot be loaded here: {failure}. DeepSpeed builds "
+                         "it on first use with a C++ compiler (g++; or set CXX) and Python's headers (Debian/Ubuntu: "
+                         "python3-dev); or choose a JSON without offload_optimizer")
     if "torch_adam" in config["optimizer"].get("params", {}):
         raise SetupError(f"DeepSpeed's FusedAdam cannot be loaded here: {failure}. The DeepSpeed JSON sets "
                          f"optimizer.params.torch_adam false; {FUSED_ADAM_NEEDS}; or drop torch_adam from the JSON "

@@ -60,7 +60,7 @@ from pretrain.accelerator import FUSED_ADAM_NEEDS, deepspeed_arch_list, fused_ad
 from pretrain.batch_plan import InfeasibleBatchError, plan_batch
 from pretrain.checkpoint import code_version
 from pretrain.config import REPO_ROOT, RunConfig, load_config
-from pretrain.engine import read_engine_json, uses_fused_adam
+from pretrain.engine import adam_op, read_engine_json
 from pretrain.hf import hf_model_config, hf_weight_files
 from pretrain.trainer import model_for_shards, resolve_model_config
 
@@ -153,7 +153,7 @@ def probe(cfg: RunConfig, shared_file: str | None = None) -> dict[str, Any]:
     report["free_bytes"] = shutil.disk_usage(target).free
     report["cuda_arch_list"] = os.environ.get("TORCH_CUDA_ARCH_LIST")
     try:
-        if uses_fused_adam(read_engine_json(cfg.deepspeed_config_path)):
+        if adam_op(read_engine_json(cfg.deepspeed_config_path)) == "FusedAdamBuilder":
             report["fused_adam_missing"] = fused_adam_toolkit_missing()
     except (OSError, ValueError):  # the JSON's own check reports it
         pass

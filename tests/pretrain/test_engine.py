@@ -293,19 +293,23 @@ def test_without_zero_the_step_measures_the_gradient_norm_deepspeed_does_not(one
 
 
 # ------------------------------------------------------------------------------- FusedAdam or torch's AdamW
-@pytest.mark.parametrize("optimizer, zero, uses", [
-    ({"type": "AdamW", "params": {}}, {"stage": 2}, True),
-    ({"type": "adam"}, {}, True),
-    ({"type": "AdamW", "params": {"torch_adam": False}}, {}, True),
-    ({"type": "AdamW", "params": {"torch_adam": True}}, {}, False),
-    ({"type": "AdamW", "params": {}}, {"stage": 2, "offload_optimizer": {"device": "cpu"}}, False),  # CPUAdam
-    ({"type": "AdamW", "params": {}}, {"stage": 3, "offload_optimizer": {"device": "none"}}, True),
-    ({"type": "Lamb", "params": {}}, {}, False),
-    (None, {}, False),  # a client optimizer
+FUSED, CPU_ADAM = "FusedAdamBuilder", "CPUAdamBuilder"
+
+
+@pytest.mark.parametrize("optimizer, zero, op", [
+    ({"type": "AdamW", "params": {}}, {"stage": 2}, FUSED),
+    ({"type": "adam"}, {}, FUSED),
+    ({"type": "AdamW", "params": {"torch_adam": False}}, {}, FUSED),
+    ({"type": "AdamW", "params": {"torch_adam": True}}, {}, None),
+    ({"type": "AdamW", "params": {}}, {"stage": 2, "offload_optimizer": {"device": "cpu"}}, CPU_ADAM),
+    ({"type": "AdamW", "params": {"torch_adam": True}}, {"stage": 2, "offload_optimizer": {"device": "cpu"}}, None),
+    ({"type": "AdamW", "params": {}}, {"stage": 3, "offload_optimizer": {"device": "none"}}, FUSED),
+    ({"type": "Lamb", "params": {}}, {}, None),
+    (None, {}, None),  # a client optimizer
 ])
-def test_which_configs_make_deepspeed_build_fused_adam(optimizer, zero, uses) -> None:
+def test_the_op_deepspeed_loads_for_each_optimizer_block(optimizer, zero, op) -> None:
     config = {"zero_optimization": zero} | ({"optimizer": optimizer} if optimizer is not None else {})
-    assert engine.uses_fused_adam(config) is uses
+    assert engine.adam_op(config) == op
 
 
 def test_a_build_log_is_summarised_by_its_first_line_and_the_line_naming_the_cause() -> None:
@@ -324,12 +328,14 @@ def test_where_fused_adam_cannot_be_built_the_engine_steps_with_torch_adamw_unle
     """A real failed FusedAdam build (DeepSpeed's own JIT load; here its C++ compiler is missing, on a GPU machine
     without the CUDA toolkit nvcc is): the engine is built and steps with torch's AdamW, saying why once; a JSON
     that sets torch_adam false stops before deepspeed.initialize, naming the cause and the fix."""
-    from pretrain.batch_plan import plan_batch
-
     from deepspeed.accelerator import get_accelerator
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    from pretrain.batch_plan import plan_batch
 
     monkeypatch.setenv("LOCAL_RANK", "0")
     get_accelerator().create_op_builder("ShareMemCommBuilder").load()  # DeepSpeed's CPU comm op, with the compiler
+    monkeypatch.setattr(OpBuilder, "_loaded_ops", {"deepspeed_shm_comm": OpBuilder._loaded_ops["deepspeed_shm_comm"]})
     monkeypatch.setenv("CXX", "/nonexistent/g++")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ops"))  # nothing built before
     engine_json = engine.read_engine_json(REPO_ROOT / "ds_configs/zero0_fp32_cpu.json")
@@ -352,4 +358,27 @@ def test_where_fused_adam_cannot_be_built_the_engine_steps_with_torch_adamw_unle
     config["optimizer"]["params"]["torch_adam"] = False  # (torch does not retry a failed build in one process)
     with pytest.raises(engine.SetupError, match=r"^DeepSpeed's FusedAdam cannot be loaded here: .*The DeepSpeed JSON "
                                                 r"sets optimizer.params.torch_adam false; DeepSpeed builds FusedAdam"):
+        engine.build_engine(torch.nn.Linear(2, 1), config, weight_decay=0.0)
+
+
+@pytest.mark.slow  # ≈ 5 s: a failed JIT build
+def test_offloaded_optimizer_state_stops_naming_the_compiler_where_cpu_adam_cannot_be_built(
+        one_rank_group, monkeypatch, tmp_path) -> None:
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    from pretrain.batch_plan import plan_batch
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    get_accelerator().create_op_builder("ShareMemCommBuilder").load()  # DeepSpeed's CPU comm op, with the compiler
+    monkeypatch.setattr(OpBuilder, "_loaded_ops", {"deepspeed_shm_comm": OpBuilder._loaded_ops["deepspeed_shm_comm"]})
+    monkeypatch.setenv("CXX", "/nonexistent/g++")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ops"))
+    engine_json = engine.read_engine_json(REPO_ROOT / "ds_configs/zero2_fp32_cpu.json")
+    del engine_json["optimizer"]["params"]["torch_adam"]
+    engine_json["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    config = engine.engine_config(engine_json, plan_batch(1, 1, 1), 1.0, {"lr": 0.1}, 0.1, 0.0, 1, 4)
+    with pytest.raises(engine.SetupError, match=r"^DeepSpeed's CPUAdam, which steps optimizer state offloaded .*cannot "
+                                                r"be loaded here: RuntimeError: Error building extension 'cpu_adam' "
+                                                r"\(/bin/sh: 1: /nonexistent/g\+\+: not found\)\. .*C\+\+ compiler"):
         engine.build_engine(torch.nn.Linear(2, 1), config, weight_decay=0.0)
