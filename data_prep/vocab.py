@@ -70,7 +70,8 @@ def vocab_from_text(text: str, origin: Path | str) -> Vocab:
     return dataclasses.replace(vocab, extracted=True)
 
 
-_FIX = "pass a BERT-style vocab.txt, or train one with --train-vocab SIZE --vocab-out PATH"
+_FIX = ('pass a BERT-style vocab.txt, or train one: "make vocab", or "python -m data_prep.build --train-vocab SIZE '
+        '--vocab-out PATH --input ..."')
 
 
 def _validated(path: Path, text: str, sha256: str) -> Vocab:

@@ -210,6 +210,8 @@ def load_config(yaml_path: str | Path | None, flags: dict[str, Any], overrides: 
     given = {k: v for k, v in flags.items() if v is not None}
     try:
         return load_dataclass(FinetuneConfig, yaml_path, overrides, given)
+    except FileNotFoundError as error:  # the YAML itself
+        raise ValueError(f"--config {yaml_path}: {error}") from None
     except ValueError as error:
         if str(error).startswith("missing required config key"):
             names = str(error).split(": ", 1)[1].split(", ")

@@ -56,7 +56,9 @@ def schedule(cfg: FinetuneConfig, train_size: int) -> tuple[int, int, int]:
     """(steps per epoch, total steps, warm-up steps). An epoch drops its last incomplete global batch."""
     if train_size < cfg.batch_size:
         raise ValueError(f"{cfg.train}: {train_size} training items, fewer than one global batch of {cfg.batch_size}; "
-                         f"lower --batch-size to at most {train_size}")
+                         f"lower --batch-size to at most {train_size}"
+                         + (f", with a --micro-batch-size that splits it (now {cfg.micro_batch_size})"
+                            if cfg.micro_batch_size > train_size else ""))
     steps_per_epoch = train_size // cfg.batch_size
     total = cfg.epochs * steps_per_epoch
     if cfg.max_steps is not None:

@@ -96,8 +96,8 @@ def _read_extra(directory: Path) -> dict[str, torch.Tensor]:
 
 def _load_model_dir(directory: Path, extra: dict[str, torch.Tensor]) -> UniLMModel:
     if hf_config_file(directory) is None:
-        raise ValueError(f"{directory} is not a model directory: no config.json (expected a Hugging Face BERT "
-                         "export, a fine-tuning output directory or a pre-training checkpoint)")
+        raise ValueError(f"{directory} is not a model directory: no config.json (expected a fine-tuning output "
+                         "directory or a Hugging Face BERT export)")
     try:
         supplement = {k: v for k, v in extra.items() if not k.startswith("head.")} if extra else None
         return load_hf_bert(directory, supplement=supplement)
@@ -263,6 +263,12 @@ def check_complete(directory: Path, meta: dict[str, Any]) -> None:
 def load_finetuned(path: str | Path, expect_task: str | None = None) -> Finetuned:
     """A fine-tuning output directory (or a plain HF BERT directory with its vocab.txt)."""
     directory = Path(path)
+    if not directory.is_dir():
+        raise ValueError(f"{directory}: no such directory")
+    if hf_config_file(directory) is None and any((directory / name).is_file() for name in (ckpt.MARKER, ckpt.LATEST)):
+        raise ValueError(f"{directory} is a pre-training checkpoint: fine-tune it first (python -m finetune.run "
+                         f"--init {directory} ...) and give that output, or export it to a Hugging Face BERT "
+                         f"directory (python -m pretrain.export {directory} OUT) and give OUT")
     meta = _read_meta(directory, expect_task)
     extra = _read_extra(directory)
     model = _load_model_dir(directory, extra)

@@ -102,10 +102,10 @@ def prepare(args: argparse.Namespace, flags: dict, world_size: int) -> tuple[Fin
         raise
     except (ValueError, FileExistsError) as error:  # FileExistsError: an --out holding something else
         raise InputError(str(error)) from error
-    except FileNotFoundError as error:
-        raise InputError(f"{error.filename or error}: no such file or directory") from error
+    except FileNotFoundError as error:  # torch's or our own message (no filename) says what is missing
+        raise InputError(f"{error.filename}: no such file or directory" if error.filename else str(error)) from error
     except OSError as error:  # a directory where a file goes, no permission, ...
-        raise InputError(f"{error.filename or error}: {error.strerror or error}") from error
+        raise InputError(f"{error.filename}: {error.strerror}" if error.filename else str(error)) from error
     return cfg, task, tokenizer
 
 

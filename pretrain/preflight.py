@@ -91,6 +91,12 @@ def read_hostfile(path: str | Path) -> dict[str, int]:
     Every entry is validated before any host name reaches ssh (here, or DeepSpeed's launcher after ``make
     preflight``): a host name or IP address, 1 ≤ N ≤ 9999, each host once."""
     hosts: dict[str, int] = {}
+    if not Path(path).is_file():
+        others = sorted(other.name for other in Path(path).parent.glob("*")
+                        if other.is_file() and other.suffix not in (".sbatch", ".sh", ".md")) \
+            if Path(path).parent.is_dir() else []
+        listed = f" ({Path(path).parent} has {', '.join(others)})" if others else ""
+        raise ValueError(f"hostfile {path}: {'a directory' if Path(path).is_dir() else 'no such file'}{listed}")
     for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         line = line.split("#", 1)[0].strip()
         if not line:

@@ -46,3 +46,15 @@ def test_adamax_is_a_client_optimizer_that_zero_accepts_and_offload_refuses() ->
                                      deepspeed_config="ds_configs/zero2_offload_fp16.json"))
     with pytest.raises(ValueError, match=r"zero2_offload_fp16.json: optimizer adamax .* set optimizer=adamw"):
         deepspeed_config(offload, plan, read_engine_json(offload.deepspeed_config_path), 10, 1, False)
+
+
+def test_a_training_set_smaller_than_one_batch_names_both_batch_flags_when_the_micro_batch_is_too_big() -> None:
+    from finetune.engine import schedule
+
+    cfg = load_config(None, dict(REQUIRED, batch_size=24, micro_batch_size=8))
+    with pytest.raises(ValueError, match=r"^t.jsonl: 5 training items, fewer than one global batch of 24; lower "
+                                         r"--batch-size to at most 5, with a --micro-batch-size that splits it \(now 8\)$"):
+        schedule(cfg, 5)
+    with pytest.raises(ValueError, match=r"lower --batch-size to at most 20$"):
+        schedule(cfg, 20)
+    assert schedule(cfg, 48) == (2, 2 * cfg.epochs, max(1, round(cfg.warmup_ratio * 2 * cfg.epochs)))

@@ -104,3 +104,17 @@ def test_a_checkpoint_brings_its_shards_tokenizer_and_refuses_another_vocab(unil
     with pytest.raises(ValueError, match=r"cannot find the vocabulary of the shards .*give --vocab SHARDS/vocab.txt"):
         load_init(checkpoints)
     assert load_init(checkpoints, vocab=vocab)[1].vocab.sha256 == tokenizer.vocab.sha256
+
+
+def test_prediction_and_decoding_name_the_way_from_a_pretraining_checkpoint(tmp_path):
+    """`finetune.predict` and `finetune.decode` read fine-tuning outputs and HF exports: a pre-training checkpoint
+    (its checkpoints/ directory or one tag) is refused with the two commands that make one of it."""
+    from finetune.model_io import load_finetuned
+
+    checkpoints = _pretraining_checkpoint(_trained_looking_model(64), tmp_path)
+    for given in (checkpoints, checkpoints / ckpt.tag_for_step(7)):
+        with pytest.raises(ValueError, match=rf"^{given} is a pre-training checkpoint: fine-tune it first \(python -m "
+                                             rf"finetune.run --init {given} ...\) .*python -m pretrain.export {given} OUT"):
+            load_finetuned(given, expect_task="seq2seq")
+    with pytest.raises(ValueError, match=rf"^{tmp_path / 'nope'}: no such directory$"):
+        load_finetuned(tmp_path / "nope")

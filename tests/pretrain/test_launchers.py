@@ -122,6 +122,9 @@ def test_preflight_checks_batch_plan_shards_and_hosts(unilm_shards: Path, tmp_pa
 
     free_disk(1000)
     assert read_hostfile(ROOT / "hostfiles/localhost") == {"localhost": 2}
+    with pytest.raises(ValueError, match=r"^hostfile .*hostfiles/nope: no such file \(.*hostfiles has localhost, "
+                                         r"multinode.example"):
+        read_hostfile(ROOT / "hostfiles/nope")
     assert sum(read_hostfile(ROOT / "hostfiles/multinode.example").values()) == 16
     overrides = [f"data.shards={unilm_shards}", f"out_dir={tmp_path}"]
     assert preflight("pretrain/configs/tiny.yaml", overrides, str(ROOT / "hostfiles/localhost")) == []

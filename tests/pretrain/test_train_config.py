@@ -346,8 +346,11 @@ def test_the_resolving_cli_names_a_missing_file_and_prints_a_good_config(tmp_pat
     with pytest.raises(SystemExit) as stopped:
         main([str(tmp_path / "none.yaml")])
     assert stopped.value.code == 2
-    assert capsys.readouterr().err.startswith(f"python -m pretrain.config: error: [Errno 2] No such file or directory: "
-                                              f"'{tmp_path / 'none.yaml'}'")
+    assert capsys.readouterr().err == f"python -m pretrain.config: error: {tmp_path / 'none.yaml'}: no such config file\n"
+    with pytest.raises(SystemExit):
+        main([str(REPO_ROOT / "pretrain/configs/tinyy.yaml")])
+    assert capsys.readouterr().err.startswith(f"python -m pretrain.config: error: {REPO_ROOT}/pretrain/configs/tinyy.yaml: "
+                                              f"no such config file ({REPO_ROOT}/pretrain/configs has bert-continue.yaml, ")
     main([str(REPO_ROOT / "pretrain/configs/tiny.yaml"), "model.overrides.hidden_dropout=0.5"])
     assert "hidden_dropout: 0.5" in capsys.readouterr().out
 
