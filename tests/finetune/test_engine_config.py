@@ -53,7 +53,8 @@ def test_a_training_set_smaller_than_one_batch_names_both_batch_flags_when_the_m
 
     cfg = load_config(None, dict(REQUIRED, batch_size=24, micro_batch_size=8))
     with pytest.raises(ValueError, match=r"^t.jsonl: 5 training items, fewer than one global batch of 24; lower "
-                                         r"--batch-size to at most 5, with a --micro-batch-size that splits it \(now 8\)$"):
+                                         r"--batch-size to at most 5, with a --micro-batch-size that splits it "
+                                         r"\(now 8\)$"):
         schedule(cfg, 5)
     with pytest.raises(ValueError, match=r"lower --batch-size to at most 20$"):
         schedule(cfg, 20)

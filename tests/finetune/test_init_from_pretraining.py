@@ -113,8 +113,9 @@ def test_prediction_and_decoding_name_the_way_from_a_pretraining_checkpoint(tmp_
 
     checkpoints = _pretraining_checkpoint(_trained_looking_model(64), tmp_path)
     for given in (checkpoints, checkpoints / ckpt.tag_for_step(7)):
-        with pytest.raises(ValueError, match=rf"^{given} is a pre-training checkpoint: fine-tune it first \(python -m "
-                                             rf"finetune.run --init {given} ...\) .*python -m pretrain.export {given} OUT"):
+        with pytest.raises(ValueError, match=rf"^{given} is a pre-training checkpoint: fine-tune it first "
+                                             rf"\(python -m finetune.run --init {given} ...\) .*"
+                                             rf"python -m pretrain.export {given} OUT"):
             load_finetuned(given, expect_task="seq2seq")
     with pytest.raises(ValueError, match=rf"^{tmp_path / 'nope'}: no such directory$"):
         load_finetuned(tmp_path / "nope")

@@ -346,11 +346,13 @@ def test_the_resolving_cli_names_a_missing_file_and_prints_a_good_config(tmp_pat
     with pytest.raises(SystemExit) as stopped:
         main([str(tmp_path / "none.yaml")])
     assert stopped.value.code == 2
-    assert capsys.readouterr().err == f"python -m pretrain.config: error: {tmp_path / 'none.yaml'}: no such config file\n"
+    error = "python -m pretrain.config: error:"
+    assert capsys.readouterr().err == f"{error} {tmp_path / 'none.yaml'}: no such config file\n"
     with pytest.raises(SystemExit):
         main([str(REPO_ROOT / "pretrain/configs/tinyy.yaml")])
-    assert capsys.readouterr().err.startswith(f"python -m pretrain.config: error: {REPO_ROOT}/pretrain/configs/tinyy.yaml: "
-                                              f"no such config file ({REPO_ROOT}/pretrain/configs has bert-continue.yaml, ")
+    configs = REPO_ROOT / "pretrain/configs"
+    assert capsys.readouterr().err.startswith(f"{error} {configs}/tinyy.yaml: no such config file ({configs} has "
+                                              "bert-continue.yaml, ")
     main([str(REPO_ROOT / "pretrain/configs/tiny.yaml"), "model.overrides.hidden_dropout=0.5"])
     assert "hidden_dropout: 0.5" in capsys.readouterr().out
 
