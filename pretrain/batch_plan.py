@@ -126,19 +126,32 @@ def plan_batch(global_batch_size: int, micro_batch_size: int, data_parallel_size
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pretrain.batch_plan", description=__doc__.splitlines()[0])
-    parser.add_argument("--global-batch", type=int, default=330)
-    parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--global-batch", type=int, default=330,
+                        help="sequences per optimizer step over all ranks (train.global_batch_size; default: the "
+                             "paper's 330)")
+    parser.add_argument("--world-size", type=int, required=True,
+                        help="data-parallel ranks: nodes × GPUs per node")
+    parser.add_argument("--micro-batch", type=int, default=None,
+                        help="sequences per rank per forward pass (train.micro_batch_size); without it, every "
+                             "(micro, accumulation) choice is listed")
     args = parser.parse_args(argv)
+    for flag in ("global_batch", "world_size", "micro_batch"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    pairs = feasible_pairs(args.global_batch, args.world_size)
     try:
-        plan = plan_batch(args.global_batch, args.micro_batch, args.world_size)
+        plan = plan_batch(args.global_batch, args.micro_batch or (pairs[0][0] if pairs else 1), args.world_size)
     except InfeasibleBatchError as error:
+        if args.micro_batch is None:  # the reason is the ranks, not a micro-batch the user did not give
+            error = f"global batch {args.global_batch} does not split over {args.world_size} data-parallel ranks." \
+                    + "\n" + str(error).split("\n", 1)[1]
         print(error, file=sys.stderr)
         return 1
-    print(f"global batch {plan.global_batch_size} = micro {plan.micro_batch_size} × accumulation "
-          f"{plan.gradient_accumulation_steps} × {plan.data_parallel_size} data-parallel ranks")
-    pairs = feasible_pairs(args.global_batch, args.world_size)
-    print(f"every (micro, accumulation) on {args.world_size} ranks: "
+    if args.micro_batch is not None:
+        print(f"global batch {plan.global_batch_size} = micro {plan.micro_batch_size} × accumulation "
+              f"{plan.gradient_accumulation_steps} × {plan.data_parallel_size} data-parallel ranks")
+    print(f"every (micro, accumulation) for global batch {args.global_batch} on {args.world_size} ranks: "
           + ", ".join(f"({micro}, {accumulation})" for micro, accumulation in pairs)
           + "; set train.micro_batch_size to the largest micro that fits in memory")
     return 0
