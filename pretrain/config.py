@@ -218,7 +218,8 @@ class TrainConfig:
     are full-length blocks."""
     peak_tflops: float | None = None
     """Dense matmul peak of one rank's device in the training dtype, TFLOP/s: the denominator of the ``mfu`` metric
-    (e.g. 989 for an H100 SXM in bf16). Null: measured once at start (a short matmul on the rank's device)."""
+    (e.g. 989 for an H100 SXM in bf16). Null: measured once at start, by every rank at once (a short matmul on
+    its device), the median over the ranks; on a shared CPU this varies from run to run, so set one to compare."""
 
     def __post_init__(self) -> None:
         check_field_types(self, "train.")

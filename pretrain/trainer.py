@@ -18,6 +18,7 @@ import math
 import os
 import signal
 import socket
+import statistics
 import sys
 import time
 import uuid
@@ -214,11 +215,21 @@ class Throughput:
 
 
 def measured_peak_tflops(engine: Any, rank: int) -> float:
-    """`pretrain.accelerator.matmul_peak_tflops` on this rank's device in the engine's training dtype."""
+    """`pretrain.accelerator.matmul_peak_tflops` on every rank's device in the engine's training dtype, measured by
+    all ranks together (after a barrier, as they will train: ranks sharing a CPU share its cores) and agreed on as
+    the median over the ranks, so every rank's MFU has one denominator and a rank slowed for a moment (the other
+    ranks still starting up, another process) does not skew it."""
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[precision(engine)]
-    peak = matmul_peak_tflops(engine.device, dtype)
+    distributed = torch_dist.is_initialized() and torch_dist.get_world_size() > 1
+    if distributed:
+        torch_dist.barrier()
+    peaks = sorted(gather_objects(matmul_peak_tflops(engine.device, dtype))) if distributed \
+        else [matmul_peak_tflops(engine.device, dtype)]
+    peak = statistics.median(peaks)
     if rank == 0:
-        print(f"[mfu] measured {precision(engine)} matmul peak of {engine.device}: {peak:.3g} TFLOP/s "
+        spread = f", median of {len(peaks)} ranks measured together: {peaks[0]:.3g}–{peaks[-1]:.3g}" \
+            if len(peaks) > 1 else ""
+        print(f"[mfu] measured {precision(engine)} matmul peak of {engine.device}: {peak:.3g} TFLOP/s{spread} "
               "(set train.peak_tflops to use a fixed one)", flush=True)
     return peak
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -110,6 +111,13 @@ def test_throughput_is_per_rank_and_mfu_is_over_the_configured_peak(runs: dict) 
     measured = metrics(runs["nodrop"])
     assert len({r["peak_tflops"] for r in measured}) == 1 and measured[0]["peak_tflops"] > 0
     assert all(r["mfu"] == r["tflops"] / r["peak_tflops"] for r in measured)
+    # both ranks measured together; the median of two is their mean, between them
+    said = re.search(r"\[mfu\] measured fp32 matmul peak of cpu: (\S+) TFLOP/s, median of 2 ranks measured "
+                     r"together: (\S+)–(\S+) \(", runs["nodrop_log"].stdout)
+    assert said, runs["nodrop_log"].stdout[-3000:]
+    low, high = float(said[2]), float(said[3])
+    assert f"{measured[0]['peak_tflops']:.3g}" == said[1] and low <= measured[0]["peak_tflops"] * 1.01
+    assert measured[0]["peak_tflops"] <= high * 1.01
 
 
 def test_the_monitor_gets_losses_throughput_and_mfu_per_step(runs: dict) -> None:
