@@ -371,9 +371,10 @@ def _record(records: list[dict], arm: str, task: str, metric: str) -> dict[str, 
 
 
 def result_table(records: list[dict]) -> str:
-    """Per task and metric: each arm's mean ± sd (per-seed values), then bert+unilm minus each other arm, per seed,
-    marked **real** where the mean difference exceeds twice the sd of the per-seed differences."""
-    lines = [f"| task | metric | {' | '.join(ARMS)} | unilm − bert | unilm − mlm |", "|---|---|" + "---:|" * 5]
+    """Per task and metric: each arm's mean ± sd (per-seed values), then bert+unilm minus each other arm and bert+mlm
+    minus bert, per seed, marked **real** where the mean difference exceeds twice the sd of the per-seed differences."""
+    lines = [f"| task | metric | {' | '.join(ARMS)} | unilm − bert | unilm − mlm | mlm − bert |",
+             "|---|---|" + "---:|" * 6]
     seed_ids = {}
     for task, (_, _, metrics) in TASKS.items():
         for metric in metrics:
@@ -386,9 +387,9 @@ def result_table(records: list[dict]) -> str:
                 r = _record(records, arm, task, metric)
                 cells.append(f"{r['mean']:.{digits + 1}f} ± {r['sd']:.{digits + 1}f} "
                              f"({', '.join(f'{v:.{digits}f}' for v in r['seeds'])})")
-            unilm = _record(records, "bert+unilm", task, metric)["seeds"]
-            for other in ("bert", "bert+mlm"):
-                d = paired_differences(unilm, _record(records, other, task, metric)["seeds"])
+            for arm, other in (("bert+unilm", "bert"), ("bert+unilm", "bert+mlm"), ("bert+mlm", "bert")):
+                d = paired_differences(_record(records, arm, task, metric)["seeds"],
+                                       _record(records, other, task, metric)["seeds"])
                 mark = " **real**" if d["real"] else ""
                 cells.append(f"{d['mean']:+.{digits + 1}f}{mark} "
                              f"({', '.join(f'{x:+.{digits}f}' for x in d['differences'])}; "

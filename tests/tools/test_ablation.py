@@ -80,6 +80,10 @@ def test_results_records_follow_the_published_schema() -> None:
     # a loss: lower is better, said in the row, with the precision its small differences need
     assert "| BBC headline | loss (lower is better) | 7.0100 ± 0.0100 (7.000, 7.010, 7.020)" in table
     assert "-0.5000 **real** (-0.500, -0.500, -0.500; 2·sd 0.0000)" in table
+    header, rule, *rows = table.split("\n\n")[0].splitlines()
+    assert header.endswith("| unilm − bert | unilm − mlm | mlm − bert |") and rule.count("---:") == 6
+    assert rows[0].endswith("| +2.00 **real** (+2.0, +2.0, +2.0; 2·sd 0.00) | +1.00 **real** (+1.0, +1.0, +1.0; "
+                            "2·sd 0.00) | +1.00 **real** (+1.0, +1.0, +1.0; 2·sd 0.00) |")  # mlm − bert last
     assert "headline loss: bert+unilm − bert = -0.50" in ablation.verdict(records)
 
 
