@@ -329,7 +329,8 @@ def read_manifest(directory: Path | str) -> dict[str, Any]:
     path = Path(directory) / MANIFEST_NAME
     if not path.is_file():
         raise ShardError(f"{path}: no manifest; {directory} is not a finished shard build "
-                         "(run `python -m data_prep.build ... --out DIR`, or `--finalize` after multi-builder runs)")
+                         "(build it: `make shards SHARDS=DIR RECIPE=...` or `python -m data_prep.build ... --out DIR`; "
+                         "`--finalize` after multi-builder runs)")
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
