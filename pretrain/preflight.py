@@ -339,7 +339,8 @@ def check_host(host: str, report: dict[str, Any], local: dict[str, Any], cfg: Ru
             print(f"[preflight] {host}: {note}")
     if report.get("fused_adam_missing"):
         print(f"[preflight] {host}: DeepSpeed's FusedAdam is not prebuilt and cannot be built here "
-              f"({report['fused_adam_missing']}): the run steps with torch's AdamW, the same update unfused. "
+              f"({report['fused_adam_missing']}): the run steps with torch's AdamW, the same update unfused (or "
+              "stops, where the JSON sets torch_adam false). "
               f"For the fused one: {FUSED_ADAM_NEEDS}")
     if report["code_version"] != local["code_version"]:
         problems.append(f"{host}: code version {report['code_version']} != {local['code_version']} here")
