@@ -136,13 +136,17 @@ class StepBar:
         self.bar = tqdm(total=total, initial=initial, desc=desc, unit="step", file=sys.stderr, mininterval=1.0,
                         dynamic_ncols=True, disable=None)
 
-    def update(self, step: int, loss: float, lr: float, samples_per_s: float | None = None) -> None:
+    def update(self, step: int, loss: float, lr: float, samples_per_s: float | None = None,
+               tflops: float | None = None, mfu: float | None = None) -> None:
+        """Show step ``step``; ``tflops`` (per GPU) and ``mfu`` as `Throughput.per_rank` measures them, when given."""
         self.bar.n = step
-        postfix = {"loss": f"{loss:.4f}", **({"samples_s": f"{samples_per_s:.1f}"} if samples_per_s else {})}
+        postfix = {"loss": f"{loss:.4f}", **({"samples_s": f"{samples_per_s:.1f}"} if samples_per_s else {}),
+                   **({"mfu": f"{mfu:.1%}"} if mfu else {})}
         self.bar.set_postfix(postfix)  # refreshes the bar
         if self.bar.disable and step % self.every == 0:
             print(f"[step {step}/{self.bar.total}] loss {loss:.4f} lr {lr:.3g}"
-                  + (f" {samples_per_s:.1f} samples/s" if samples_per_s else ""), flush=True)
+                  + (f" {samples_per_s:.1f} samples/s" if samples_per_s else "")
+                  + (f" {tflops:.3g} TFLOP/s per GPU, MFU {mfu:.1%}" if tflops and mfu else ""), flush=True)
 
     def close(self) -> None:
         self.bar.close()
@@ -166,7 +170,8 @@ class Metrics:
         with open(self.path, "a") as handle:
             handle.write(json.dumps(record) + "\n")
         if self.bar is not None and "loss" in record:
-            self.bar.update(record["step"], record["loss"], record["lr"], record["samples_per_s"])
+            self.bar.update(record["step"], record["loss"], record["lr"], record["samples_per_s"],
+                            record.get("tflops"), record.get("mfu"))
 
     def close(self) -> None:
         if self.bar is not None:

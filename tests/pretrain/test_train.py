@@ -108,6 +108,12 @@ def test_throughput_is_per_rank_and_mfu_is_over_the_configured_peak(runs: dict) 
         # between the encoder matmuls alone and everything at 512 tokens per sample, every token predicted
         assert training_flops(cfg, tokens, 0, 0, 0) / 2 < rank_flops
         assert rank_flops < training_flops(cfg, tokens, 512 * tokens, tokens, 24) / 2
+    # the console's step line says the same as the step's record
+    said = re.search(r"\[step 10/24\] loss \S+ lr \S+ \S+ samples/s (\S+) TFLOP/s per GPU, MFU (\S+)%",
+                     runs["full_log"].stdout)
+    step_10 = next(r for r in metrics(runs["full"]) if r["step"] == 10)
+    assert said and (said[1], said[2]) == (f"{step_10['tflops']:.3g}", f"{step_10['mfu'] * 100:.1f}"), \
+        runs["full_log"].stdout[-3000:]
     measured = metrics(runs["nodrop"])
     assert len({r["peak_tflops"] for r in measured}) == 1 and measured[0]["peak_tflops"] > 0
     assert all(r["mfu"] == r["tflops"] / r["peak_tflops"] for r in measured)
