@@ -141,7 +141,7 @@ class StepBar:
         """Show step ``step``; ``tflops`` (per GPU) and ``mfu`` as `Throughput.per_rank` measures them, when given."""
         self.bar.n = step
         postfix = {"loss": f"{loss:.4f}", **({"samples_s": f"{samples_per_s:.1f}"} if samples_per_s else {}),
-                   **({"mfu": f"{mfu:.1%}"} if mfu else {})}
+                   **({"tflops": f"{tflops:.3g}", "mfu": f"{mfu:.1%}"} if tflops and mfu else {})}
         self.bar.set_postfix(postfix)  # refreshes the bar
         if self.bar.disable and step % self.every == 0:
             print(f"[step {step}/{self.bar.total}] loss {loss:.4f} lr {lr:.3g}"
