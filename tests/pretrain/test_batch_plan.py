@@ -60,3 +60,26 @@ def test_cli_without_a_micro_batch_speaks_of_the_ranks_only(capsys: pytest.Captu
     with pytest.raises(SystemExit) as stopped:
         main(["--world-size", "0"])
     assert stopped.value.code == 2 and "--world-size must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_feasible_pairs_are_every_split_smallest_accumulation_first() -> None:
+    for world in (1, 2, 3, 8):
+        for global_batch in range(1, 1500):
+            per_rank = global_batch // world
+            tried = [(per_rank // a, a) for a in range(1, per_rank + 1) if per_rank % a == 0] \
+                if global_batch % world == 0 else []
+            assert feasible_pairs(global_batch, world) == tried, (global_batch, world)
+    assert feasible_pairs(2**40 * 3**5, 1) == [(2**40 * 3**5 // a, a) for a in sorted(
+        2**i * 3**j for i in range(41) for j in range(6))]
+
+
+def test_a_huge_global_batch_is_split_without_trying_every_accumulation() -> None:
+    """Trying every accumulation up to a mistyped global batch ran for hours before the first line of a run."""
+    assert feasible_pairs(200_000_001, 1) == [(200_000_001, 1), (66_666_667, 3), (3, 66_666_667), (1, 200_000_001)]
+    assert feasible_pairs(1_000_000_000_039, 1) == [(1_000_000_000_039, 1), (1, 1_000_000_000_039)]  # a prime
+    huge = 99_999_999_999_999_999_999  # 3² · 11 · 41 · 101 · 271 · 3541 · 9091 · 27961
+    pairs = feasible_pairs(huge, 3)
+    assert len(pairs) == 2**8 and pairs[0] == (huge // 3, 1) and pairs[-1] == (1, huge // 3)
+    assert all(micro * accumulation * 3 == huge for micro, accumulation in pairs)
+    with pytest.raises(InfeasibleBatchError, match=f"Feasible .* pairs for {huge} on 3 ranks: \\({huge // 3}, 1\\)"):
+        plan_batch(huge, 2, 3)
