@@ -260,15 +260,29 @@ def check_complete(directory: Path, meta: dict[str, Any]) -> None:
                              "save, or files from another model); re-run the fine-tuning or restore the directory")
 
 
+def _not_a_model(directory: Path) -> str:
+    """Why ``directory``, a checkpoints or tag directory, is not a model to predict or decode with, and what is."""
+    try:
+        checkpoints, tag = ckpt.resolve_tag_dir(directory)
+        meta = ckpt.verify_tag(checkpoints / tag, hashes=False)[0] or {}
+    except (ValueError, OSError):
+        checkpoints, meta = directory, {}
+    task = (meta.get("run_config") or {}).get("task")
+    if task is not None:
+        return (f"{directory} is a fine-tuning run's checkpoint (task {task}), kept to resume that run: give its "
+                f"output directory {checkpoints.parent}, which holds its best model")
+    return (f"{directory} is a pre-training checkpoint: fine-tune it first (python -m finetune.run --init "
+            f"{directory} ...) and give that output, or export it to a Hugging Face BERT directory (python -m "
+            f"pretrain.export {directory} OUT) and give OUT")
+
+
 def load_finetuned(path: str | Path, expect_task: str | None = None) -> Finetuned:
     """A fine-tuning output directory (or a plain HF BERT directory with its vocab.txt)."""
     directory = Path(path)
     if not directory.is_dir():
         raise ValueError(f"{directory}: no such directory")
     if hf_config_file(directory) is None and any((directory / name).is_file() for name in (ckpt.MARKER, ckpt.LATEST)):
-        raise ValueError(f"{directory} is a pre-training checkpoint: fine-tune it first (python -m finetune.run "
-                         f"--init {directory} ...) and give that output, or export it to a Hugging Face BERT "
-                         f"directory (python -m pretrain.export {directory} OUT) and give OUT")
+        raise ValueError(_not_a_model(directory))
     meta = _read_meta(directory, expect_task)
     extra = _read_extra(directory)
     model = _load_model_dir(directory, extra)

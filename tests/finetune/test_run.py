@@ -12,6 +12,7 @@ import torch
 
 from finetune import decode, run
 from finetune.model_io import load_finetuned, load_init
+from pretrain import checkpoint as ckpt
 
 COMMON = ["--batch-size", "8", "--micro-batch-size", "4", "--lr", "1e-3", "--seed", "3"]
 
@@ -226,6 +227,10 @@ def test_init_from_a_fine_tuning_runs_checkpoints_points_at_its_output(small_tas
     with pytest.raises(ValueError, match=rf"a fine-tuning run's checkpoint \(task classify\); fine-tune from that "
                                          rf"run's output directory {tmp_path}"):
         load_init(tmp_path / "checkpoints")
+    for given in (tmp_path / "checkpoints", tmp_path / "checkpoints" / ckpt.tag_for_step(1)):  # predict / decode
+        with pytest.raises(ValueError, match=rf"^{given} is a fine-tuning run's checkpoint \(task classify\), kept "
+                                             rf"to resume that run: give its output directory {tmp_path},"):
+            load_finetuned(given)
 
 
 def test_seq2seq_run_then_decode_with_and_without_cache(small_tasks, tiny_init, tmp_path):
