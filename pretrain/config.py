@@ -399,15 +399,19 @@ def _yaml_problem(error: yaml.YAMLError) -> str:
 T = typing.TypeVar("T")
 
 
+class NoConfigFileError(FileNotFoundError):
+    """The config path names nothing, or a directory; the message leaves the path to the caller."""
+
+
 def load_dataclass(cls: type[T], path: str | Path | None, overrides: list[str] = (),
                    values: dict[str, Any] | None = None) -> T:
     """The config ``cls`` from a YAML file (``path``, optional), then ``values`` (nested keys), then dotted
     ``key=value`` overrides; values are coerced to the field types and the dataclasses validate themselves."""
-    if path and not Path(path).is_file():  # the callers name the path
+    if path and (not Path(path).exists() or Path(path).is_dir()):  # the callers name the path (a pipe reads fine)
         what = "a directory, not a config file" if Path(path).is_dir() else "no such config file"
         others = sorted(Path(path).parent.glob("*.yaml")) if Path(path).parent.is_dir() else []
         listed = f" ({Path(path).parent} has {', '.join(other.name for other in others)})" if others else ""
-        raise FileNotFoundError(what + listed)
+        raise NoConfigFileError(what + listed)
     try:
         loaded = (yaml.safe_load(Path(path).read_text()) or {}) if path else {}
     except yaml.YAMLError as error:
@@ -541,8 +545,8 @@ def main(argv: list[str] | None = None) -> None:
             cfg = load_config(args.config, args.overrides)
             resolve_model_config(cfg)  # the model as training builds it: model.init_from's config.json read and checked
         except (ValueError, OSError) as error:  # a missing YAML is named here: its message leaves that to callers
-            missing_yaml = not Path(args.config).is_file()
-            parser.exit(2, f"{parser.prog}: error: {f'{args.config}: ' if missing_yaml else ''}{error}\n")
+            named = f"{args.config}: " if isinstance(error, NoConfigFileError) else ""
+            parser.exit(2, f"{parser.prog}: error: {named}{error}\n")
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
     else:
         parser.error("give a run YAML or --reference")

@@ -327,6 +327,10 @@ def check_host(host: str, report: dict[str, Any], local: dict[str, Any], cfg: Ru
     if "unreachable" in report:
         problems.append(f"{host}: not reachable by ssh ({report['unreachable']})")
         return
+    if "config_error" in report:
+        problems.append(f"{host}: {report['config_error']} (every host reads the run config at the same path, in "
+                        "its checkout of the same code)")
+        return
     if report.get("sees_shared_file") is False:
         problems.append(f"{host}: does not see the file the preflight wrote in out_dir {cfg.out_dir}'s directory: "
                         "out_dir must be one shared directory, at the same path, on every host (each rank writes "
@@ -380,7 +384,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     if args.probe:
-        print(json.dumps(probe(load_config(args.config, args.overrides), args.shared_file)))
+        try:
+            report = probe(load_config(args.config, args.overrides), args.shared_file)
+        except (ValueError, OSError) as error:  # the config as this host reads it: missing there, or another one
+            report = {"host": socket.gethostname(), "config_error": f"{args.config}: {error}"}
+        print(json.dumps(report))
         return 0
     if args.local_ranks < 1:
         parser.error(f"--local-ranks must be >= 1, got {args.local_ranks}")

@@ -168,6 +168,26 @@ def test_preflight_of_several_hosts_probes_each_over_ssh_and_checks_master_and_s
         "must be one shared directory" in problems[1]
 
 
+def test_a_host_that_cannot_read_the_run_config_is_named_with_the_path(
+        unilm_shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """The probe runs over ssh: what it cannot read comes back in its report, with the path, not as a traceback
+    that reads like an unreachable host."""
+    from pretrain import preflight as preflight_module
+
+    def fake_remote_probe(host, config, overrides, shared_file=None):  # node-b's checkout lacks the config
+        given = config if host == "localhost" else str(tmp_path / "run.yaml")
+        assert preflight_module.main(["--probe", "--config", given, *overrides]) == 0
+        return json.loads(capsys.readouterr().out.splitlines()[-1])  # as remote_probe reads it
+
+    monkeypatch.setattr(preflight_module, "remote_probe", fake_remote_probe)
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=1\nnode-b slots=1\n")
+    problems = preflight_module.preflight("pretrain/configs/tiny.yaml",
+                                          [f"data.shards={unilm_shards}", f"out_dir={tmp_path}"], str(hostfile))
+    assert problems[-1] == (f"node-b: {tmp_path / 'run.yaml'}: no such config file (every host reads the run config "
+                            "at the same path, in its checkout of the same code)"), problems
+
+
 def test_preflight_checks_model_init_from_on_each_host(unilm_shards: Path, minilm_dir: Path, tmp_path: Path) -> None:
     """Every rank reads model.init_from: the preflight reads its config.json and finds its weight files (a sharded
     checkpoint's index included) without loading a tensor."""

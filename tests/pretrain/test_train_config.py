@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 from pathlib import Path
 
@@ -355,6 +356,23 @@ def test_the_resolving_cli_names_a_missing_file_and_prints_a_good_config(tmp_pat
                                               "bert-continue.yaml, ")
     main([str(REPO_ROOT / "pretrain/configs/tiny.yaml"), "model.overrides.hidden_dropout=0.5"])
     assert "hidden_dropout: 0.5" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main([str(tmp_path)])
+    assert capsys.readouterr().err == f"{error} {tmp_path}: a directory, not a config file\n"
+
+
+def test_a_config_read_from_a_pipe(capsys) -> None:
+    """`python -m pretrain.config <(sed ... tiny.yaml)`: the shell passes /dev/fd/N, a pipe, not a regular file."""
+    from pretrain.config import main
+
+    read, write = os.pipe()
+    with os.fdopen(write, "w") as pipe:
+        pipe.write((REPO_ROOT / "pretrain/configs/tiny.yaml").read_text())
+    try:
+        main([f"/dev/fd/{read}", "train.seed=11"])
+    finally:
+        os.close(read)
+    assert "seed: 11" in capsys.readouterr().out
 
 
 def test_an_unusable_train_resume_names_the_key_and_its_values(tmp_path: Path, one_rank_group) -> None:
