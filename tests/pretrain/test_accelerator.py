@@ -90,11 +90,13 @@ def test_preflight_notes_a_gpu_host_where_fused_adam_cannot_be_built(unilm_shard
                                                                      capsys) -> None:
     """A GPU host without the CUDA toolkit (PyPI's CUDA torch brings no nvcc): noted when the JSON uses FusedAdam,
     not with a toolkit, nor with a JSON that steps with torch's AdamW."""
+    from deepspeed import git_version_info
     from torch.utils import cpp_extension
 
     from pretrain.preflight import preflight
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(git_version_info, "installed_ops", {})  # a DeepSpeed installed without prebuilt ops
     monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
     run = [f"data.shards={unilm_shards}", f"out_dir={tmp_path}"]
     gpu_json = [*run, "deepspeed_config=ds_configs/zero2_bf16.json"]
@@ -114,6 +116,9 @@ def test_preflight_notes_a_gpu_host_where_fused_adam_cannot_be_built(unilm_shard
     assert accelerator.fused_adam_toolkit_missing() is None
     assert preflight("pretrain/configs/tiny.yaml", gpu_json, None, local_ranks=2) == []
     assert "FusedAdam" not in capsys.readouterr().out
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
+    monkeypatch.setattr(git_version_info, "installed_ops", {"fused_adam": True})  # prebuilt: no toolkit needed
+    assert accelerator.fused_adam_toolkit_missing() is None
 
 
 def test_local_rank_comes_from_whichever_launcher_set_it(monkeypatch: pytest.MonkeyPatch) -> None:
