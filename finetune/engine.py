@@ -36,7 +36,7 @@ from pretrain.accelerator import collective_device
 from pretrain.batch_plan import BatchPlan, plan_batch
 from pretrain.data import to_device
 from pretrain.engine import (NonFiniteLossError, build_engine, engine_config, gather_objects,
-                             init_distributed, nonfinite_gradient_norm, optimizer_step,
+                             init_distributed, nonfinite_gradient_norm, optimizer_name, optimizer_step,
                              read_engine_json, zero_stage)
 from pretrain.outputs import write_file_atomically
 from pretrain.trainer import StepBar, StopRequest, prepare_metrics_file
@@ -145,14 +145,15 @@ def _fit_locked(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer, rank
         task.module, deepspeed_config(cfg, plan, engine_json, total_steps, warmup_steps,
                                       load_universal=resume is not None and resume.universal),
         cfg.weight_decay,
-        client_optimizer=(lambda groups: torch.optim.Adamax(groups, lr=cfg.lr)) if cfg.optimizer == "adamax" else None)
+        client_optimizer=(lambda groups: torch.optim.Adamax(groups, lr=cfg.lr)) if cfg.optimizer == "adamax" else None,
+        resumed=resume)
     progress = restore_progress(engine, resume, cfg.seed, rank, world_size, total_steps)
     out = Path(cfg.out)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "run_config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
     meta = dict(identity, run_config=cfg.to_dict(), code_version=ckpt.code_version(), world_size=world_size,
-                zero_stage=engine.zero_optimization_stage())
+                zero_stage=engine.zero_optimization_stage(), optimizer_class=optimizer_name(engine.basic_optimizer))
     if rank == 0:  # resumed: the steps past the checkpoint are redone, their old records dropped
         prepare_metrics_file(out / LOG_FILE, progress.step if resume is not None else None)
     log = open(out / LOG_FILE, "a") if rank == 0 else None

@@ -25,7 +25,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import deepspeed
 import numpy as np
@@ -39,6 +39,9 @@ from pretrain.accelerator import (FUSED_ADAM_NEEDS, apply_deepspeed_arch_list, b
 from pretrain.batch_plan import BatchPlan
 from pretrain.config import REPO_ROOT
 from pretrain.kernels import retain_freed_memory
+
+if TYPE_CHECKING:
+    from pretrain.checkpoint import ResumePoint
 
 # Hyper-parameters that come from the run config only; a DeepSpeed JSON that sets them is refused.
 INJECTED_TOP = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
@@ -437,39 +440,73 @@ def adam_op(config: dict[str, Any]) -> str | None:
     return "CPUAdamBuilder" if offload in ("cpu", "nvme") else "FusedAdamBuilder"
 
 
-def adam_that_loads(config: dict[str, Any]) -> dict[str, Any]:
-    """``config``, or a copy that steps with torch's AdamW (``torch_adam: true``: the same update, unfused) where
-    DeepSpeed's FusedAdam cannot be loaded on some rank: without the CUDA toolkit (PyPI's CUDA torch brings no
-    nvcc) every run would otherwise stop inside ``deepspeed.initialize``. A JSON that sets ``torch_adam: false``
-    asked for FusedAdam, and offloaded optimizer state needs CPUAdam: where that cannot be loaded, `SetupError`
-    names the cause and the fix. A collective."""
-    op = adam_op(config)
-    failure = None if op is None else first_error(op_failure(op))
-    if failure is None:
-        return config
-    if op == "CPUAdamBuilder":
-        raise SetupError(f"DeepSpeed's CPUAdam, which steps optimizer state offloaded by the DeepSpeed JSON "
-                         f"(zero_optimization.offload_optimizer), cannot be loaded here: {failure}. DeepSpeed builds "
-                         "it on first use with a C++ compiler (g++; or set CXX) and Python's headers (Debian/Ubuntu: "
-                         "python3-dev); or choose a JSON without offload_optimizer")
-    if "torch_adam" in config["optimizer"].get("params", {}):
-        raise SetupError(f"DeepSpeed's FusedAdam cannot be loaded here: {failure}. The DeepSpeed JSON sets "
-                         f"optimizer.params.torch_adam false; {FUSED_ADAM_NEEDS}; or drop torch_adam from the JSON "
-                         "to step with torch's AdamW where FusedAdam does not load")
-    say_once(f"[optimizer] DeepSpeed's FusedAdam cannot be loaded here ({failure}): stepping with torch's AdamW, "
-             f"the same update unfused. For the fused one: {FUSED_ADAM_NEEDS}. Resume the run where the same "
-             "optimizer loads: the two keep their step count in different places")
+def optimizer_name(optimizer: Any) -> str:
+    """The class an engine's optimizer (``engine.basic_optimizer``: ZeRO wraps it) steps with, by module and name,
+    as a checkpoint's marker records it: a checkpoint resumes only into the class that wrote its state."""
+    kind = optimizer if isinstance(optimizer, type) else type(optimizer)
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _with_torch_adam(config: dict[str, Any]) -> dict[str, Any]:
     config = copy.deepcopy(config)
     config["optimizer"].setdefault("params", {})["torch_adam"] = True
     return config
 
 
+def adam_that_loads(config: dict[str, Any], resumed: ResumePoint | None = None) -> dict[str, Any]:
+    """``config``, or a copy that steps with torch's AdamW (``torch_adam: true``: the same update, unfused) where
+    DeepSpeed's FusedAdam cannot be loaded on some rank: without the CUDA toolkit (PyPI's CUDA torch brings no
+    nvcc) every run would otherwise stop inside ``deepspeed.initialize``. A JSON that sets ``torch_adam: false``
+    asked for FusedAdam, and offloaded optimizer state needs CPUAdam: where that cannot be loaded, `SetupError`
+    names the cause and the fix. A collective.
+
+    The two keep their state differently (FusedAdam its step count per parameter group, torch per parameter), so
+    a checkpoint ``resumed`` resumes into the one that saved it: a run that stepped with torch's AdamW goes on
+    with it where FusedAdam loads, and one that stepped with FusedAdam stops where FusedAdam does not load."""
+    op = adam_op(config)
+    saved = (resumed.meta.get("optimizer_class") or "") if resumed is not None else ""
+    explicit = "torch_adam" in (config.get("optimizer") or {}).get("params", {})
+    if op == "FusedAdamBuilder" and saved.startswith("torch.optim."):
+        where = resumed.directory / resumed.tag
+        if explicit:
+            raise SetupError(f"{where} was stepped by torch's {saved.rsplit('.', 1)[1]} and the DeepSpeed JSON sets "
+                             "optimizer.params.torch_adam false, asking for DeepSpeed's FusedAdam, which cannot "
+                             "take over that state: drop torch_adam from the JSON to resume with torch's optimizer, "
+                             "or start a new run from the checkpoint's weights (python -m pretrain.export)")
+        say_once(f"[optimizer] {where} was stepped by torch's {saved.rsplit('.', 1)[1]}: so is this run (DeepSpeed's "
+                 "FusedAdam, which the DeepSpeed JSON would use, keeps its state differently)")
+        return _with_torch_adam(config)
+    failure = None if op is None else first_error(op_failure(op))
+    if failure is None:
+        return config
+    if op == "FusedAdamBuilder" and saved.endswith(".FusedAdam"):
+        raise SetupError(f"DeepSpeed's FusedAdam cannot be loaded here: {failure}. {resumed.directory / resumed.tag} "
+                         f"was stepped by it, and torch's AdamW cannot take over its state: {FUSED_ADAM_NEEDS}; or "
+                         "resume on machines where it loads")
+    if op == "CPUAdamBuilder":
+        raise SetupError(f"DeepSpeed's CPUAdam, which steps optimizer state offloaded by the DeepSpeed JSON "
+                         f"(zero_optimization.offload_optimizer), cannot be loaded here: {failure}. DeepSpeed builds "
+                         "it on first use with a C++ compiler (g++; or set CXX) and Python's headers (Debian/Ubuntu: "
+                         "python3-dev); or choose a JSON without offload_optimizer")
+    if explicit:
+        raise SetupError(f"DeepSpeed's FusedAdam cannot be loaded here: {failure}. The DeepSpeed JSON sets "
+                         f"optimizer.params.torch_adam false; {FUSED_ADAM_NEEDS}; or drop torch_adam from the JSON "
+                         "to step with torch's AdamW where FusedAdam does not load")
+    say_once(f"[optimizer] DeepSpeed's FusedAdam cannot be loaded here ({failure}): stepping with torch's AdamW, "
+             f"the same update unfused. For the fused one: {FUSED_ADAM_NEEDS}. A checkpoint of this run resumes "
+             "with torch's AdamW wherever it runs")
+    return _with_torch_adam(config)
+
+
 def build_engine(model: torch.nn.Module, config: dict[str, Any], weight_decay: float,
-                 client_optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None = None) -> Any:
+                 client_optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None = None,
+                 resumed: ResumePoint | None = None) -> Any:
     """``deepspeed.initialize`` on ``model`` with `parameter_groups`; ``client_optimizer(groups)`` replaces the
-    JSON's optimizer block when given; `adam_that_loads` decides between DeepSpeed's FusedAdam and torch's AdamW."""
+    JSON's optimizer block when given; `adam_that_loads` decides between DeepSpeed's FusedAdam and torch's AdamW.
+    The checkpoint to be ``resumed`` must have been stepped by the optimizer class built here (its marker's
+    ``optimizer_class``, where it records one): another one's state does not load into it (`SetupError`)."""
     if client_optimizer is None:
-        config = adam_that_loads(config)
+        config = adam_that_loads(config, resumed)
     groups = parameter_groups(model, weight_decay)
     optimizer = client_optimizer(groups) if client_optimizer is not None else None
     # Messages no user can act on, once per rank: DeepSpeed's schedulers ask for their rate in their constructor,
@@ -484,6 +521,12 @@ def build_engine(model: torch.nn.Module, config: dict[str, Any], weight_decay: f
                                                config=config)
     finally:
         deepspeed_logger.removeFilter(_scheduler_not_started)
+    saved = resumed.meta.get("optimizer_class") if resumed is not None else None
+    if saved is not None and saved != optimizer_name(engine.basic_optimizer):
+        raise SetupError(f"{resumed.directory / resumed.tag} was stepped by {saved} and this run builds "
+                         f"{optimizer_name(engine.basic_optimizer)}: one does not load the other's state. Resume "
+                         "with the optimizer settings it ran with (the DeepSpeed JSON's optimizer block, "
+                         "fine-tuning's --optimizer), or start a new run from its weights")
     if engine.lr_scheduler is not None:
         # DeepSpeed's schedulers start at iteration -1 and the engine steps them after each optimizer step, so step
         # k would run at iteration k - 2's rate (the first two at the warm-up's start). From iteration 0, step k runs

@@ -39,8 +39,8 @@ from pretrain.accelerator import (COMPILER_NEEDS, accelerator_name, collective_d
 from pretrain.data import PretrainLoader, SampleOrder, collate, sample_objectives, to_device
 from pretrain.engine import (NonFiniteLossError, SetupError, build_engine, engine_config, first_error,
                              gather_objects, init_distributed, nonfinite_gradient_norm, on_every_rank,
-                             optimizer_step, precision, read_engine_json, seed_everything, step_gradient_norm,
-                             zero_stage)
+                             optimizer_name, optimizer_step, precision, read_engine_json, seed_everything,
+                             step_gradient_norm, zero_stage)
 from pretrain.hf import hf_model_config, load_hf_bert
 from pretrain.model import REPORTED_OBJECTIVES, ModelConfig, UniLMModel, build_model, training_flops
 from pretrain.outputs import write_file_atomically
@@ -396,7 +396,7 @@ def _train_locked(cfg: RunConfig, rank: int, world_size: int, started: float) ->
               + " (null settings resolved for this run's device, precision and model)", flush=True)
     if rank == 0:
         ckpt.report_changed_settings(resume, cfg.to_dict(), print)
-    engine = build_training_engine(cfg, model, deepspeed_config, fast_paths)
+    engine = build_training_engine(cfg, model, deepspeed_config, fast_paths, resume)
     throughput = Throughput(model_cfg, world_size, cfg.train.peak_tflops or measured_peak_tflops(engine, rank))
     progress = restore_progress(engine, resume, cfg.train.seed, rank, world_size)
     loader = build_loader(cfg, dataset, model_cfg, plan, rank, progress.consumed_samples, engine.device,
@@ -406,7 +406,8 @@ def _train_locked(cfg: RunConfig, rank: int, world_size: int, started: float) ->
     metrics = Metrics(Path(cfg.out_dir) / "metrics.jsonl", progress.step if resume else None, cfg.train.max_steps,
                       enabled=rank == 0)
     meta = dict(identity, run_config=cfg.to_dict(), code_version=ckpt.code_version(), world_size=world_size,
-                zero_stage=zero_stage(engine_json), precision=precision(engine))
+                zero_stage=zero_stage(engine_json), precision=precision(engine),
+                optimizer_class=optimizer_name(engine.basic_optimizer))
     stop_requested = StopRequest(started, cfg.train.exit_after_minutes)
     try:
         run_steps(cfg, engine, loader, eval_set, plan, metrics, progress, meta, stop_requested, throughput)
@@ -566,14 +567,14 @@ def initial_model(cfg: RunConfig, model_cfg: ModelConfig) -> UniLMModel:
 
 
 def build_training_engine(cfg: RunConfig, model: UniLMModel, deepspeed_config: dict[str, Any],
-                          fast_paths: dict[str, bool]) -> Any:
+                          fast_paths: dict[str, bool], resume: ckpt.ResumePoint | None = None) -> Any:
     """The DeepSpeed engine around the run's initial model (`initial_model`) with `build_deepspeed_config`'s
-    config."""
+    config, and the optimizer ``resume`` was stepped by."""
     model.activation_checkpointing = cfg.train.activation_checkpointing
     model.chunked_loss = fast_paths["chunked_loss"]
     if fast_paths["compile"]:
         model.compile_blocks()
-    return build_engine(model, deepspeed_config, cfg.optim.weight_decay)
+    return build_engine(model, deepspeed_config, cfg.optim.weight_decay, resumed=resume)
 
 
 def fast_path_settings(cfg: RunConfig, engine_json: dict[str, Any], model_cfg: ModelConfig) -> dict[str, bool]:

@@ -192,6 +192,10 @@ def test_a_changed_run_is_refused_on_resume(small_tasks, tiny_init, tmp_path):
     with pytest.raises(run.InputError, match="seed") as refused:
         run.main(classify_args(small_tasks, tiny_init, tmp_path, "--epochs", "1", "--seed", "4"))
     assert fix in str(refused.value) and "data.shards" not in str(refused.value)
+    # AdamW's state (the JSON's optimizer block) does not load into the paper's Adamax, a client optimizer
+    with pytest.raises(run.InputError, match=r"was stepped by torch.optim.adamw.AdamW and this run builds "
+                                             r"torch.optim.adamax.Adamax: one does not load the other's state"):
+        run.main(classify_args(small_tasks, tiny_init, tmp_path, "--epochs", "1", "--set", "optimizer=adamax"))
     # the no-pre-training baseline in the same --out would continue the pre-trained weights it finds there
     with pytest.raises(run.InputError, match=r"was trained with init=\{'path': .*'from_scratch': False\}, this run "
                                              r"has init=\{'path': .*'from_scratch': True\}"):

@@ -21,6 +21,7 @@ from conftest import GPU_ENV, ROOT, subprocess_env
 from training_runs import check, launch, losses, metrics
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+FUSED_ADAM = "deepspeed.ops.adam.fused_adam.FusedAdam"
 
 
 def gpu_launch(overrides: list[str], **extra_env: str) -> subprocess.CompletedProcess:
@@ -80,6 +81,8 @@ def test_checkpoints_carry_the_cuda_generator_of_the_rank(fp16_runs: dict) -> No
     assert rng["accelerator"]["device"] == "cuda" and rng["accelerator"]["state"].dtype == torch.uint8
     marker = json.loads((fp16_runs["first"] / "checkpoints" / "global_step8" / "complete.json").read_text())
     assert marker["precision"] == "fp16" and marker["zero_stage"] == 2
+    # the GPU JSONs step with DeepSpeed's FusedAdam: here it was built, not replaced by torch's AdamW
+    assert marker["optimizer_class"] == FUSED_ADAM, fp16_runs["resume_log"].stderr[-2000:]
 
 
 def test_bf16_zero3_with_gpu_evaluation_exports_a_transformers_model(common: list[str], unilm_shards: Path,
@@ -98,7 +101,7 @@ def test_bf16_zero3_with_gpu_evaluation_exports_a_transformers_model(common: lis
     assert "eval_loss" in records[1] and "eval_loss_seq2seq" in records[3] and "eval_loss" not in records[0]
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
     marker = json.loads((out / "checkpoints" / "global_step4" / "complete.json").read_text())
-    assert marker["precision"] == "bf16" and marker["zero_stage"] == 3
+    assert marker["precision"] == "bf16" and marker["zero_stage"] == 3 and marker["optimizer_class"] == FUSED_ADAM
 
     export([str(out / "checkpoints"), str(tmp_path / "hf")])
     ours = load_consolidated(out / "checkpoints" / "global_step4")
@@ -119,6 +122,8 @@ def test_zero2_with_the_optimizer_offloaded_to_the_cpu_trains_and_saves(common: 
     records = metrics(tmp_path)
     assert [r["step"] for r in records] == [1, 2, 3] and all(r["loss"] == r["loss"] for r in records)
     assert (tmp_path / "checkpoints" / "latest").read_text() == "global_step3"
+    marker = json.loads((tmp_path / "checkpoints" / "global_step3" / "complete.json").read_text())
+    assert marker["optimizer_class"] == "deepspeed.ops.adam.cpu_adam.DeepSpeedCPUAdam"
 
 
 def test_loader_delivers_pinned_non_blocking_copies_on_the_rank_device(unilm_shards: Path) -> None:

@@ -143,7 +143,7 @@ def test_checkpoints_are_complete_self_describing_and_pruned(runs: dict) -> None
     marker = json.loads((checkpoints / "global_step24" / "complete.json").read_text())
     assert marker["consumed_samples"] == 24 * 24 and marker["world_size"] == 2 and marker["zero_stage"] == 2
     assert marker["model_config"]["vocab_size"] == 4000 and marker["manifest_hash"] and marker["vocab_hash"]
-    assert marker["code_version"] != "unknown"
+    assert marker["code_version"] != "unknown" and marker["optimizer_class"] == "torch.optim.adamw.AdamW"
     assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in marker["files"]
     state = torch.load(checkpoints / "global_step24" / "mp_rank_00_model_states.pt", weights_only=False)
     assert state["consumed_samples"] == 576 and state["step"] == 24
