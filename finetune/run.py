@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise InputError(str(error)) from error
     try:
         return fit(cfg, task, tokenizer)
-    except (ckpt.CheckpointMismatchError, SetupError) as error:  # --out holds a run this one cannot continue
+    except (ckpt.CheckpointMismatchError, SetupError) as error:  # --out holds a run this one cannot continue, or
+        # the engine cannot be built here (an optimizer op that does not load, or one that cannot take over the state)
         raise InputError(str(error)) from error
     except RunStopped as error:  # a diagnosis (non-finite loss, checkpoint not written), not a crash: no traceback
         say_once(f"[stop] {error}")

@@ -442,9 +442,28 @@ def adam_op(config: dict[str, Any]) -> str | None:
 
 def optimizer_name(optimizer: Any) -> str:
     """The class an engine's optimizer (``engine.basic_optimizer``: ZeRO wraps it) steps with, by module and name,
-    as a checkpoint's marker records it: a checkpoint resumes only into the class that wrote its state."""
+    as a checkpoint's marker records it: a checkpoint resumes only into a class that takes over its state."""
     kind = optimizer if isinstance(optimizer, type) else type(optimizer)
     return f"{kind.__module__}.{kind.__qualname__}"
+
+
+TORCH_ADAM = frozenset(optimizer_name(kind) for kind in (torch.optim.AdamW, torch.optim.Adam))
+DEEPSPEED_ADAM = frozenset(("deepspeed.ops.adam.fused_adam.FusedAdam", "deepspeed.ops.adam.cpu_adam.DeepSpeedCPUAdam"))
+
+
+def takes_over(saved: str, built: str, universal: bool = False) -> bool:
+    """Whether an optimizer of class ``built`` goes on from the state one of class ``saved`` checkpointed, loaded
+    as saved or (``universal``: on another world size or ZeRO stage) from DeepSpeed's universal conversion of it.
+    Its own always. Every Adam here keeps step, exp_avg and exp_avg_sq per parameter, but as saved, DeepSpeed's
+    (FusedAdam, CPUAdam) read ``bias_correction`` from the parameter groups, which torch's Adam / AdamW save
+    without it: theirs goes on with either, torch's only with torch's. Universally converted, the parameter groups
+    are the new run's, and the step a plain number, which torch's refuses at its first step: DeepSpeed's goes on
+    from either, torch's from neither."""
+    if saved == built:
+        return True
+    if universal:
+        return saved in DEEPSPEED_ADAM | TORCH_ADAM and built in DEEPSPEED_ADAM
+    return saved in DEEPSPEED_ADAM and built in DEEPSPEED_ADAM | TORCH_ADAM
 
 
 def _with_torch_adam(config: dict[str, Any]) -> dict[str, Any]:
@@ -460,29 +479,33 @@ def adam_that_loads(config: dict[str, Any], resumed: ResumePoint | None = None) 
     asked for FusedAdam, and offloaded optimizer state needs CPUAdam: where that cannot be loaded, `SetupError`
     names the cause and the fix. A collective.
 
-    The two keep their state differently (FusedAdam its step count per parameter group, torch per parameter), so
-    a checkpoint ``resumed`` resumes into the one that saved it: a run that stepped with torch's AdamW goes on
-    with it where FusedAdam loads, and one that stepped with FusedAdam stops where FusedAdam does not load."""
+    A checkpoint ``resumed`` goes on with an optimizer that takes over its state (`takes_over`): one torch's Adam
+    stepped, loaded as saved, goes on with it, as DeepSpeed's Adams cannot; one FusedAdam stepped goes on with
+    torch's AdamW where FusedAdam does not load, unless it is resumed through a universal conversion."""
     op = adam_op(config)
     saved = (resumed.meta.get("optimizer_class") or "") if resumed is not None else ""
     explicit = "torch_adam" in (config.get("optimizer") or {}).get("params", {})
-    if op == "FusedAdamBuilder" and saved.startswith("torch.optim."):
-        where = resumed.directory / resumed.tag
+    where = resumed.directory / resumed.tag if resumed is not None else None
+    universal = resumed is not None and resumed.universal
+    if op is not None and saved in TORCH_ADAM and not universal:
+        torch_class = saved.rsplit(".", 1)[1]
+        if op == "CPUAdamBuilder":
+            raise SetupError(f"{where} was stepped by torch's {torch_class}, and the DeepSpeed JSON offloads "
+                             "optimizer state (zero_optimization.offload_optimizer), which DeepSpeed's CPUAdam "
+                             "steps: it cannot take over torch's state (its parameter groups lack bias_correction). "
+                             "Resume with a JSON without offload_optimizer, or one that offloads torch's "
+                             "(optimizer.params.torch_adam true, zero_force_ds_cpu_optimizer false)")
         if explicit:
-            raise SetupError(f"{where} was stepped by torch's {saved.rsplit('.', 1)[1]} and the DeepSpeed JSON sets "
+            raise SetupError(f"{where} was stepped by torch's {torch_class} and the DeepSpeed JSON sets "
                              "optimizer.params.torch_adam false, asking for DeepSpeed's FusedAdam, which cannot "
-                             "take over that state: drop torch_adam from the JSON to resume with torch's optimizer, "
-                             "or start a new run from the checkpoint's weights (python -m pretrain.export)")
-        say_once(f"[optimizer] {where} was stepped by torch's {saved.rsplit('.', 1)[1]}: so is this run (DeepSpeed's "
-                 "FusedAdam, which the DeepSpeed JSON would use, keeps its state differently)")
+                             "take over torch's state (its parameter groups lack bias_correction): drop torch_adam "
+                             "from the JSON to resume with torch's optimizer")
+        say_once(f"[optimizer] {where} was stepped by torch's {torch_class}: so is this run (DeepSpeed's FusedAdam, "
+                 "which the DeepSpeed JSON would use, cannot take over torch's state)")
         return _with_torch_adam(config)
     failure = None if op is None else first_error(op_failure(op))
     if failure is None:
         return config
-    if op == "FusedAdamBuilder" and saved.endswith(".FusedAdam"):
-        raise SetupError(f"DeepSpeed's FusedAdam cannot be loaded here: {failure}. {resumed.directory / resumed.tag} "
-                         f"was stepped by it, and torch's AdamW cannot take over its state: {FUSED_ADAM_NEEDS}; or "
-                         "resume on machines where it loads")
     if op == "CPUAdamBuilder":
         raise SetupError(f"DeepSpeed's CPUAdam, which steps optimizer state offloaded by the DeepSpeed JSON "
                          f"(zero_optimization.offload_optimizer), cannot be loaded here: {failure}. DeepSpeed builds "
@@ -492,9 +515,16 @@ def adam_that_loads(config: dict[str, Any], resumed: ResumePoint | None = None) 
         raise SetupError(f"DeepSpeed's FusedAdam cannot be loaded here: {failure}. The DeepSpeed JSON sets "
                          f"optimizer.params.torch_adam false; {FUSED_ADAM_NEEDS}; or drop torch_adam from the JSON "
                          "to step with torch's AdamW where FusedAdam does not load")
+    if saved in DEEPSPEED_ADAM and universal:
+        raise SetupError(f"DeepSpeed's FusedAdam cannot be loaded here: {failure}. {where} was stepped by DeepSpeed's "
+                         f"{saved.rsplit('.', 1)[1]} and is resumed on another world size or ZeRO stage, through "
+                         "DeepSpeed's universal conversion, which torch's AdamW cannot go on from: "
+                         f"{FUSED_ADAM_NEEDS}; or resume with the world size and ZeRO stage it was saved with")
+    stepped = f" {where} was stepped by DeepSpeed's {saved.rsplit('.', 1)[1]}, whose state torch's AdamW takes " \
+        "over." if saved in DEEPSPEED_ADAM else ""
     say_once(f"[optimizer] DeepSpeed's FusedAdam cannot be loaded here ({failure}): stepping with torch's AdamW, "
-             f"the same update unfused. For the fused one: {FUSED_ADAM_NEEDS}. A checkpoint of this run resumes "
-             "with torch's AdamW wherever it runs")
+             f"the same update unfused. For the fused one: {FUSED_ADAM_NEEDS}.{stepped} A checkpoint of this "
+             "run resumes with torch's AdamW on the world size and ZeRO stage it was saved with")
     return _with_torch_adam(config)
 
 
@@ -503,8 +533,8 @@ def build_engine(model: torch.nn.Module, config: dict[str, Any], weight_decay: f
                  resumed: ResumePoint | None = None) -> Any:
     """``deepspeed.initialize`` on ``model`` with `parameter_groups`; ``client_optimizer(groups)`` replaces the
     JSON's optimizer block when given; `adam_that_loads` decides between DeepSpeed's FusedAdam and torch's AdamW.
-    The checkpoint to be ``resumed`` must have been stepped by the optimizer class built here (its marker's
-    ``optimizer_class``, where it records one): another one's state does not load into it (`SetupError`)."""
+    The optimizer built here must take over the state of the checkpoint to be ``resumed`` (`takes_over` the class
+    its marker's ``optimizer_class`` records, where it records one): else `SetupError`, before anything loads."""
     if client_optimizer is None:
         config = adam_that_loads(config, resumed)
     groups = parameter_groups(model, weight_decay)
@@ -521,12 +551,15 @@ def build_engine(model: torch.nn.Module, config: dict[str, Any], weight_decay: f
                                                config=config)
     finally:
         deepspeed_logger.removeFilter(_scheduler_not_started)
-    saved = resumed.meta.get("optimizer_class") if resumed is not None else None
-    if saved is not None and saved != optimizer_name(engine.basic_optimizer):
-        raise SetupError(f"{resumed.directory / resumed.tag} was stepped by {saved} and this run builds "
-                         f"{optimizer_name(engine.basic_optimizer)}: one does not load the other's state. Resume "
-                         "with the optimizer settings it ran with (the DeepSpeed JSON's optimizer block, "
-                         "fine-tuning's --optimizer), or start a new run from its weights")
+    saved, built = resumed.meta.get("optimizer_class") if resumed is not None else None, \
+        optimizer_name(engine.basic_optimizer)
+    if saved is not None and not takes_over(saved, built, resumed.universal):
+        converted = " (converted to DeepSpeed's universal checkpoint: another world size or ZeRO stage)" \
+            if resumed.universal else ""
+        raise SetupError(f"{resumed.directory / resumed.tag} was stepped by {saved}, whose state{converted} {built}, "
+                         "which this run builds, cannot take over. Resume with the optimizer settings it ran with: the "
+                         "DeepSpeed JSON's optimizer block and offload_optimizer; in fine-tuning, also the optimizer "
+                         "setting")
     if engine.lr_scheduler is not None:
         # DeepSpeed's schedulers start at iteration -1 and the engine steps them after each optimizer step, so step
         # k would run at iteration k - 2's rate (the first two at the warm-up's start). From iteration 0, step k runs

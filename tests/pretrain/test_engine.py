@@ -1,6 +1,7 @@
 """The pieces pre-training and fine-tuning share: RNG capture/restore, the DeepSpeed JSON check."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -357,15 +358,15 @@ def test_where_fused_adam_cannot_be_built_the_engine_steps_with_torch_adamw_unle
     assert re.search(r"/nonexistent/g\+\+: (not found|No such file or directory)", said), said
     assert "CUDA toolkit's nvcc" in said
 
-    # a checkpoint FusedAdam stepped cannot go on with torch's AdamW
+    # a checkpoint FusedAdam stepped goes on with torch's AdamW, which takes over its state
     from pretrain.checkpoint import ResumePoint
 
     fused = ResumePoint(tmp_path, "global_step4", "global_step4",
                         {"optimizer_class": "deepspeed.ops.adam.fused_adam.FusedAdam"})
-    with pytest.raises(engine.SetupError, match=rf"^DeepSpeed's FusedAdam cannot be loaded here: .*\. "
-                                                rf"{tmp_path / 'global_step4'} was stepped by it, and torch's AdamW "
-                                                r"cannot take over its state: DeepSpeed builds FusedAdam"):
-        engine.build_engine(torch.nn.Linear(2, 1), config, weight_decay=0.0, resumed=fused)
+    resumed = engine.build_engine(torch.nn.Linear(2, 1), config, weight_decay=0.0, resumed=fused)
+    assert type(resumed.optimizer) is torch.optim.AdamW
+    assert f"{tmp_path / 'global_step4'} was stepped by DeepSpeed's FusedAdam, whose state torch's AdamW takes " \
+           "over. A checkpoint of this run resumes with torch's AdamW" in capsys.readouterr().err
 
     config["optimizer"]["params"]["torch_adam"] = False  # (torch does not retry a failed build in one process)
     with pytest.raises(engine.SetupError, match=r"^DeepSpeed's FusedAdam cannot be loaded here: .*The DeepSpeed JSON "
@@ -375,10 +376,10 @@ def test_where_fused_adam_cannot_be_built_the_engine_steps_with_torch_adamw_unle
 
 def test_a_checkpoint_resumes_into_the_optimizer_that_stepped_it(one_rank_group, monkeypatch, tmp_path,
                                                                  capsys) -> None:
-    """FusedAdam keeps its step count per parameter group, torch's AdamW per parameter: the state of one does not
-    load into the other (FusedAdam stepping torch's state stops on a KeyError). A checkpoint stepped by torch's
-    AdamW (where FusedAdam did not load) resumes with it wherever it runs; a JSON that insists on FusedAdam, or
-    any other class than the marker records, is refused before anything is loaded."""
+    """DeepSpeed's FusedAdam cannot take over torch's AdamW's state (its load stops on a KeyError: the parameter
+    groups torch saved lack bias_correction). A checkpoint stepped by torch's AdamW (where FusedAdam did not load)
+    resumes with it wherever it runs, even where FusedAdam loads; a JSON that insists on FusedAdam, or a class
+    that cannot take over the one the marker records, is refused before anything is loaded."""
     from pretrain.batch_plan import plan_batch
     from pretrain.checkpoint import ResumePoint
 
@@ -403,12 +404,115 @@ def test_a_checkpoint_resumes_into_the_optimizer_that_stepped_it(one_rank_group,
                                                 r"optimizer.params.torch_adam false"):
         engine.build_engine(torch.nn.Linear(2, 1), config, weight_decay=0.0, resumed=resumed(torch_adamw))
     config["optimizer"]["params"]["torch_adam"] = True
-    with pytest.raises(engine.SetupError, match=rf"^{tmp_path / 'global_step4'} was stepped by {fused} and this run "
-                                                rf"builds {torch_adamw}: one does not load the other's state"):
-        engine.build_engine(torch.nn.Linear(2, 1), config, weight_decay=0.0, resumed=resumed(fused))
+    engine.build_engine(torch.nn.Linear(2, 1), config, weight_decay=0.0, resumed=resumed(fused))  # takes it over
+    adamax = engine.optimizer_name(torch.optim.Adamax)
+    with pytest.raises(engine.SetupError, match=rf"^{tmp_path / 'global_step4'} was stepped by {adamax}, whose state "
+                                                rf"{torch_adamw}, which this run builds, cannot take over\. Resume "
+                                                r"with the optimizer settings it ran with"):
+        engine.build_engine(torch.nn.Linear(2, 1), config, weight_decay=0.0, resumed=resumed(adamax))
     # a checkpoint whose marker records no optimizer (written before markers did) is not second-guessed
     engine.build_engine(torch.nn.Linear(2, 1), config, weight_decay=0.0,
                         resumed=ResumePoint(tmp_path, "global_step4", "global_step4", {"step": 4}))
+    # only torch's Adam / AdamW state makes a JSON that would use FusedAdam step with torch's AdamW instead
+    config = copy.deepcopy(config)
+    del config["optimizer"]["params"]["torch_adam"]
+    monkeypatch.setattr(engine, "op_failure", lambda op: None)  # as where FusedAdam loads
+    assert engine.adam_that_loads(config, resumed(adamax)) is config
+    assert engine.adam_that_loads(config, resumed(fused)) is config
+    assert engine.adam_that_loads(config, resumed(torch_adamw))["optimizer"]["params"]["torch_adam"] is True
+    assert engine.adam_that_loads(config, resumed(engine.optimizer_name(torch.optim.Adam)))["optimizer"]["params"][
+        "torch_adam"] is True
+    config["zero_optimization"] = {"stage": 2, "offload_optimizer": {"device": "cpu"}}  # DeepSpeed's CPUAdam
+    with pytest.raises(engine.SetupError, match=r"was stepped by torch's AdamW, and the DeepSpeed JSON offloads "
+                                                r"optimizer state .*Resume with a JSON without offload_optimizer, or "
+                                                r"one that offloads torch's"):
+        engine.adam_that_loads(config, resumed(torch_adamw))
+    assert engine.adam_that_loads(config, resumed(fused)) is config
+
+
+@pytest.mark.slow  # builds DeepSpeed's FusedAdam for the CPU once (≈ 40 s with g++), two universal conversions
+def test_which_adam_goes_on_from_which_checkpoint_as_saved_and_universally_converted(one_rank_group, monkeypatch,
+                                                                                    tmp_path) -> None:
+    """DeepSpeed's FusedAdam (its CPU build here: the same class and state as on GPUs) and torch's AdamW, ZeRO-2
+    checkpoints of two steps resumed for two more, as saved (ZeRO-2) and universally converted (ZeRO-1): where one
+    goes on from the other's state it ends where four FusedAdam steps do; where DeepSpeed's load or the first step
+    would fail (FusedAdam reading bias_correction torch's groups lack; torch's AdamW refusing the plain-number step
+    a conversion gives it), `build_engine` either builds the optimizer that goes on or refuses before loading."""
+    from pretrain.batch_plan import plan_batch
+    from pretrain.checkpoint import ResumePoint, to_universal
+    from pretrain.data import synthetic_batch
+    from pretrain.model import build_model, preset
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    failure = accelerator.op_failure(FUSED)
+    if failure is not None:
+        pytest.skip(f"DeepSpeed's FusedAdam does not build on this machine: {failure}")
+    cfg = dataclasses.replace(preset("tiny"), vocab_size=1200, hidden_dropout=0.0, attention_dropout=0.0)
+    engine_json = engine.read_engine_json(REPO_ROOT / "ds_configs/zero2_fp32_cpu.json")
+    del engine_json["optimizer"]["params"]["torch_adam"]  # as the GPU configs: DeepSpeed's FusedAdam
+
+    def train(steps: range, torch_adam: bool | None = None, resumed: ResumePoint | None = None,
+              save: str | None = None) -> tuple[str, torch.Tensor]:
+        json_ = copy.deepcopy(engine_json)
+        if torch_adam is not None:
+            json_["optimizer"]["params"]["torch_adam"] = torch_adam
+        universal = resumed is not None and resumed.universal
+        json_["zero_optimization"]["stage"] = 1 if universal else 2
+        config = engine.engine_config(json_, plan_batch(2, 2, 1), 1.0, {"lr": 1e-2}, 1e-2, 0.0, 1, 10,
+                                      load_universal=universal)
+        torch.manual_seed(0)
+        model = build_model(cfg)
+        ds_engine = engine.build_engine(model, config, weight_decay=0.01, resumed=resumed)
+        if resumed is not None:
+            ds_engine.load_checkpoint(str(resumed.directory), resumed.load_tag)
+        for step in steps:
+            engine.optimizer_step(ds_engine, [synthetic_batch(cfg, 2, 16, 3, seed=step)], loss_of=lambda o: o.loss,
+                                  observe=lambda batch, output: None, before_update=lambda: None)
+        if save is not None:
+            ds_engine.save_checkpoint(str(tmp_path), save)
+        return engine.optimizer_name(ds_engine.basic_optimizer), model.layers[0].ffn_in.weight.detach().clone()
+
+    fused_adam, four_steps = train(range(4))
+    assert fused_adam == "deepspeed.ops.adam.fused_adam.FusedAdam"
+    torch_adamw = "torch.optim.adamw.AdamW"
+    assert train(range(2), save="fused")[0] == fused_adam
+    assert train(range(2), torch_adam=True, save="torch")[0] == torch_adamw
+
+    def resumed(tag: str, optimizer: str | None, universal: bool = False) -> ResumePoint:
+        load_tag = to_universal(tmp_path, tag) if universal else tag
+        return ResumePoint(tmp_path, tag, load_tag, {"optimizer_class": optimizer} if optimizer else {})
+
+    def goes_on(expected: str, **arguments) -> None:
+        built, weights = train(range(2, 4), **arguments)
+        assert built == expected
+        torch.testing.assert_close(weights, four_steps, rtol=1e-5, atol=1e-6)
+
+    # as saved: FusedAdam's state goes on with either; torch's only with torch's
+    goes_on(torch_adamw, torch_adam=True, resumed=resumed("fused", fused_adam))
+    goes_on(torch_adamw, resumed=resumed("torch", torch_adamw))  # the JSON leaves the choice to the checkpoint
+    with pytest.raises(KeyError, match="bias_correction"):  # DeepSpeed's own load, where nothing chooses
+        train(range(2, 4), resumed=resumed("torch", None))
+    with pytest.raises(engine.SetupError, match=rf"^{tmp_path / 'torch'} was stepped by torch's AdamW and the "
+                                                r"DeepSpeed JSON sets optimizer.params.torch_adam false, asking for "
+                                                r"DeepSpeed's FusedAdam, which cannot take over torch's state"):
+        train(range(2, 4), torch_adam=False, resumed=resumed("torch", torch_adamw))
+
+    # universally converted: FusedAdam goes on from either; torch's AdamW from neither
+    goes_on(fused_adam, torch_adam=False, resumed=resumed("torch", torch_adamw, universal=True))
+    goes_on(fused_adam, resumed=resumed("fused", fused_adam, universal=True))
+    with pytest.raises(RuntimeError, match="state_steps"):  # torch's first step, where nothing chooses
+        train(range(2, 4), torch_adam=True, resumed=resumed("fused", None, universal=True))
+    with pytest.raises(engine.SetupError, match=rf"^{tmp_path / 'fused'} was stepped by {fused_adam}, whose state "
+                                                r"\(converted to DeepSpeed's universal checkpoint: another world size "
+                                                rf"or ZeRO stage\) {torch_adamw}, which this run builds, cannot take "
+                                                r"over"):
+        train(range(2, 4), torch_adam=True, resumed=resumed("fused", fused_adam, universal=True))
+    monkeypatch.setattr(engine, "op_failure", lambda op: "RuntimeError: no CUDA toolkit")  # as without nvcc
+    with pytest.raises(engine.SetupError, match=r"^DeepSpeed's FusedAdam cannot be loaded here: RuntimeError: no "
+                                                rf"CUDA toolkit\. {tmp_path / 'fused'} was stepped by DeepSpeed's "
+                                                r"FusedAdam and is resumed on another world size or ZeRO stage, "
+                                                r".*or resume with the world size and ZeRO stage it was saved with$"):
+        train(range(2, 4), resumed=resumed("fused", fused_adam, universal=True))
 
 
 @pytest.mark.slow  # ≈ 5 s: a failed JIT build
