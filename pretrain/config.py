@@ -26,7 +26,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import yaml
 
@@ -403,6 +403,17 @@ class NoConfigFileError(FileNotFoundError):
     """The config path names nothing, or a directory; the message leaves the path to the caller."""
 
 
+def config_error(path: str | Path, error: BaseException, overrides: Sequence[str] = ()) -> str:
+    """One line for ``error`` from loading the config at ``path`` (with ``overrides``), naming the file once: a
+    YAML error names it already, with the line; other messages (a missing file, a bad key or value) leave it out,
+    and what may come from an override says so."""
+    message = str(error)
+    if message.startswith(f"{path}:"):
+        return message
+    from_overrides = overrides and not isinstance(error, NoConfigFileError)
+    return f"{path}{' + overrides' if from_overrides else ''}: {message}"
+
+
 def load_dataclass(cls: type[T], path: str | Path | None, overrides: list[str] = (),
                    values: dict[str, Any] | None = None) -> T:
     """The config ``cls`` from a YAML file (``path``, optional), then ``values`` (nested keys), then dotted
@@ -545,8 +556,7 @@ def main(argv: list[str] | None = None) -> None:
             cfg = load_config(args.config, args.overrides)
             resolve_model_config(cfg)  # the model as training builds it: model.init_from's config.json read and checked
         except (ValueError, OSError) as error:  # a missing YAML is named here: its message leaves that to callers
-            named = f"{args.config}: " if isinstance(error, NoConfigFileError) else ""
-            parser.exit(2, f"{parser.prog}: error: {named}{error}\n")
+            parser.exit(2, f"{parser.prog}: error: {config_error(args.config, error, args.overrides)}\n")
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
     else:
         parser.error("give a run YAML or --reference")

@@ -59,7 +59,7 @@ from data_prep.shard_format import MANIFEST_NAME, ShardDataset, sha256_file
 from pretrain.accelerator import FUSED_ADAM_NEEDS, deepspeed_arch_list, fused_adam_toolkit_missing
 from pretrain.batch_plan import InfeasibleBatchError, plan_batch
 from pretrain.checkpoint import code_version
-from pretrain.config import REPO_ROOT, RunConfig, load_config
+from pretrain.config import REPO_ROOT, RunConfig, config_error, load_config
 from pretrain.engine import adam_op, read_engine_json
 from pretrain.hf import hf_model_config, hf_weight_files
 from pretrain.trainer import model_for_shards, resolve_model_config
@@ -249,10 +249,11 @@ def remote_probe(host: str, config: str, overrides: list[str], shared_file: str 
 
 
 def preflight(config: str, overrides: list[str], hostfile: str | None, local_ranks: int = 1, include: str = "",
-              exclude: str = "", num_nodes: int = -1) -> list[str]:
+              exclude: str = "", num_nodes: int = -1, cfg: RunConfig | None = None) -> list[str]:
     """Problems found (empty = ready). Without a hostfile: this machine alone with ``local_ranks`` ranks. With
-    one, the hosts and slots ``include`` / ``exclude`` / ``num_nodes`` leave (``active_slots``)."""
-    cfg = load_config(config, overrides)
+    one, the hosts and slots ``include`` / ``exclude`` / ``num_nodes`` leave (``active_slots``). ``cfg``: the run
+    config ``config`` and ``overrides`` make, where the caller has read it already; each other host reads it."""
+    cfg = cfg if cfg is not None else load_config(config, overrides)
     filtered = bool(include or exclude or num_nodes > 0)
     if hostfile:
         hosts = active_slots(hostfile, include, exclude, num_nodes)
@@ -385,9 +386,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.probe:
         try:
-            report = probe(load_config(args.config, args.overrides), args.shared_file)
+            cfg = load_config(args.config, args.overrides)
         except (ValueError, OSError) as error:  # the config as this host reads it: missing there, or another one
-            report = {"host": socket.gethostname(), "config_error": f"{args.config}: {error}"}
+            report = {"host": socket.gethostname(), "config_error": config_error(args.config, error, args.overrides)}
+        else:
+            report = probe(cfg, args.shared_file)
         print(json.dumps(report))
         return 0
     if args.local_ranks < 1:
@@ -406,14 +409,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.config is None:
         parser.error("the following arguments are required: --config")
-    try:
-        load_config(args.config, args.overrides)
+    try:  # once: a config read from a pipe (/dev/fd/N) can be read only once
+        cfg = load_config(args.config, args.overrides)
     except (ValueError, OSError) as error:  # the config itself (a missing file, a misspelt key, a bad value)
-        print(f"[preflight] PROBLEM: {args.config}: {error}", file=sys.stderr)
+        print(f"[preflight] PROBLEM: {config_error(args.config, error, args.overrides)}", file=sys.stderr)
         return 2
     try:
         problems = preflight(args.config, args.overrides, args.hostfile, args.local_ranks, args.include,
-                             args.exclude, args.num_nodes)
+                             args.exclude, args.num_nodes, cfg=cfg)
     except (ValueError, OSError) as error:  # the hostfile, say
         print(f"[preflight] PROBLEM: {error}", file=sys.stderr)
         return 2

@@ -18,7 +18,7 @@ import sys
 if __package__ in (None, ""):  # `deepspeed pretrain/train.py` runs this file as a script
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pretrain.config import RunConfig, keys_help, load_config  # noqa: E402
+from pretrain.config import RunConfig, config_error, keys_help, load_config  # noqa: E402
 from pretrain.engine import (RunStopped, SetupError, close_distributed, init_distributed, on_every_rank,  # noqa: E402
                              say_once)
 from pretrain.trainer import train  # noqa: E402
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = on_every_rank(lambda: load_config(args.config, args.overrides))
     except SetupError as error:  # a bad setting: one line, said once, not a traceback per rank
-        say_once(f"[config] {args.config}{' + overrides' if args.overrides else ''}: {error}")
+        say_once(f"[config] {config_error(args.config, error, args.overrides)}")
         sys.exit(2)
     try:
         train(cfg)

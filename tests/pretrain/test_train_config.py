@@ -289,7 +289,12 @@ def test_yaml_syntax_errors_are_value_errors_naming_the_file_or_the_override(tmp
         main(["--config", str(bad)])
     assert stopped.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"[config] {bad}: {bad}:3:1: not valid YAML") and err.count("\n") == 1
+    assert err.startswith(f"[config] {bad}:3:1: not valid YAML") and err.count("\n") == 1  # the file named once
+    from pretrain import preflight
+    assert preflight.main(["--config", str(bad)]) == 2
+    assert capsys.readouterr().err.startswith(f"[preflight] PROBLEM: {bad}:3:1: not valid YAML")
+    assert preflight.main(["--probe", "--config", str(bad)]) == 0  # a host's report, over ssh
+    assert json.loads(capsys.readouterr().out)["config_error"].startswith(f"{bad}:3:1: not valid YAML")
 
 
 def test_an_absent_section_or_an_incomplete_model_is_named(tmp_path: Path) -> None:
@@ -337,7 +342,8 @@ def test_the_resolving_cli_refuses_what_training_refuses_in_one_line(arguments: 
     assert stopped.value.code == 2
     captured = capsys.readouterr()
     message = message.replace("ABSENT", str(tmp_path / "absent"))
-    assert captured.err.startswith(f"python -m pretrain.config: error: {message}"), captured.err
+    named = f"{REPO_ROOT / 'pretrain/configs/tiny.yaml'} + overrides"  # the file, unless the message names it
+    assert captured.err.startswith(f"python -m pretrain.config: error: {named}: {message}"), captured.err
     assert captured.err.count("\n") == 1 and captured.out == ""
 
 
@@ -361,18 +367,31 @@ def test_the_resolving_cli_names_a_missing_file_and_prints_a_good_config(tmp_pat
     assert capsys.readouterr().err == f"{error} {tmp_path}: a directory, not a config file\n"
 
 
-def test_a_config_read_from_a_pipe(capsys) -> None:
-    """`python -m pretrain.config <(sed ... tiny.yaml)`: the shell passes /dev/fd/N, a pipe, not a regular file."""
+def test_a_config_read_from_a_pipe(unilm_shards, tmp_path, capsys) -> None:
+    """`python -m pretrain.config <(sed ... tiny.yaml)`: the shell passes /dev/fd/N, a pipe, not a regular file,
+    which can be read once: so does the preflight."""
+    from pretrain import preflight
     from pretrain.config import main
 
-    read, write = os.pipe()
-    with os.fdopen(write, "w") as pipe:
-        pipe.write((REPO_ROOT / "pretrain/configs/tiny.yaml").read_text())
+    def pipe_of_tiny() -> int:
+        read, write = os.pipe()
+        with os.fdopen(write, "w") as pipe:
+            pipe.write((REPO_ROOT / "pretrain/configs/tiny.yaml").read_text())
+        return read
+
+    read = pipe_of_tiny()
     try:
         main([f"/dev/fd/{read}", "train.seed=11"])
     finally:
         os.close(read)
     assert "seed: 11" in capsys.readouterr().out
+    read = pipe_of_tiny()
+    try:
+        assert preflight.main(["--config", f"/dev/fd/{read}", f"data.shards={unilm_shards}",
+                               f"out_dir={tmp_path / 'run'}"]) == 0, capsys.readouterr().err
+    finally:
+        os.close(read)
+    assert capsys.readouterr().out.endswith("[preflight] ready\n")
 
 
 def test_an_unusable_train_resume_names_the_key_and_its_values(tmp_path: Path, one_rank_group) -> None:
