@@ -485,22 +485,22 @@ def adam_that_loads(config: dict[str, Any], resumed: ResumePoint | None = None) 
     op = adam_op(config)
     saved = (resumed.meta.get("optimizer_class") or "") if resumed is not None else ""
     explicit = "torch_adam" in (config.get("optimizer") or {}).get("params", {})
+    saved_class = saved.rsplit(".", 1)[-1]
     where = resumed.directory / resumed.tag if resumed is not None else None
     universal = resumed is not None and resumed.universal
     if op is not None and saved in TORCH_ADAM and not universal:
-        torch_class = saved.rsplit(".", 1)[1]
         if op == "CPUAdamBuilder":
-            raise SetupError(f"{where} was stepped by torch's {torch_class}, and the DeepSpeed JSON offloads "
+            raise SetupError(f"{where} was stepped by torch's {saved_class}, and the DeepSpeed JSON offloads "
                              "optimizer state (zero_optimization.offload_optimizer), which DeepSpeed's CPUAdam "
                              "steps: it cannot take over torch's state (its parameter groups lack bias_correction). "
                              "Resume with a JSON without offload_optimizer, or one that offloads torch's "
                              "(optimizer.params.torch_adam true, zero_force_ds_cpu_optimizer false)")
         if explicit:
-            raise SetupError(f"{where} was stepped by torch's {torch_class} and the DeepSpeed JSON sets "
+            raise SetupError(f"{where} was stepped by torch's {saved_class} and the DeepSpeed JSON sets "
                              "optimizer.params.torch_adam false, asking for DeepSpeed's FusedAdam, which cannot "
                              "take over torch's state (its parameter groups lack bias_correction): drop torch_adam "
                              "from the JSON to resume with torch's optimizer")
-        say_once(f"[optimizer] {where} was stepped by torch's {torch_class}: so is this run (DeepSpeed's FusedAdam, "
+        say_once(f"[optimizer] {where} was stepped by torch's {saved_class}: so is this run (DeepSpeed's FusedAdam, "
                  "which the DeepSpeed JSON would use, cannot take over torch's state)")
         return _with_torch_adam(config)
     failure = None if op is None else first_error(op_failure(op))
@@ -517,10 +517,10 @@ def adam_that_loads(config: dict[str, Any], resumed: ResumePoint | None = None) 
                          "to step with torch's AdamW where FusedAdam does not load")
     if saved in DEEPSPEED_ADAM and universal:
         raise SetupError(f"DeepSpeed's FusedAdam cannot be loaded here: {failure}. {where} was stepped by DeepSpeed's "
-                         f"{saved.rsplit('.', 1)[1]} and is resumed on another world size or ZeRO stage, through "
+                         f"{saved_class} and is resumed on another world size or ZeRO stage, through "
                          "DeepSpeed's universal conversion, which torch's AdamW cannot go on from: "
                          f"{FUSED_ADAM_NEEDS}; or resume with the world size and ZeRO stage it was saved with")
-    stepped = f" {where} was stepped by DeepSpeed's {saved.rsplit('.', 1)[1]}, whose state torch's AdamW takes " \
+    stepped = f" {where} was stepped by DeepSpeed's {saved_class}, whose state torch's AdamW takes " \
         "over." if saved in DEEPSPEED_ADAM else ""
     say_once(f"[optimizer] DeepSpeed's FusedAdam cannot be loaded here ({failure}): stepping with torch's AdamW, "
              f"the same update unfused. For the fused one: {FUSED_ADAM_NEEDS}.{stepped} A checkpoint of this "
@@ -551,8 +551,8 @@ def build_engine(model: torch.nn.Module, config: dict[str, Any], weight_decay: f
                                                config=config)
     finally:
         deepspeed_logger.removeFilter(_scheduler_not_started)
-    saved, built = resumed.meta.get("optimizer_class") if resumed is not None else None, \
-        optimizer_name(engine.basic_optimizer)
+    saved = resumed.meta.get("optimizer_class") if resumed is not None else None
+    built = optimizer_name(engine.basic_optimizer)
     if saved is not None and not takes_over(saved, built, resumed.universal):
         converted = " (converted to DeepSpeed's universal checkpoint: another world size or ZeRO stage)" \
             if resumed.universal else ""
