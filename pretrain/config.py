@@ -399,18 +399,15 @@ def _yaml_problem(error: yaml.YAMLError) -> str:
 T = typing.TypeVar("T")
 
 
-class NoConfigFileError(FileNotFoundError):
-    """The config path names nothing, or a directory; the message leaves the path to the caller."""
-
-
 def config_error(path: str | Path, error: BaseException, overrides: Sequence[str] = ()) -> str:
     """One line for ``error`` from loading the config at ``path`` (with ``overrides``), naming the file once: a
     YAML error names it already, with the line; other messages (a missing file, a bad key or value) leave it out,
-    and what may come from an override says so."""
+    and what may come from an override says so (not a missing file: ``error`` may have crossed ranks as a string,
+    so this looks at the path, not the error's class)."""
     message = str(error)
     if message.startswith(f"{path}:"):
         return message
-    from_overrides = overrides and not isinstance(error, NoConfigFileError)
+    from_overrides = overrides and Path(path).exists() and not Path(path).is_dir()
     return f"{path}{' + overrides' if from_overrides else ''}: {message}"
 
 
@@ -422,7 +419,7 @@ def load_dataclass(cls: type[T], path: str | Path | None, overrides: list[str] =
         what = "a directory, not a config file" if Path(path).is_dir() else "no such config file"
         others = sorted(Path(path).parent.glob("*.yaml")) if Path(path).parent.is_dir() else []
         listed = f" ({Path(path).parent} has {', '.join(other.name for other in others)})" if others else ""
-        raise NoConfigFileError(what + listed)
+        raise FileNotFoundError(what + listed)
     try:
         loaded = (yaml.safe_load(Path(path).read_text()) or {}) if path else {}
     except yaml.YAMLError as error:

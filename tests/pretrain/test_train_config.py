@@ -67,6 +67,10 @@ def test_a_bad_setting_is_one_line_not_a_traceback(capsys) -> None:
     assert stopped.value.code == 2
     assert capsys.readouterr().err == (f"[config] {REPO_ROOT / 'pretrain/configs/tiny.yaml'} + overrides: unknown "
                                        "config key(s): train.max_step (did you mean train.max_steps?)\n")
+    with pytest.raises(SystemExit):  # a missing file is not the overrides' doing
+        main(["--config", str(REPO_ROOT / "pretrain/configs/tiny.yml"), "train.max_steps=5"])
+    assert capsys.readouterr().err.startswith(f"[config] {REPO_ROOT / 'pretrain/configs/tiny.yml'}: no such config "
+                                              "file (")
 
 
 def test_preflight_names_a_bad_config_in_one_line_and_checks_the_vocabulary_before_launch(unilm_shards, tmp_path,
