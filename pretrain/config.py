@@ -399,6 +399,11 @@ def _yaml_problem(error: yaml.YAMLError) -> str:
 T = typing.TypeVar("T")
 
 
+def _names_a_file(path: str | Path) -> bool:
+    """Whether ``path`` is something a config can be read from: a file, or a pipe (``<(...)``), not a directory."""
+    return Path(path).exists() and not Path(path).is_dir()
+
+
 def config_error(path: str | Path, error: BaseException, overrides: Sequence[str] = ()) -> str:
     """One line for ``error`` from loading the config at ``path`` (with ``overrides``), naming the file once: a
     YAML error names it already, with the line; other messages (a missing file, a bad key or value) leave it out,
@@ -407,7 +412,7 @@ def config_error(path: str | Path, error: BaseException, overrides: Sequence[str
     message = str(error)
     if message.startswith(f"{path}:"):
         return message
-    from_overrides = overrides and Path(path).exists() and not Path(path).is_dir()
+    from_overrides = overrides and _names_a_file(path)
     return f"{path}{' + overrides' if from_overrides else ''}: {message}"
 
 
@@ -415,7 +420,7 @@ def load_dataclass(cls: type[T], path: str | Path | None, overrides: list[str] =
                    values: dict[str, Any] | None = None) -> T:
     """The config ``cls`` from a YAML file (``path``, optional), then ``values`` (nested keys), then dotted
     ``key=value`` overrides; values are coerced to the field types and the dataclasses validate themselves."""
-    if path and (not Path(path).exists() or Path(path).is_dir()):  # the callers name the path (a pipe reads fine)
+    if path and not _names_a_file(path):  # the callers name the path
         what = "a directory, not a config file" if Path(path).is_dir() else "no such config file"
         others = sorted(Path(path).parent.glob("*.yaml")) if Path(path).parent.is_dir() else []
         listed = f" ({Path(path).parent} has {', '.join(other.name for other in others)})" if others else ""

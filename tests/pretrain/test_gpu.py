@@ -105,8 +105,8 @@ def test_bf16_zero3_with_gpu_evaluation_exports_a_transformers_model(common: lis
 
     out = tmp_path / "run"
     log = gpu_launch(common + [f"out_dir={out}", "deepspeed_config=ds_configs/zero3_bf16.json", "train.max_steps=4",
-                         "train.save_interval=4", f"data.eval_shards={unilm_shards}", "train.eval_interval=2",
-                         "train.eval_samples=13"])
+                               "train.save_interval=4", f"data.eval_shards={unilm_shards}", "train.eval_interval=2",
+                               "train.eval_samples=13"])
     records = metrics(out)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert "eval_loss" in records[1] and "eval_loss_seq2seq" in records[3] and "eval_loss" not in records[0]
