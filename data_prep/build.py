@@ -1125,7 +1125,7 @@ def _warn_low_cap(masking: MaskingConfig, max_seq_len: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    with signals.sigterm_as_interrupt():
+    with signals.stop_once():
         _main(args)
 
 

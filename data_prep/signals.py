@@ -1,6 +1,7 @@
-"""SIGTERM taken as Ctrl-C by the long one-process commands (a shard build, decoding): a scheduler's time limit or
+"""The long one-process commands (a shard build, decoding) stop on SIGTERM as on Ctrl-C: a scheduler's time limit or
 `kill` then ends them as an interrupt does, with their own message and what they finished kept, instead of a
-silent death (Python's default for SIGTERM)."""
+silent death (Python's default for SIGTERM). They stop once: a second signal (Ctrl-C pressed twice, a signal sent
+to the process group by several of its processes) does not cut that cleanup short with a traceback."""
 from __future__ import annotations
 
 import signal
@@ -12,18 +13,29 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, raised where the main thread is, as Ctrl-C raises KeyboardInterrupt."""
 
 
-def _raise_terminated(*_: object) -> None:
-    raise Terminated
-
-
 @contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """Within the block SIGTERM raises `Terminated` (a KeyboardInterrupt); the handler before it is restored."""
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+def stop_once() -> Iterator[None]:
+    """Within the block the first SIGTERM raises `Terminated` and the first SIGINT KeyboardInterrupt (where Python
+    handles SIGINT: a background job that ignores it keeps ignoring it); after that first one, both are ignored
+    until the block ends, so the stop's cleanup (a worker pool's shutdown, saying what was kept) runs to its end.
+    The handlers before the block are restored after it."""
+    raised = {signal.SIGTERM: Terminated}
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        raised[signal.SIGINT] = KeyboardInterrupt
+    previous = {number: signal.getsignal(number) for number in raised}
+
+    def stop(number: int, _frame: object) -> None:
+        for handled in raised:
+            signal.signal(handled, signal.SIG_IGN)
+        raise raised[number]
+
+    for number in raised:
+        signal.signal(number, stop)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for number, handler in previous.items():
+            signal.signal(number, handler)
 
 
 def describe(stop: KeyboardInterrupt) -> tuple[str, int]:

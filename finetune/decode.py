@@ -48,7 +48,7 @@ import torch
 
 from data_prep import locks
 from data_prep.shard_format import sha256_file
-from data_prep.signals import describe, sigterm_as_interrupt
+from data_prep.signals import describe, stop_once
 from data_prep.text import split_sentences
 from pretrain.accelerator import default_device
 from pretrain.masks import SEQ2SEQ, build_segment_ids
@@ -675,19 +675,19 @@ def _decode(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         print(f"[decode] {found}", file=sys.stderr, flush=True)
     kept = len(journal.predictions)
     began = time.perf_counter()
-    try:
-        with sigterm_as_interrupt():
+    with stop_once():  # its handling included: a second signal does not cut that short
+        try:
             predictions, truncated = decode_records(finetuned.model, finetuned.tokenizer, records, config,
                                                     max_src_len, args.batch_size, progress=True, spaced=spaced,
                                                     journal=journal)
-    except ValueError as error:  # a record it cannot decode, found before decoding any
-        journal.remove()
-        parser.error(f"--input {args.input}: {error}")
-    except KeyboardInterrupt as stop:
-        said, code = describe(stop)
-        print(f"\n[decode] {said}: {len(journal.predictions)} of {len(records)} predictions are kept in "
-              f"{journal.path}; the same command continues after them", file=sys.stderr, flush=True)
-        sys.exit(code)
+        except ValueError as error:  # a record it cannot decode, found before decoding any
+            journal.remove()
+            parser.error(f"--input {args.input}: {error}")
+        except KeyboardInterrupt as stop:
+            said, code = describe(stop)
+            print(f"\n[decode] {said}: {len(journal.predictions)} of {len(records)} predictions are kept in "
+                  f"{journal.path}; the same command continues after them", file=sys.stderr, flush=True)
+            sys.exit(code)
     seconds = time.perf_counter() - began
     empty = [number for number, record in enumerate(records, 1) if not record["src"].strip()]
     if empty:

@@ -9,12 +9,13 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from conftest import ROOT, subprocess_env
-from data_prep import build
+from data_prep import build, signals
 from data_prep.shard_format import ShardDataset
 from shard_builds import build_error, run_build
 
@@ -195,3 +196,44 @@ def test_a_signalled_build_stops_its_workers_says_so_once_and_keeps_the_previous
     assert directory_bytes(out) == before
     assert run_build(*args, "--overwrite", "--seed", 3)["seed"] == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == [".shards.lock", "shards"]
+
+
+@pytest.mark.parametrize("first, second, raised", [(signal.SIGINT, signal.SIGTERM, KeyboardInterrupt),
+                                                   (signal.SIGTERM, signal.SIGINT, signals.Terminated)])
+def test_a_command_stops_once_and_its_cleanup_is_not_cut_short_by_a_second_signal(first, second, raised):
+    """Within `stop_once` the first signal raises; the next ones (Ctrl-C twice, several processes of the group
+    signalling it) are ignored while the stop is handled; afterwards the handlers before the block are back."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler), signal.getsignal(signal.SIGTERM)
+    stops, cleaned_up = [], False
+    try:
+        with signals.stop_once():
+            try:
+                os.kill(os.getpid(), first)
+                time.sleep(5)  # the handler raises here
+            except KeyboardInterrupt as stop:
+                stops.append(type(stop))
+                for again in (first, second, first):
+                    os.kill(os.getpid(), again)
+                time.sleep(0.2)
+                cleaned_up = True
+        assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == \
+            (signal.default_int_handler, before[1])
+    except KeyboardInterrupt as escaped:  # not to pytest, which would end the session
+        pytest.fail(f"a second signal raised {type(escaped).__name__} during the cleanup")
+    finally:
+        signal.signal(signal.SIGINT, before[0])
+    assert stops == [raised] and cleaned_up
+
+
+def test_a_command_that_ignores_ctrl_c_keeps_ignoring_it():
+    """A background job starts with SIGINT ignored: `stop_once` leaves it so, and stops on SIGTERM."""
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with pytest.raises(signals.Terminated), signals.stop_once():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)  # not interrupted
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
