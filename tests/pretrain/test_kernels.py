@@ -210,21 +210,58 @@ def test_attention_without_dropout_is_sdpa_itself():
                        F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
 
 
-def test_attention_dropout_on_the_cpu_is_softmax_then_dropout_adds_mask():
-    q, k, v, mask = _attention_inputs()
+def _strided_heads(batch: int, length: int, heads: int, head_size: int, generator: torch.Generator) -> torch.Tensor:
+    """Float[B, heads, L, d] as the model's attention sees it: a view of a [B, L, heads·d] projection."""
+    x = torch.randn(batch, length, heads * head_size, generator=generator, requires_grad=True)
+    return x.view(batch, length, heads, head_size).transpose(1, 2)
+
+
+@pytest.mark.parametrize("key_length", [5, 7])
+@pytest.mark.parametrize("masked", [True, False])
+def test_attention_dropout_on_the_cpu_is_softmax_then_dropout_adds_mask(key_length, masked):
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (_strided_heads(2, length, 3, 8, g) for length in (5, key_length, key_length))
+    mask = torch.zeros(2, 1, 5, key_length).masked_fill_(torch.rand(2, 1, 5, key_length, generator=g) > 0.6,
+                                                          float("-inf")) if masked else None
+    if masked:
+        mask[..., 0] = 0.0  # every query sees a key
+    weights = torch.linspace(-1, 1, 8)
     torch.manual_seed(3)
     out = kernels.attention(q, k, v, mask, 0.25)
-    (out * torch.linspace(-1, 1, 8)).sum().backward()
+    (out * weights).sum().backward(inputs=[q, k, v])
     ours = out.detach(), q.grad, k.grad, v.grad
-    q, k, v, mask = _attention_inputs()
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     torch.manual_seed(3)  # the same draw as dropout_add's
-    probs = torch.softmax(q @ k.transpose(-1, -2) / 8 ** 0.5 + mask, dim=-1)
+    scores = q @ k.transpose(-1, -2) / 8 ** 0.5
+    probs = torch.softmax(scores if mask is None else scores + mask, dim=-1)
     reference = (probs * _scaled_keep_mask(probs, 0.25)) @ v
-    (reference * torch.linspace(-1, 1, 8)).sum().backward()
+    (reference * weights).sum().backward()
     for a, b in zip(ours, (reference.detach(), q.grad, k.grad, v.grad)):
         assert_close(a, b, rtol=1e-5, atol=1e-6)
     dropped = (probs * _scaled_keep_mask(probs, 0.25) == 0) & (probs > 0)
     assert 0 < dropped.float().mean() < 0.5  # it did drop
+
+
+def test_attention_dropout_backward_is_the_derivative_of_its_forward():
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 2, length, 4, generator=g, dtype=torch.float64, requires_grad=True)
+               for length in (3, 4, 4))
+    mask = torch.zeros(2, 1, 3, 4, dtype=torch.float64)
+    mask[0, 0, 1, 2:] = float("-inf")
+
+    def seeded(q, k, v):  # one dropout mask for every evaluation gradcheck makes
+        torch.manual_seed(4)
+        return kernels._AttentionWithDropout.apply(q, k, v, mask, 0.3)
+
+    assert torch.autograd.gradcheck(seeded, (q, k, v))
+
+
+def test_attention_with_a_mask_that_needs_a_gradient_is_sdpa():
+    q, k, v, mask = _attention_inputs()
+    mask = mask.clamp(min=-1e4).requires_grad_()
+    torch.manual_seed(5)
+    kernels.attention(q, k, v, mask, 0.1).sum().backward()
+    assert mask.grad is not None and mask.grad.abs().sum() > 0
 
 
 def test_attention_dropout_keeps_sdpas_expectation_and_a_fully_masked_row_finite():
