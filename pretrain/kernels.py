@@ -247,7 +247,7 @@ class _AttentionWithDropout(torch.autograd.Function):
         scaled_keep = _scaled_keep_mask(probs, p)
         dropped = probs * scaled_keep
         ctx.save_for_backward(q, k, v, probs, scaled_keep, dropped)
-        ctx.scale, ctx.heads = scale, (batch, heads)
+        ctx.scale, ctx.batch_and_heads = scale, (batch, heads)
         return torch.bmm(dropped, v).view(batch, heads, query_length, head_size)
 
     @staticmethod
@@ -258,7 +258,7 @@ class _AttentionWithDropout(torch.autograd.Function):
         grad_probs = torch.bmm(grad, v.transpose(1, 2)).mul_(scaled_keep)
         grad_scores = torch._softmax_backward_data(grad_probs, probs, -1, probs.dtype).mul_(ctx.scale)
         grad_query, grad_key = torch.bmm(grad_scores, k), torch.bmm(grad_scores.transpose(1, 2), q)
-        return (*(g.view(*ctx.heads, *g.shape[1:]) for g in (grad_query, grad_key, grad_value)), None, None)
+        return (*(g.view(*ctx.batch_and_heads, *g.shape[1:]) for g in (grad_query, grad_key, grad_value)), None, None)
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
