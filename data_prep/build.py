@@ -44,7 +44,7 @@ from typing import IO, Iterator, Sequence
 import numpy as np
 from tqdm import tqdm
 
-from data_prep import locks, signals
+from common import locks, signals
 from data_prep.instances import (RECIPES, Instance, InstanceConfig, MaskingConfig, Uniforms, default_max_predictions,
                                  document_instances, masking_budget, mask_samples, parse_objective_mix)
 from data_prep.shard_format import (INDEX_DTYPE, MANIFEST_NAME, SHARD_GLOB, VOCAB_NAME, Objective,
@@ -581,7 +581,7 @@ def lock_path(out: Path, builder_index: int | None = None) -> Path:
 
 
 class OutputLock:
-    """The ``flock`` (``data_prep.locks``) a build holds on ``.NAME.lock`` beside ``--out`` while it works on
+    """The ``flock`` (``common.locks``) a build holds on ``.NAME.lock`` beside ``--out`` while it works on
     ``.NAME.partial`` and ``NAME``: exclusive for a single build and for ``--finalize``; shared by the builders of a
     split build, each of which also holds ``.NAME.builder-I.lock`` exclusively (so builder I cannot run twice at
     once). (``pretrain.checkpoint.RunLock`` locks a training run's directory the same way.)"""

@@ -17,15 +17,15 @@ manifest is written last and records a sha256 per shard, which ``ShardDataset.ve
 from __future__ import annotations
 
 import enum
-import hashlib
 import json
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
+
+from common.files import sha256_file, write_bytes_atomically, write_text_atomically
 
 MAGIC = b"ULMSHARD"
 FORMAT_VERSION = 1
@@ -145,18 +145,6 @@ class ShardArrays:
                            np.array(self.masked_labels[m0:m1]))
 
 
-def _atomic_write(path: Path, chunks: list[bytes | memoryview], durable: bool = True) -> None:
-    """Write to ``path.tmp``, fsync (when ``durable``), rename: a file under its final name is always complete."""
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        for chunk in chunks:
-            f.write(chunk)
-        f.flush()
-        if durable:
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def write_shard(path: Path, arrays: ShardArrays, durable: bool = True) -> None:
     """Write one shard file atomically. Token width follows ``arrays.tokens.dtype`` (uint16 or uint32).
 
@@ -175,7 +163,7 @@ def write_shard(path: Path, arrays: ShardArrays, durable: bool = True) -> None:
     for section in sections:
         data = section.tobytes()
         chunks.append(data + b"\0" * (_align8(len(data)) - len(data)))
-    _atomic_write(path, chunks, durable)
+    write_bytes_atomically(path, chunks, durable)
 
 
 class ShardFile:
@@ -311,17 +299,9 @@ class ShardFile:
         return (self[i] for i in range(len(self)))
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def write_json(path: Path, payload: dict[str, Any]) -> None:
     """Atomic, deterministic JSON (sorted keys) — manifests must be byte-identical across rebuilds."""
-    _atomic_write(path, [(json.dumps(payload, indent=2, sort_keys=True) + "\n").encode()])
+    write_text_atomically(path, json.dumps(payload, indent=2, sort_keys=True) + "\n")
 
 
 def read_manifest(directory: Path | str) -> dict[str, Any]:

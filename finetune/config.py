@@ -1,7 +1,7 @@
 """The fine-tuning run config: one frozen dataclass, from YAML (`finetune/configs/`) plus CLI flags.
 
 Precedence: dataclass defaults < `--config YAML` < explicit CLI flags (`--lr`, `--epochs`, ...) < dotted
-`--set key=value` overrides. Loaded by the loader pre-training uses (`pretrain.config.load_dataclass`): values
+`--set key=value` overrides. Loaded by the loader pre-training uses (`common.config_loader.load_dataclass`): values
 are coerced to the field types (`--set lr=3e-5` is a float) and unknown keys are refused. Batch sizes live here
 only; the DeepSpeed JSON holds engine settings.
 """
@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.accelerator import accelerator_name, native_bf16
-from pretrain.config import REPO_ROOT, check_field_types, load_dataclass
+from common.config_loader import check_field_types, load_dataclass
+from common.paths import REPO_ROOT
 
 TASKS = ("classify", "qa", "seq2seq")
 TASK_METRICS = {"classify": ("accuracy", "macro_f1", "mcc", "f1", "pearson", "spearman"),

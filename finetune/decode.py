@@ -46,13 +46,14 @@ from typing import IO, Any
 
 import torch
 
-from data_prep import locks
-from data_prep.shard_format import sha256_file
-from data_prep.signals import describe, stop_once
+from common import locks
+from common.files import sha256_file
+from common.signals import describe, stop_once
 from data_prep.text import split_sentences
 from pretrain.accelerator import default_device
 from pretrain.masks import SEQ2SEQ, build_segment_ids
-from pretrain.outputs import check_output, write_file_atomically
+from common.files import write_atomically
+from pretrain.outputs import check_output
 
 from .task_files import read_seq2seq, write_jsonl
 from .metrics import generation_metrics
@@ -411,7 +412,7 @@ class PredictionJournal:
                 found = (f"{self.path} holds predictions of another model, input or settings; starting afresh "
                          "(it is replaced)")
         kept = self._line(0, self.predictions, self.truncated) if self.predictions else ""  # one entry for it all
-        write_file_atomically(self.path, lambda tmp: tmp.write_text(
+        write_atomically(self.path, lambda tmp: tmp.write_text(
             json.dumps({"fingerprint": self.fingerprint}) + "\n" + kept, encoding="utf-8"))
         return found
 
@@ -505,10 +506,10 @@ def write_predictions(output: Path, records: list[dict], predictions: list[str])
     order (UniLM's decoding output, what files2rouge and the question-generation scripts read beside the
     references; `decode_records(spaced=True)` gives its tokenised form)."""
     if not writes_lines(output):
-        write_file_atomically(output, lambda tmp: write_jsonl(
+        write_atomically(output, lambda tmp: write_jsonl(
             ({**record, "prediction": p} for record, p in zip(records, predictions)), tmp))
     else:
-        write_file_atomically(output, lambda tmp: tmp.write_text(
+        write_atomically(output, lambda tmp: tmp.write_text(
             "".join(" ".join(p.split()) + "\n" for p in predictions), encoding="utf-8"))
 
 
@@ -599,7 +600,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def lock_output(parser: argparse.ArgumentParser, output: str) -> IO[str]:
-    """The lock (``data_prep.locks``) a decode holds on ``.NAME.decode.lock`` beside its output from start to end,
+    """The lock (``common.locks``) a decode holds on ``.NAME.decode.lock`` beside its output from start to end,
     so that a second decode of the same output (which would share its `PredictionJournal`) is refused, naming the
     first; returns the handle that holds it."""
     path = beside(output, ".decode.lock")
@@ -703,7 +704,7 @@ def _decode(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
           f"word pieces) → {args.output}")
     if all(isinstance(r.get("tgt"), str) for r in records):
         scores = score_predictions(finetuned.tokenizer, predictions, [r["tgt"] for r in records])
-        write_file_atomically(metrics_path(args.output),
+        write_atomically(metrics_path(args.output),
                               lambda tmp: tmp.write_text(json.dumps(scores, indent=2) + "\n"))
         print("[decode] " + "  ".join(f"{k} {v:.2f}" for k, v in scores.items()) + f" → {metrics_path(args.output)}")
 

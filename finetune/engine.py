@@ -38,7 +38,7 @@ from pretrain.data import to_device
 from pretrain.engine import (NonFiniteLossError, build_engine, engine_config, gather_objects,
                              init_distributed, nonfinite_gradient_norm, optimizer_name, optimizer_step,
                              read_engine_json, zero_stage)
-from pretrain.outputs import write_file_atomically
+from common.files import write_atomically
 from pretrain.trainer import StepBar, StopRequest, prepare_metrics_file
 
 from .config import FinetuneConfig
@@ -206,7 +206,7 @@ def _fit_locked(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer, rank
                "world_size": world_size, "finished": progress.step >= total_steps,
                "wall_s_this_launch": time.perf_counter() - started, **task.meta}
     if rank == 0:
-        write_file_atomically(out / SUMMARY_FILE, lambda tmp: tmp.write_text(json.dumps(summary, indent=1) + "\n"))
+        write_atomically(out / SUMMARY_FILE, lambda tmp: tmp.write_text(json.dumps(summary, indent=1) + "\n"))
         if summary["finished"] and progress.best is not None:
             best = progress.best
             print(f"[finetune] done: best epoch {best['epoch']}, {task.primary_metric} "

@@ -170,7 +170,7 @@ def save_finetuned(out_dir: str | Path, model: UniLMModel, head: torch.nn.Module
     ``weights``: the task module's state under its names (``backbone.*``, ``head.*``) to write instead of what
     ``model`` and ``head`` hold — under DeepSpeed, the fp32 master copy from
     `pretrain.checkpoint.gather_full_weights` (the modules hold bf16/fp16 copies, or ZeRO-3 partitions)."""
-    from data_prep.shard_format import sha256_file
+    from common.files import sha256_file
 
     if weights is None:
         weights = {f"backbone.{k}": v for k, v in model.state_dict().items()}
@@ -248,7 +248,7 @@ def hf_task_config(architecture: str, meta: dict[str, Any]) -> dict[str, Any]:
 def check_complete(directory: Path, meta: dict[str, Any]) -> None:
     """Every file `finetune.json` lists has the sha256 it recorded (an interrupted save or a mixed directory
     is refused, naming the file)."""
-    from data_prep.shard_format import sha256_file
+    from common.files import sha256_file
 
     for name, digest in meta.get("files", {}).items():
         path = directory / name

@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from pretrain.outputs import check_output, write_file_atomically
+from common.files import write_atomically
+from pretrain.outputs import check_output
 
 from . import classify, qa
 from .decode import beside, device_argument, int_at_least, refuse_distributed_launch
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(str(error))
     if labelled:
         scores_file = beside(args.output, ".metrics.json")
-        write_file_atomically(scores_file, lambda tmp: tmp.write_text(json.dumps(result, indent=2) + "\n"))
+        write_atomically(scores_file, lambda tmp: tmp.write_text(json.dumps(result, indent=2) + "\n"))
         print("[predict] " + "  ".join(f"{k} {v:.4f}" for k, v in result.items()) + f" → {scores_file}")
     return result
 
@@ -141,7 +142,7 @@ def predict_classify(args: argparse.Namespace, finetuned: Finetuned, settings: d
     seconds = time.perf_counter() - began
     ids = [r.get("index", number) for number, r in enumerate(records)]
     lines = ["index\tprediction"] + [f"{i}\t{format_prediction(p, labels)}" for i, p in zip(ids, predictions)]
-    write_file_atomically(args.output, lambda tmp: tmp.write_text("\n".join(lines) + "\n", encoding="utf-8"))
+    write_atomically(args.output, lambda tmp: tmp.write_text("\n".join(lines) + "\n", encoding="utf-8"))
     print(f"[predict] {len(records)} examples in {seconds:.1f}s ({truncated} inputs cut to {max_seq_len} word "
           f"pieces) → {args.output}", flush=True)
     if not labelled:
@@ -170,12 +171,12 @@ def predict_qa(args: argparse.Namespace, finetuned: Finetuned, settings: dict, m
     seconds = time.perf_counter() - began
     threshold = settings.get("null_score_diff_threshold", 0.0)
     answers = qa.answers_of(predictions, questions, version_2, threshold)
-    write_file_atomically(args.output, lambda tmp: tmp.write_text(json.dumps(answers, indent=1, ensure_ascii=False)
+    write_atomically(args.output, lambda tmp: tmp.write_text(json.dumps(answers, indent=1, ensure_ascii=False)
                                                                    + "\n", encoding="utf-8"))
     odds_file = beside(args.output, ".null_odds.json")
     if version_2:
         odds = {q.qid: p.null_margin for q, p in zip(questions, predictions)}  # inf: no span offered
-        write_file_atomically(odds_file, lambda tmp: tmp.write_text(json.dumps(odds, indent=1) + "\n"))
+        write_atomically(odds_file, lambda tmp: tmp.write_text(json.dumps(odds, indent=1) + "\n"))
     print(f"[predict] {len(questions)} questions ({len(windows)} windows) in {seconds:.1f}s → {args.output}"
           + (f" and {odds_file}" if version_2 else ""), flush=True)
     if version_2:

@@ -13,7 +13,7 @@ from pathlib import Path
 from deepspeed.accelerator import get_accelerator
 
 from pretrain import checkpoint as ckpt
-from pretrain.config import keys_help
+from common.config_loader import keys_help
 from pretrain.batch_plan import plan_batch
 from pretrain.engine import (RunStopped, SetupError, close_distributed, init_distributed, on_every_rank,
                              read_engine_json, say_once, seed_everything)

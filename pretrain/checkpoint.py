@@ -64,8 +64,8 @@ from deepspeed.utils import safe_get_full_fp32_param
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from data_prep import locks
-from data_prep.shard_format import sha256_file
+from common import locks
+from common.files import PARTIAL_MARK, fsync_tree, sha256_file, write_atomically, write_text_atomically
 from pretrain.engine import (RunStopped, first_error, gather_objects, portable_rng_state, resume_rng,
                              seed_everything)
 from pretrain.model import RETIRED_FIELDS
@@ -113,41 +113,7 @@ def code_version() -> str:
 
 def _listing(tag_dir: Path) -> dict[str, int]:
     return {str(p.relative_to(tag_dir)): p.stat().st_size
-            for p in sorted(tag_dir.rglob("*")) if p.is_file() and p.name != MARKER and not p.name.endswith(".tmp")}
-
-
-def _fsync(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def fsync_tree(directory: Path) -> None:
-    """Flush every file under ``directory`` and the directories themselves (names are data too) to disk.
-
-    Every rank writes into the same tag directory at once, so a file listed here may be renamed away before its
-    flush (rank 0's ``WEIGHTS`` temporary becoming ``WEIGHTS``): it is skipped, its writer flushes it under its
-    final name in its own call."""
-    for path in sorted(directory.rglob("*")):
-        try:
-            _fsync(path)
-        except FileNotFoundError:
-            continue
-    _fsync(directory)
-    _fsync(directory.parent)
-
-
-def _write_durably(path: Path, text: str) -> None:
-    """Write ``path`` so that after a crash it holds either its old or its new content."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    _fsync(path.parent)
+            for p in sorted(tag_dir.rglob("*")) if p.is_file() and p.name != MARKER and PARTIAL_MARK not in p.name}
 
 
 def write_marker(tag_dir: Path, meta: dict[str, Any]) -> str:
@@ -160,7 +126,7 @@ def write_marker(tag_dir: Path, meta: dict[str, Any]) -> str:
     record = dict(meta, format_version=FORMAT_VERSION, save_id=meta.get("save_id") or uuid.uuid4().hex, files=files,
                   sha256={name: sha256_file(tag_dir / name) for name in files})
     fsync_tree(tag_dir)
-    _write_durably(tag_dir / MARKER, json.dumps(record, indent=1, default=str))
+    write_text_atomically(tag_dir / MARKER, json.dumps(record, indent=1, default=str))
     return record["save_id"]
 
 
@@ -232,7 +198,7 @@ def read_marker(tag_dir: Path, hashes: bool = True) -> dict[str, Any] | None:
 
 def update_latest(checkpoint_dir: Path, tag: str) -> None:
     """Atomically and durably point ``latest`` at ``tag``."""
-    _write_durably(checkpoint_dir / LATEST, tag)
+    write_text_atomically(checkpoint_dir / LATEST, tag)
 
 
 def read_latest(checkpoint_dir: Path) -> str | None:
@@ -383,18 +349,17 @@ def gather_full_weights(module: torch.nn.Module, keep: bool = True) -> dict[str,
 
 
 def write_weights(tag_dir: Path, state: dict[str, torch.Tensor]) -> None:
-    """Write ``state`` as ``WEIGHTS`` into the tag directory (before its marker, which then lists and hashes it)."""
-    tmp = tag_dir / (WEIGHTS + ".tmp")
+    """Write ``state`` as ``WEIGHTS`` into the tag directory (before its marker, which then lists and hashes it; the
+    tag's `fsync_tree` flushes it)."""
     tensors, seen = {}, set()
     for name, tensor in state.items():  # tied weights share storage under two names: safetensors stores copies
         storage = tensor.untyped_storage().data_ptr()
         tensors[name] = tensor.clone() if storage in seen else tensor.contiguous()
         seen.add(storage)
     try:
-        save_file(tensors, str(tmp))
+        write_atomically(tag_dir / WEIGHTS, lambda tmp: save_file(tensors, str(tmp)), durable=False)
     except SafetensorError as error:  # safetensors reports a full disk as its own error type, the errno in words
         raise OSError(errno.ENOSPC if "No space left" in str(error) else errno.EIO, str(error)) from error
-    os.replace(tmp, tag_dir / WEIGHTS)
 
 
 def load_weights(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -426,7 +391,7 @@ class RunLockedError(RunStopped):
 
 
 class RunLock:
-    """An exclusive ``flock`` on ``out_dir/run.lock`` for as long as the run lives (``data_prep.locks``: it never
+    """An exclusive ``flock`` on ``out_dir/run.lock`` for as long as the run lives (``common.locks``: it never
     outlives its holder, names its holder to a second run, and reports a holder that died without releasing it);
     ``make preflight`` runs on every host."""
 
@@ -574,7 +539,7 @@ def to_universal(checkpoint_dir: Path, tag: str, save_id: str | None = None) -> 
                     "--inject_missing_state", "--num_extract_workers", workers, "--num_merge_workers", workers],
                    check=True)
     fsync_tree(target)
-    _write_durably(target / MARKER, json.dumps({"source": tag, "source_save_id": save_id}))
+    write_text_atomically(target / MARKER, json.dumps({"source": tag, "source_save_id": save_id}))
     return universal
 
 

@@ -37,7 +37,7 @@ from data_prep.sources import json_type
 from pretrain.accelerator import (FUSED_ADAM_NEEDS, apply_deepspeed_arch_list, bind_local_device, collective_device,
                                   local_rank, op_failure)
 from pretrain.batch_plan import BatchPlan
-from pretrain.config import REPO_ROOT
+from common.paths import REPO_ROOT
 from pretrain.kernels import retain_freed_memory
 
 if TYPE_CHECKING:

@@ -24,7 +24,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from data_prep.shard_format import read_manifest, sha256_file
+from common.files import sha256_file
+from data_prep.shard_format import read_manifest
 from data_prep.vocab import write_hf_tokenizer
 from pretrain import checkpoint as ckpt
 from pretrain.hf import HF_ARCHITECTURES, check_architecture, save_hf_bert

@@ -45,21 +45,6 @@ def check_output(output: str | Path, inputs: Iterable[str | Path | None] = (), f
     return output
 
 
-def write_file_atomically(path: str | Path, write: Callable[[Path], None]) -> Path:
-    """Call ``write(temporary_path)`` and rename the result to ``path`` (fsync'ed first)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    try:
-        write(tmp)
-        with open(tmp, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
-
-
 def replace_directory(path: str | Path, write: Callable[[Path], object]) -> Path:
     """Call ``write(temporary_directory)``, then put that directory at ``path``: nothing of an old ``path``
     survives (the caller checked ``force``). Between the two renames ``path`` is briefly absent, never mixed."""

@@ -55,11 +55,14 @@ from typing import Any
 
 from deepspeed.launcher.runner import apply_num_nodes_and_gpus, parse_inclusion_exclusion
 
-from data_prep.shard_format import MANIFEST_NAME, ShardDataset, sha256_file
+from common.files import sha256_file
+from data_prep.shard_format import MANIFEST_NAME, ShardDataset
 from pretrain.accelerator import FUSED_ADAM_NEEDS, deepspeed_arch_list, fused_adam_toolkit_missing
 from pretrain.batch_plan import InfeasibleBatchError, plan_batch
 from pretrain.checkpoint import code_version
-from pretrain.config import REPO_ROOT, RunConfig, config_error, load_config
+from common.config_loader import config_error
+from common.paths import REPO_ROOT
+from pretrain.config import RunConfig, load_config
 from pretrain.engine import adam_op, read_engine_json
 from pretrain.hf import hf_model_config, hf_weight_files
 from pretrain.trainer import model_for_shards, resolve_model_config

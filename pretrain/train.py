@@ -18,7 +18,8 @@ import sys
 if __package__ in (None, ""):  # `deepspeed pretrain/train.py` runs this file as a script
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pretrain.config import RunConfig, config_error, keys_help, load_config  # noqa: E402
+from common.config_loader import config_error, keys_help  # noqa: E402
+from pretrain.config import RunConfig, load_config  # noqa: E402
 from pretrain.engine import (RunStopped, SetupError, close_distributed, init_distributed, on_every_rank,  # noqa: E402
                              say_once)
 from pretrain.trainer import train  # noqa: E402

@@ -30,7 +30,8 @@ import torch.distributed as torch_dist
 from deepspeed.accelerator import get_accelerator
 from tqdm import tqdm
 
-from data_prep.shard_format import MANIFEST_NAME, ShardDataset, ShardError, sha256_file
+from common.files import sha256_file
+from data_prep.shard_format import MANIFEST_NAME, ShardDataset, ShardError
 from pretrain import checkpoint as ckpt
 from pretrain.batch_plan import BatchPlan, plan_batch
 from pretrain.config import RunConfig
@@ -43,7 +44,7 @@ from pretrain.engine import (NonFiniteLossError, SetupError, build_engine, engin
                              step_gradient_norm, zero_stage)
 from pretrain.hf import hf_model_config, load_hf_bert
 from pretrain.model import REPORTED_OBJECTIVES, ModelConfig, UniLMModel, build_model, training_flops
-from pretrain.outputs import write_file_atomically
+from common.files import write_atomically
 
 
 # ------------------------------------------------------------------------------------------ building blocks
@@ -124,7 +125,7 @@ def prepare_metrics_file(path: Path, resumed_step: int | None, report: Any = pri
     text = "".join(json.dumps(r) + "\n" for r in kept)
     if len(kept) == len(records) and path.read_text(errors="replace") == text:
         return
-    write_file_atomically(path, lambda tmp: tmp.write_text(text))
+    write_atomically(path, lambda tmp: tmp.write_text(text))
 
 
 class StepBar:

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from pretrain.config import REPO_ROOT
+from common.paths import REPO_ROOT
 from tools.stages import (Stages, driver_environment, duration, finetune_in_process, load_average,
                           machine_line)
 

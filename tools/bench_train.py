@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from pretrain.batch_plan import plan_batch
-from pretrain.config import REPO_ROOT
+from common.paths import REPO_ROOT
 from pretrain.engine import close_distributed
 from tools.stages import stream
 

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from pretrain import checkpoint as ckpt
-from pretrain.config import REPO_ROOT
+from common.paths import REPO_ROOT
 from tools.ablation import find_bert
 from tools.stages import Stages, driver_environment, machine_line
 from tools.stages import duration as _duration

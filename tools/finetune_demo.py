@@ -21,10 +21,10 @@ import shutil
 import statistics
 from pathlib import Path
 
-from data_prep.shard_format import sha256_file
+from common.files import sha256_file
 from finetune import decode
 from pretrain import checkpoint as ckpt
-from pretrain.config import REPO_ROOT
+from common.paths import REPO_ROOT
 from pretrain.hf import hf_config_file
 from tools.stages import finetune_in_process
 

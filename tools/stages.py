@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.accelerator import choose_ds_accelerator, local_launch_arguments
-from pretrain.config import REPO_ROOT
+from common.paths import REPO_ROOT
 from tools.torch_extensions import default_extensions_dir
 
 

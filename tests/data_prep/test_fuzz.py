@@ -21,10 +21,10 @@ import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
+from common.files import sha256_file
 from data_prep.build import BuildConfig, build
 from data_prep.instances import InstanceConfig, MaskingConfig, masking_budget
-from data_prep.shard_format import (MANIFEST_NAME, Objective, ShardArrays, ShardDataset, ShardFile, sha256_file,
-                                    write_shard)
+from data_prep.shard_format import MANIFEST_NAME, Objective, ShardArrays, ShardDataset, ShardFile, write_shard
 from data_prep.sources import Skipped, SourceError, read_documents
 from data_prep.vocab import load_vocab
 from data_prep.wikitext import wikitext_to_text

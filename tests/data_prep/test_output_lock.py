@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, subprocess_env
-from data_prep import build, signals
+from common import signals
+from data_prep import build
 from data_prep.shard_format import ShardDataset
 from shard_builds import build_error, run_build
 

@@ -9,7 +9,7 @@ from finetune.config import CPU_DEEPSPEED_CONFIG, GPU_DEEPSPEED_CONFIGS, default
 from finetune.engine import deepspeed_config
 from pretrain.accelerator import native_bf16
 from pretrain.batch_plan import plan_batch
-from pretrain.config import REPO_ROOT
+from common.paths import REPO_ROOT
 from pretrain.engine import read_engine_json
 
 REQUIRED = {"task": "classify", "train": "t.jsonl", "dev": "d.jsonl", "init": "m", "out": "o"}

@@ -83,7 +83,8 @@ def test_a_checkpoint_brings_its_shards_tokenizer_and_refuses_another_vocab(unil
     """No --vocab needed: the run config in the checkpoint's marker names its shards, whose vocab.txt (checked
     against the recorded sha256) and recorded casing fine-tuning uses; another --vocab is refused, and shards that
     moved are named with the fix."""
-    from data_prep.shard_format import read_manifest, sha256_file
+    from common.files import sha256_file
+    from data_prep.shard_format import read_manifest
     manifest = read_manifest(unilm_shards)
     vocab = unilm_shards / manifest["vocab"]["file"]
     model = _trained_looking_model(manifest["vocab"]["size"])

@@ -610,7 +610,7 @@ def test_init_from_a_fine_tuning_output_checks_the_hashes_it_records(tiny_init, 
 
 
 def test_an_unreadable_extra_file_is_named(tiny_init, tmp_path):
-    from data_prep.shard_format import sha256_file
+    from common.files import sha256_file
 
     out = tmp_path / "out"
     _save_seq2seq_output(tiny_init, out)

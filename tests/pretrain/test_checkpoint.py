@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from common import files
 from pretrain import checkpoint as ckpt
 from pretrain import engine
 
@@ -41,11 +42,11 @@ def test_fsync_tree_skips_a_file_another_rank_renamed_after_the_listing(tmp_path
     tag_dir = tmp_path / "global_step4"
     tag_dir.mkdir()
     (tag_dir / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(b"y" * 50)
-    listing = sorted(tag_dir.rglob("*")) + [tag_dir / (ckpt.WEIGHTS + ".tmp")]  # listed, then renamed by rank 0
+    listing = sorted(tag_dir.rglob("*")) + [tag_dir / f".{ckpt.WEIGHTS}.partial-1"]  # listed, then renamed by rank 0
     monkeypatch.setattr(Path, "rglob", lambda self, pattern: iter(listing))
     flushed = []
-    real_fsync = ckpt._fsync
-    monkeypatch.setattr(ckpt, "_fsync", lambda path: (real_fsync(path), flushed.append(path.name)))
+    real_fsync = files.fsync_path
+    monkeypatch.setattr(files, "fsync_path", lambda path: (real_fsync(path), flushed.append(Path(path).name)))
     ckpt.fsync_tree(tag_dir)
     assert flushed == ["zero_pp_rank_1_mp_rank_00_optim_states.pt", "global_step4", tmp_path.name]
     with pytest.raises(FileNotFoundError):  # a missing tag directory itself is still an error
@@ -56,7 +57,7 @@ def test_latest_is_replaced_atomically(tmp_path: Path) -> None:
     fake_save(tmp_path, 4)
     fake_save(tmp_path, 8)
     assert (tmp_path / "latest").read_text() == "global_step8"
-    assert not (tmp_path / "latest.tmp").exists()
+    assert [p.name for p in tmp_path.iterdir() if "partial" in p.name] == []
 
 
 def test_prune_keeps_the_last_k_and_never_a_save_in_progress(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pretrain import accelerator, engine
-from pretrain.config import REPO_ROOT
+from common.paths import REPO_ROOT
 from pretrain.engine import first_slurm_host, launched_rank, slurm_task_environment
 
 

@@ -12,7 +12,7 @@ import pytest
 from deepspeed.accelerator import get_accelerator
 
 from pretrain import engine
-from pretrain.config import REPO_ROOT
+from common.paths import REPO_ROOT
 
 CONFIGS = REPO_ROOT / "ds_configs"
 CPU_CONFIGS = ("zero0_fp32_cpu.json", "zero1_fp32_cpu.json", "zero2_bf16_cpu.json", "zero2_fp32_cpu.json",

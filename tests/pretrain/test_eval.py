@@ -10,7 +10,8 @@ import torch
 
 from data_prep.shard_format import ShardDataset
 from pretrain.batch_plan import plan_batch
-from pretrain.config import REPO_ROOT, load_config
+from common.paths import REPO_ROOT
+from pretrain.config import load_config
 from pretrain.data import collate
 from pretrain.model import build_model, preset
 from pretrain.trainer import EvalSet, eval_passes

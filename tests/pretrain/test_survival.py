@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import json
 import random
+import os
 import shutil
 import signal
 import subprocess
@@ -156,8 +157,8 @@ def test_saves_fsync_files_and_directories_before_the_marker_and_latest(tmp_path
     before_marker = {path for path, marker_seen in synced if not marker_seen}
     assert {f"global_step4/{MODEL_FILE}", f"global_step4/{OPTIM_FILE}", "global_step4/sub/extra.pt",
             "global_step4/sub", "global_step4", "."} <= before_marker
-    assert "global_step4/complete.json.tmp" in before_marker   # the marker's bytes before its name
-    assert synced[-2:] == [("latest.tmp", True), (".", True)]  # latest: bytes, rename, directory
+    assert f"global_step4/.complete.json.partial-{os.getpid()}" in before_marker   # the marker's bytes before its name
+    assert synced[-2:] == [(f".latest.partial-{os.getpid()}", True), (".", True)]  # latest: bytes, rename, directory
     marker = json.loads((tag_dir / ckpt.MARKER).read_text())
     assert set(marker["sha256"]) == set(marker["files"]) == {MODEL_FILE, OPTIM_FILE, "sub/extra.pt"}
 

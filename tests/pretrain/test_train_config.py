@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from pretrain.batch_plan import plan_batch
-from pretrain.config import REPO_ROOT, load_config
+from common.paths import REPO_ROOT
+from pretrain.config import load_config
 from pretrain.engine import parameter_groups, read_engine_json
 from pretrain.trainer import build_deepspeed_config
 
