@@ -31,9 +31,10 @@ import multiprocessing
 import os
 import re
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 Page = tuple[str, int, bool, str]
 """(title, namespace, is_redirect, wikitext), as ``data_prep.wikitext.iter_pages`` gives them"""
