@@ -110,7 +110,7 @@ def _build(cls: type, values: dict[str, Any], prefix: str, replaced: Mapping[str
     for name, value in values.items():
         hint = hints[name]
         schema = fields[name].metadata.get("schema")
-        if dataclasses.is_dataclass(hint):
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             value = _build(hint, value or {}, f"{prefix}{name}.", replaced)
         elif schema is not None and isinstance(value, dict):
             value = _coerce_to_schema(schema, value, f"{prefix}{name}.", replaced)
@@ -214,7 +214,9 @@ def load_dataclass(cls: type[T], path: str | Path | None, overrides: Sequence[st
 
 def field_docs(cls: type) -> dict[str, str]:
     """The docstring written under each field of dataclass ``cls`` (the string literal after the field)."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    definition = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    assert isinstance(definition, ast.ClassDef), cls
+    body = definition.body
     docs = {}
     for node, following in zip(body, body[1:]):
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
@@ -289,7 +291,8 @@ def add_field_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, c
     for name in names:
         if name not in fields:
             raise ValueError(f"{cls.__name__} has no field {name!r} to make a flag of")
-        text = (help_overrides or {}).get(name) or _first_sentence(" ".join(docs.get(name, "").replace("``", "`").split()))
+        doc = " ".join(docs.get(name, "").replace("``", "`").split())
+        text = (help_overrides or {}).get(name) or _first_sentence(doc)
         text = text.replace("%", "%%")
         kind = _flag_type(hints[name])
         if kind is bool:

@@ -19,7 +19,7 @@ def stop_once() -> Iterator[None]:
     handles SIGINT: a background job that ignores it keeps ignoring it); after that first one, both are ignored
     until the block ends, so the stop's cleanup (a worker pool's shutdown, saying what was kept) runs to its end.
     The handlers before the block are restored after it."""
-    raised = {signal.SIGTERM: Terminated}
+    raised: dict[int, type[BaseException]] = {signal.SIGTERM: Terminated}
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         raised[signal.SIGINT] = KeyboardInterrupt
     previous = {number: signal.getsignal(number) for number in raised}

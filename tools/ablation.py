@@ -29,6 +29,7 @@ classification head's initialisation; the backbone weights an arm starts from do
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import shutil
@@ -39,9 +40,7 @@ from typing import Any
 
 import torch
 
-from common.paths import REPO_ROOT
-from tools.stages import (Stages, driver_environment, duration, finetune_in_process, load_average,
-                          machine_line)
+from tools.stages import Stages, driver_environment, duration, finetune_in_process, load_average, machine_line
 
 ARMS = ("bert", "bert+mlm", "bert+unilm")
 RECIPES = {"bert+mlm": "bert", "bert+unilm": "unilm"}  # arm → data_prep recipe of its continued pre-training
@@ -101,8 +100,8 @@ def state_fingerprint(state: dict[str, torch.Tensor]) -> str:
 def classify_test_metrics(model_dir: Path, test_file: Path) -> dict[str, float]:
     """Accuracy and macro-F1 of a fine-tuned classifier (best dev epoch) on `test_file`."""
     from finetune import classify
-    from finetune.task_files import read_jsonl
     from finetune.model_io import load_finetuned
+    from finetune.task_files import read_jsonl
 
     finetuned = load_finetuned(model_dir, expect_task="classify")
     module = classify.ClassifierModel.from_finetuned(finetuned)
@@ -117,8 +116,8 @@ def headline_test_loss(model_dir: Path, test_file: Path, micro_batch_size: int =
     `test_file`, with the run's masking rate and a fixed masking (`TEST_MASKING_SEED`), so every run and arm is
     scored on the very same masked inputs."""
     from finetune import seq2seq
-    from finetune.task_files import read_jsonl
     from finetune.model_io import load_finetuned
+    from finetune.task_files import read_jsonl
 
     finetuned = load_finetuned(model_dir, expect_task="seq2seq")
     settings = finetuned.run_settings
@@ -231,8 +230,8 @@ class Ablation(Stages):
         for recipe in sorted(set(RECIPES.values())):
             self.command([self.python, "-m", "data_prep.build", "--input", *self.pretrain_inputs,
                           "--vocab", str(self.bert / "vocab.txt"), "--uncased", "--recipe", recipe,
-                          "--max-seq-len", str(PRETRAIN_SEQ_LEN), "--seed", "1", "--workers", "2", "--out", str(self.shards(recipe)),
-                          "--overwrite", "--quiet"])
+                          "--max-seq-len", str(PRETRAIN_SEQ_LEN), "--seed", "1", "--workers", "2",
+                          "--out", str(self.shards(recipe)), "--overwrite", "--quiet"])
             stats[recipe] = self.inspect(self.shards(recipe))
         return {"inputs": self.pretrain_inputs, "stats": stats}
 
@@ -321,7 +320,9 @@ class Ablation(Stages):
         return {"scores": scores, "missing": missing}
 
     def report_stage(self) -> dict[str, Any]:
-        records = results(self.done("test")["scores"], self.seeds)
+        tested = self.done("test")
+        assert tested is not None, "the report stage runs after the test stage"
+        records = results(tested["scores"], self.seeds)
         (self.out / "results.json").write_text(json.dumps(records, indent=1) + "\n")
         text = render_report(self, records)
         (self.out / "REPORT.md").write_text(text)
@@ -342,8 +343,8 @@ class Ablation(Stages):
 
     def runners(self) -> dict[str, Any]:
         stages = {"data": self.data_stage, "init": self.init_stage, "shards": self.shards_stage}
-        stages |= {f"pretrain-{RECIPES[arm]}": (lambda arm=arm: self.pretrain_stage(arm)) for arm in ARMS[1:]}
-        stages |= {f"finetune-{arm.replace('+', '-')}": (lambda arm=arm: self.finetune_stage(arm)) for arm in ARMS}
+        stages |= {f"pretrain-{RECIPES[arm]}": functools.partial(self.pretrain_stage, arm) for arm in ARMS[1:]}
+        stages |= {f"finetune-{arm.replace('+', '-')}": functools.partial(self.finetune_stage, arm) for arm in ARMS}
         return stages | {"test": self.test_stage, "report": self.report_stage}
 
 
@@ -439,7 +440,8 @@ def render_report(ablation: Ablation, records: list[dict]) -> str:
              f"same fixed 0.7 masking for every run: seed {TEST_MASKING_SEED}), which ranks models smoothly while "
              "their generated text is still poor; accuracy and macro-F1 in percent. The test split was used for "
              "nothing else."
-             + (f" **Quick check: only the first {ablation.test_limit} test examples.**" if ablation.test_limit else ""),
+             + (f" **Quick check: only the first {ablation.test_limit} test examples.**"
+                if ablation.test_limit else ""),
              "",
              "## Settings and why (fixed before any test result was seen)", "", SETTINGS_TEXT, "",
              "## Stage times", "", "| stage | wall time |", "|---|---:|"]

@@ -16,7 +16,6 @@ recorded beside the numbers.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -114,8 +113,8 @@ def bench_gpu(args: argparse.Namespace) -> dict[str, Any]:
             for key in parents:
                 node = node.setdefault(key, {})
             node[last] = value
-            for inner, error in (value.get("errors", {}) if isinstance(value, dict) else {}).items():
-                result["errors"][f"{name}: {inner}"] = error
+            for inner, message in (value.get("errors", {}) if isinstance(value, dict) else {}).items():
+                result["errors"][f"{name}: {inner}"] = message
             print(f"[bench] gpu {name}: {json.dumps(value, default=str)}", flush=True)
         print(f"[bench] gpu {name}: {time.monotonic() - began:.0f} s", flush=True)
         (args.out / "gpu_partial.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
@@ -126,9 +125,9 @@ def bench_gpu(args: argparse.Namespace) -> dict[str, Any]:
         return json.loads(out.read_text())
 
     part("model step", ("model",), model_step)
-    for precision, seq_len in GPU_TRAIN_RUNS:
+    for precision, seq_len in GPU_TRAIN_RUNS:  # part() calls each lambda at once, inside this loop step (B023)
         part(f"train {precision} {seq_len}", ("train", precision, seq_len),
-             lambda: train_step_throughput(_shards(args, seq_len), args.work / "gpu_train", precision))
+             lambda: train_step_throughput(_shards(args, seq_len), args.work / "gpu_train", precision))  # noqa: B023
     # what packing rows gives: the first run again with one sample per row
     precision, seq_len = GPU_TRAIN_RUNS[0]
     part(f"train {precision} {seq_len} one sample per row", ("train_unpacked", precision, seq_len),
@@ -313,8 +312,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         except Exception as error:  # one broken benchmark must not hide the others
             traceback.print_exc()
             errors[name] = f"{type(error).__name__}: {error}"
-        for part, error in (results.get(name) or {}).get("errors", {}).items():
-            errors[f"{name} {part}"] = error
+        for part, message in (results.get(name) or {}).get("errors", {}).items():
+            errors[f"{name} {part}"] = message
         timings[name] = time.monotonic() - began
         print(f"[bench] {name}: {timings[name]:.0f} s", flush=True)
     rows = table_rows(results)
@@ -325,8 +324,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     (args.out / "results.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     (args.out / "results.md").write_text(f"Measured {report['date_utc']} on {describe(info)}.\n\n{table}\n")
     print(f"\n[bench] {describe(info)}\n\n{table}\n", flush=True)
-    for name, error in errors.items():
-        print(f"[bench] {name} FAILED: {error.splitlines()[0]}", flush=True)
+    for name, message in errors.items():
+        print(f"[bench] {name} FAILED: {message.splitlines()[0]}", flush=True)
     skipped = {k: v["skipped"] for k, v in results.items() if isinstance(v, dict) and "skipped" in v}
     for name, why in skipped.items():
         print(f"[bench] {name} skipped: {why}", flush=True)

@@ -26,9 +26,8 @@ import time
 from pathlib import Path
 
 from data_prep.build import BuildConfig, build, iter_chunks
-from data_prep.sources import ReadOptions, Unit
 from data_prep.instances import InstanceConfig
-from data_prep.sources import read_documents
+from data_prep.sources import ReadOptions, Unit, read_documents
 from data_prep.text import clean_document, split_sentences
 from data_prep.vocab import load_encoder, load_vocab, train_vocab
 
@@ -63,9 +62,11 @@ def measure(inputs: list[str] = DEFAULT_INPUTS, vocab: Path | None = None, recip
                         8000, vocab_path, uncased=False)
         vocab_file = load_vocab(vocab_path)
         tokenizer = load_encoder(str(vocab_path), vocab_file.sha256, False)
-        batches = [[s for text in chunk.records for s in split_sentences(clean_document(text[0]))]
+        batches = [[s for record, _where in chunk.records if isinstance(record, str)
+                    for s in split_sentences(clean_document(record))]
                    for chunk in iter_chunks(0, Unit(str(corpus)), ReadOptions(), chunk_chars)]
-        num_tokens = sum(len(e.ids) for batch in batches for e in tokenizer.encode_batch(batch, add_special_tokens=False))
+        num_tokens = sum(len(encoding.ids) for batch in batches
+                         for encoding in tokenizer.encode_batch(batch, add_special_tokens=False))
 
         def raw() -> None:
             for batch in batches:
@@ -93,7 +94,7 @@ def measure(inputs: list[str] = DEFAULT_INPUTS, vocab: Path | None = None, recip
                 times[name], cpu[name] = min(times[name], wall), min(cpu[name], used)
         same = (work / "shards1/shard-00000.bin").read_bytes() == (work / "shards2/shard-00000.bin").read_bytes()
         wiki = {}
-        if wiki_cfg:
+        if wiki_cfg and wiki_dump:
             manifest = json.loads((work / "wiki1/manifest.json").read_text())
             wiki = {"wiki_dump": wiki_dump, "wiki_dump_bytes": Path(wiki_dump).stat().st_size,
                     "wiki_articles": manifest["documents"]["read"], "wiki_tokens": manifest["num_tokens"],
@@ -130,13 +131,16 @@ def main(argv: list[str] | None = None) -> None:
     print(f"[bench-data] raw tokenizers encode_batch (1 thread): {raw_rate:12,.0f} tokens/s  ({times['raw']:.2f} s)")
     print(f"[bench-data] raw encode_batch_fast (1 thread):   {num_tokens / times['raw_fast']:12,.0f} tokens/s  "
           f"({times['raw_fast']:.2f} s)")
-    print(f"[bench-data] shard build, 1 worker:                  {build_rate:12,.0f} tokens/s  ({times['build_1']:.2f} s)")
-    print(f"[bench-data] shard build, 2 workers:                 {build2_rate:12,.0f} tokens/s  ({times['build_2']:.2f} s)")
+    print(f"[bench-data] shard build, 1 worker:                  {build_rate:12,.0f} tokens/s  "
+          f"({times['build_1']:.2f} s)")
+    print(f"[bench-data] shard build, 2 workers:                 {build2_rate:12,.0f} tokens/s  "
+          f"({times['build_2']:.2f} s)")
     ratio = build_rate / raw_rate
-    print(f"[bench-data] ratio build/raw (1 worker): {ratio:.2f}  (target >= 0.80: {'met' if ratio >= 0.8 else 'NOT met'}); "
+    print(f"[bench-data] ratio build/raw (1 worker): {ratio:.2f}  "
+          f"(target >= 0.80: {'met' if ratio >= 0.8 else 'NOT met'}); "
           f"by CPU time, robust to other load: {cpu['raw'] / cpu['build_1']:.2f}")
-    print(f"[bench-data] ratio build/raw encode_batch_fast (the builder's own call): {times['raw_fast'] / times['build_1']:.2f}"
-          f" (CPU time {cpu['raw_fast'] / cpu['build_1']:.2f})")
+    print("[bench-data] ratio build/raw encode_batch_fast (the builder's own call): "
+          f"{times['raw_fast'] / times['build_1']:.2f} (CPU time {cpu['raw_fast'] / cpu['build_1']:.2f})")
     print(f"[bench-data] speed-up 1 -> 2 workers: {build2_rate / build_rate:.2f}x  (identical bytes: {same}; "
           f"{os.cpu_count()} CPUs)")
     if "wiki_tokens" in result:

@@ -50,7 +50,7 @@ class Clock:
     """Wall-clock and process-CPU seconds of a piece of work. On a quiet machine CPU = threads × wall; on a
     shared one the CPU clock stops while other processes hold the cores, so it still sees the work's own cost."""
 
-    def __enter__(self) -> "Clock":
+    def __enter__(self) -> Clock:
         self.wall, self.cpu = time.perf_counter(), time.process_time()
         return self
 
@@ -179,7 +179,8 @@ transformers.BertForPreTraining (sdpa attention, logits at every position as its
 
 
 def measure_gpu(preset_name: str = "unilm-large", batch_size: int = 32, seq_len: int = 512, predictions: int = 77,
-                steps: int = 10, dtypes: tuple[str, ...] = ("bf16", "fp16"), device: str = "cuda") -> dict[str, Any]:
+                steps: int = 10, dtypes: tuple[str, ...] = ("bf16", "fp16"),
+                device: str | torch.device = "cuda") -> dict[str, Any]:
     """On CUDA, one forward + backward (dropout on, weights in the dtype as under DeepSpeed's bf16/fp16, no
     optimizer) of every `GPU_VARIANTS` entry in each dtype, on one batch; mean over ``steps`` after 3 warm-up steps
     (compilation happens there). Returns ``peak_tflops`` per dtype (`pretrain.accelerator.matmul_peak_tflops`,
@@ -301,7 +302,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m tools.bench_model", description=__doc__.splitlines()[0])
     parser.add_argument("--gpu", action="store_true",
                         help="on CUDA: bf16 and fp16, ours eager / with each fast path / both vs transformers "
-                             "(`measure_gpu`; defaults then unilm-large, batch 32 x 512, 77 masked positions, 10 steps)")
+                             "(`measure_gpu`; defaults then unilm-large, batch 32 x 512, 77 masked positions, "
+                             "10 steps)")
     parser.add_argument("--preset", default=None, help="model preset (default: bert-base; --gpu: unilm-large)")
     parser.add_argument("--layers", type=int, default=None, help="override the number of layers (faster run)")
     parser.add_argument("--batch-size", type=int, default=None, help="default 8; --gpu: 32")

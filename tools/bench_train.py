@@ -6,9 +6,10 @@
 2. Data-wait share: a real 2-rank DeepSpeed run (tiny, ZeRO-2) — time the trainer blocked on the loader over
    total step time, from its metrics.jsonl (target < 1 %).
 3. Per-rank memory of ZeRO-1/2/3 (bf16, 2 ranks, bert-base shape): bytes of all live tensors on each rank after
-   one optimizer step (communication buckets sized to 1e7 elements), against the budgets 16·P (no ZeRO: 2 weights + 2 grads + 12 fp32 master/Adam moments)
-   and 4·P + 12·P/N (ZeRO-2), and 16·P/N plus the 20 MB parameter-prefetch bucket (ZeRO-3; parameters smaller
-   than DeepSpeed's persistence threshold also stay whole on every rank, well under 0.1 % here).
+   one optimizer step (communication buckets sized to 1e7 elements), against the budgets 16·P (no ZeRO: 2 weights
+   + 2 grads + 12 fp32 master/Adam moments) and 4·P + 12·P/N (ZeRO-2), and 16·P/N plus the 20 MB
+   parameter-prefetch bucket (ZeRO-3; parameters smaller than DeepSpeed's persistence threshold also stay whole
+   on every rank, well under 0.1 % here).
 
 All three run on the CPU, the 2-rank ones on CPU ranks (gloo), a GPU machine included: two ranks then need no
 second GPU, and the rows compare across machines.
@@ -27,13 +28,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from pretrain.batch_plan import plan_batch
 from common.paths import REPO_ROOT
-from pretrain.engine import close_distributed
+from pretrain.batch_plan import plan_batch
+from pretrain.distributed import close_distributed
 from tools.stages import stream
 
 DEFAULT_SHARDS = "data/shards/unilm-128"
@@ -123,8 +125,8 @@ def memory_worker(stage: int, preset_name: str, result: str) -> None:
 
     from pretrain.accelerator import bind_local_device, collective_device
     from pretrain.data import to_device
-    from pretrain.model import build_model, preset
     from pretrain.engine import parameter_groups
+    from pretrain.model import build_model, preset
 
     bind_local_device()
     deepspeed.init_distributed(verbose=False)
@@ -187,8 +189,8 @@ def zero_memory(preset_name: str, out: Path) -> list[dict[str, float]]:
     return rows
 
 
-def measure(shards: str = DEFAULT_SHARDS, out: Path = Path("bench_out/train"), presets: list[str] = ("tiny", "bert-base"),
-            memory_preset: str = "bert-base", micro: int = 8) -> dict:
+def measure(shards: str = DEFAULT_SHARDS, out: Path = Path("bench_out/train"),
+            presets: Sequence[str] = ("tiny", "bert-base"), memory_preset: str = "bert-base", micro: int = 8) -> dict:
     """All three measurements; also written to ``OUT/bench_train.json`` (``tools.bench_all`` tabulates them)."""
     out.mkdir(parents=True, exist_ok=True)
     report: dict = {"micro_batch_size": micro, "loader_samples_per_s_per_rank": loader_samples_per_s(shards, micro)}
@@ -225,7 +227,8 @@ def main(argv: list[str] | None = None) -> None:
     wait = report["data_wait"]
     lines += ["", f"Data-wait share of step time (tiny, 2 ranks, ZeRO-2): {100 * wait['data_wait_share']:.3f} % "
               f"(step {wait['step_time_s'] * 1000:.0f} ms)", "",
-              f"| ZeRO stage ({args.memory_preset}, bf16, 2 ranks, buckets {BUCKET:.0e}) | measured GB/rank | 16·P | 4·P+12·P/N | 16·P/N |",
+              f"| ZeRO stage ({args.memory_preset}, bf16, 2 ranks, buckets {BUCKET:.0e}) | measured GB/rank "
+              "| 16·P | 4·P+12·P/N | 16·P/N |",
               "|---|---|---|---|---|"]
     for row in report["zero_memory"]:
         lines.append(f"| {row['stage']} | {row['measured_gb_per_rank']:.3f} | {row['no_zero_16P_gb']:.3f} | "

@@ -36,14 +36,15 @@ import shutil
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from pretrain import checkpoint as ckpt
 from common.paths import REPO_ROOT
+from pretrain import checkpoint as ckpt
+from pretrain.resume import choose_resume_tag
 from tools.ablation import find_bert
-from tools.stages import Stages, driver_environment, machine_line
-from tools.stages import duration as _duration
+from tools.stages import Stages, driver_environment, duration as _duration, machine_line
 
 STAGES = ("corpus", "vocab", "shards", "pretrain", "resume", "plot", "export", "finetune", "headlines", "report")
 CONFIG = "pretrain/configs/tiny.yaml"
@@ -137,7 +138,7 @@ class Demo(Stages):
         (step ``half``), or, when this stage was stopped before and is run again, the step that stop saved."""
         log = self.out / "logs" / "resume.log"
         checkpoints = self.run_dir / "checkpoints"
-        tag = ckpt.choose_resume_tag(checkpoints)
+        tag = choose_resume_tag(checkpoints)
         if tag is None:
             raise SystemExit(f"[demo] no complete checkpoint in {checkpoints} to resume from; redo the run with "
                              "--from pretrain")
@@ -166,6 +167,7 @@ class Demo(Stages):
         print(f"[demo]   resume check: {checks}", flush=True)
         if not all(checks.values()):
             raise SystemExit(f"[demo] resume check failed: {checks} (see {log})")
+        assert found is not None  # checks["resumed_from_checkpoint"]
         return {"resumed_line": found.group(0), "resumed_step": step, "global_batch_size": global_batch,
                 "checks": checks, "losses_after": [_loss_row(records[s]) for s in range(step + 1, step + 4)
                                                    if s in records]}
@@ -331,7 +333,8 @@ def headline_lines(demo: Demo, stage: dict[str, Any]) -> list[str]:
     if stage:
         best = stage["best_dev"]
         lines += [f"`{stage['bert']}` (6-layer MiniLM BERT) fine-tuned on BBC article → headline with "
-                  f"`{BERT_HEADLINE_CONFIG}` (target masking 0.7, label smoothing 0.1) for {HEADLINE_STEPS} steps of 16; "
+                  f"`{BERT_HEADLINE_CONFIG}` (target masking 0.7, label smoothing 0.1) "
+                  f"for {HEADLINE_STEPS} steps of 16; "
                   "dev ROUGE-1/2/L "
                   f"{best['rouge1']:.1f} / {best['rouge2']:.1f} / {best['rougeL']:.1f} (greedy). Beam-5 headlines for "
                   f"dev articles (`finetune.decode --no-repeat-ngram {SAMPLE_NO_REPEAT_NGRAM}`: no word piece twice):",
@@ -356,7 +359,8 @@ STAGE_SUMMARY = {
     "resume": "the same command again (auto-resume to `train.max_steps`)",
     "plot": "`python -m pretrain.plot`",
     "export": "`python -m pretrain.export`",
-    "finetune": "`python -m finetune.task_files`, `python -m tools.finetune_demo --seeds 42` (2 tasks × 2 inits, then beam search)",
+    "finetune": "`python -m finetune.task_files`, `python -m tools.finetune_demo --seeds 42` "
+                "(2 tasks × 2 inits, then beam search)",
     "headlines": f"`python -m finetune.run --config {BERT_HEADLINE_CONFIG}` (the samples' BERT), `finetune.decode`",
 }
 

@@ -22,9 +22,9 @@ import statistics
 from pathlib import Path
 
 from common.files import sha256_file
+from common.paths import REPO_ROOT
 from finetune import decode
 from pretrain import checkpoint as ckpt
-from common.paths import REPO_ROOT
 from pretrain.hf import hf_config_file
 from tools.stages import finetune_in_process
 
@@ -171,7 +171,8 @@ def main(argv: list[str] | None = None) -> dict:
     if short:
         text = f"**Warning:** {short}.\n\n{text}"
     if len(args.seeds) > 1:
-        text += (f"\n\nBest dev epoch of each run; mean ± standard deviation over seeds {', '.join(map(str, args.seeds))}"
+        text += ("\n\nBest dev epoch of each run; mean ± standard deviation over seeds "
+                 f"{', '.join(map(str, args.seeds))}"
                  " (a seed fixes the data order, dropout and the new head's initialisation for both inits).")
     text += ("\n\nWith the `tiny` preset the headline row is expected to stay near the floor for both (ROUGE of a "
              "point or two): neither model "

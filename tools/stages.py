@@ -16,10 +16,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pretrain.accelerator import choose_ds_accelerator, local_launch_arguments
 from common.paths import REPO_ROOT
+from pretrain.accelerator import choose_ds_accelerator, local_launch_arguments
 from tools.torch_extensions import default_extensions_dir
-
 
 
 class Stages:
@@ -115,6 +114,7 @@ def stream(argv: Sequence[str], log: Path | None = None, env: dict[str, str] | N
                                text=True, env=dict(os.environ, **(env or {})), bufsize=1)
 
     def heard(signum: int, _frame: Any) -> None:
+        assert signals is not None  # installed only with a list
         name = signal.Signals(signum).name
         if signals:
             raise SystemExit(f"\n{name} again: stopped at once, without waiting for {argv[0]} to end")
@@ -123,6 +123,7 @@ def stream(argv: Sequence[str], log: Path | None = None, env: dict[str, str] | N
             process.send_signal(signal.SIGTERM)
 
     previous = {s: signal.signal(s, heard) for s in (signal.SIGINT, signal.SIGTERM)} if signals is not None else {}
+    assert process.stdout is not None  # stdout=PIPE
     lines = []
     try:
         with open(log, "a") if log else open(os.devnull, "w") as sink:

@@ -25,9 +25,10 @@ def torch_build() -> str:
     """``torch.__version__`` read from ``torch/version.py`` without importing torch (a second or two); the
     distribution's version where that file cannot be read (PyPI's CUDA wheels leave the CUDA tag out of it)."""
     spec = importlib.util.find_spec("torch")
+    origin = spec.origin if spec else None  # None: no spec, or a namespace or frozen package
     try:
-        found = _VERSION.search((Path(spec.origin).parent / "version.py").read_text(encoding="utf-8"))
-    except (AttributeError, TypeError, OSError):  # no spec or no origin: a namespace or frozen package
+        found = _VERSION.search((Path(origin).parent / "version.py").read_text(encoding="utf-8")) if origin else None
+    except OSError:
         found = None
     return found.group(1) if found else metadata.version("torch")
 
