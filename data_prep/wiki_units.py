@@ -1,4 +1,4 @@
-"""Wikipedia ``.xml.bz2`` dumps split into byte ranges that separate processes decompress and parse.
+"""Wikipedia dumps (``.xml.bz2``, ``.xml``) split into byte ranges that separate processes decompress and parse.
 
 A range ``[start, stop)`` of a dump's compressed bytes owns the pages whose ``<page>`` tag begins in the
 decompressed data of the bzip2 blocks that begin in it (a block begins where its 48-bit magic begins, at any bit).
@@ -13,7 +13,8 @@ it is cut; the owner of a page that runs on into later blocks decompresses those
   ends a stream), and each block is decompressed on its own as a one-block stream rebuilt around it (its CRC
   closes the stream), as ``lbzip2`` and ``pbzip2`` do. The magic may also occur inside compressed data (about
   once per 30 TB): a "block" that does not decompress is joined to the one before it, and a range whose first
-  candidate is such a false one starts at the next.
+  candidate is such a false one starts at the next;
+* an uncompressed ``.xml`` dump: ranges are cut anywhere, and own the pages whose ``<page>`` tag begins in them.
 
 ``dump_units`` cuts a dump into ranges of about ``unit_bytes`` for the builders (one range when the dump is not
 larger); ``read_pages`` yields a range's pages in order, decompressing and parsing pieces of it (``PIECE_BYTES``)
@@ -30,6 +31,7 @@ import functools
 import multiprocessing
 import os
 import re
+import signal
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -76,14 +78,18 @@ def stream_offsets(index: str) -> tuple[int, ...]:
     return tuple(offsets)
 
 
+PIECE_KINDS = ("streams", "blocks", "xml")
+
+
 @dataclass(frozen=True)
 class Piece:
-    """Bytes ``[start, stop)`` of a dump: whole bzip2 streams (``streams``), or the blocks that begin there."""
+    """Bytes ``[start, stop)`` of a dump, as ``kind`` says: whole bzip2 streams, the bzip2 blocks that begin there,
+    or uncompressed XML (an ``.xml`` dump: the pages whose ``<page>`` tag begins there)."""
 
     path: str
     start: int
     stop: int
-    streams: bool
+    kind: str
 
 
 def _cuts(start: int, stop: int, size: int, offsets: tuple[int, ...] | None) -> list[int]:
@@ -118,9 +124,12 @@ def pieces(path: Path, start: int, stop: int, readers: int) -> list[Piece]:
     """The pieces of bytes ``[start, stop)`` (stop -1: the end) that ``readers`` processes read in turn."""
     stop = path.stat().st_size if stop == -1 else stop
     offsets = _offsets(path)
+    kind = "xml" if not path.name.lower().endswith(".bz2") else "streams" if offsets is not None else "blocks"
     size = max(MIN_PIECE_BYTES, min(PIECE_BYTES, (stop - start) // (4 * readers) + 1))
+    if kind == "xml":
+        size *= 4  # about as many pages as the compressed bytes of a piece of .bz2
     cuts = _cuts(start, stop, size, offsets)
-    return [Piece(str(path), a, b, offsets is not None) for a, b in zip(cuts, cuts[1:])]
+    return [Piece(str(path), a, b, kind) for a, b in zip(cuts, cuts[1:])]
 
 
 def default_readers() -> int:
@@ -143,13 +152,13 @@ def read_pages(path: Path, start: int = 0, stop: int = -1, readers: int | None =
     # fork, as the build's worker pool: readers start in milliseconds, and a script that reads a dump needs no
     # `if __name__ == "__main__"` guard (spawn would run it again in each reader)
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    with concurrent.futures.ProcessPoolExecutor(min(readers, len(parts)),
-                                                mp_context=multiprocessing.get_context(method)) as pool:
+    context = multiprocessing.get_context(method)
+    with concurrent.futures.ProcessPoolExecutor(min(readers, len(parts)), context, _start_reader) as pool:
         pending: collections.deque = collections.deque()
         try:
             for part in parts:
                 pending.append(pool.submit(read_piece, part))
-                if len(pending) > 2 * readers:
+                if len(pending) > readers:  # each reader one piece ahead: ~16 MB of pages a reader
                     yield from pending.popleft().result()
             while pending:
                 yield from pending.popleft().result()
@@ -158,10 +167,15 @@ def read_pages(path: Path, start: int = 0, stop: int = -1, readers: int | None =
                 future.cancel()
 
 
+def _start_reader() -> None:
+    # a Ctrl-C reaches the whole process group: the build stops its readers, which print no traceback of their own
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def read_piece(piece: Piece) -> list[Page]:
     """The pages a piece owns (see the module docstring), parsed."""
     with open(piece.path, "rb") as f:
-        if piece.streams:
+        if piece.kind == "streams":
             f.seek(piece.start)
             xml = bz2.decompress(f.read(piece.stop - piece.start))
             first, last = xml.find(_PAGE), xml.rfind(_PAGE_END)
@@ -171,17 +185,28 @@ def read_piece(piece: Piece) -> list[Page]:
                 raise EOFError(f"a page in bytes {piece.start}-{piece.stop} does not end in its streams: "
                                "the index does not belong to this dump, or the dump is cut short")
             return _parse(xml[first:last + len(_PAGE_END)])
-        return _parse(_owned_xml(f, piece.start, piece.stop))
+        if piece.kind == "blocks":
+            return _parse(_owned_xml((bit < 8 * piece.stop, block) for bit, block in _blocks(f, piece.start)))
+        return _parse(_owned_xml(_plain(f, piece.start, piece.stop)))
 
 
-def _owned_xml(f: BinaryIO, start: int, stop: int) -> bytes:
-    """The XML of the pages that the blocks beginning in bytes [start, stop) own, from the first one's ``<page>``
-    to the last one's ``</page>`` (decompressing the blocks after the range that the last page runs on into)."""
+def _plain(f: BinaryIO, start: int, stop: int) -> Iterator[tuple[bool, bytes]]:
+    """(in the range, bytes) of an uncompressed file from ``start`` on: bytes [start, stop), then what follows."""
+    f.seek(start)
+    position = start
+    while part := f.read(min(_BLOCK_READ, stop - position) if position < stop else _BLOCK_READ):
+        yield position < stop, part
+        position += len(part)
+
+
+def _owned_xml(parts: Iterator[tuple[bool, bytes]]) -> bytes:
+    """The XML of the pages whose ``<page>`` tag begins in the parts in the range, from the first one's ``<page>``
+    to the last one's ``</page>`` (reading on into the parts after the range as far as the last page runs)."""
     data = bytearray()
-    owned = -1  # decompressed bytes of the blocks that begin in the range, once past it
+    owned = -1  # bytes of the parts in the range, once past it
     first = last_start = -1
-    for bit, block in _blocks(f, start):
-        if owned == -1 and bit >= 8 * stop:
+    for in_range, block in parts:
+        if owned == -1 and not in_range:
             owned = len(data)
             first = data.find(_PAGE)
             if first == -1 or first >= owned:

@@ -57,9 +57,18 @@ def test_the_excerpt_cut_anywhere_gives_every_page_once_in_order(dump, pages):
     size = dump.stat().st_size
     for step in (size, 700_000, 250_000, 97_531):  # cuts inside blocks, several cuts in one block, ranges of none
         cuts = [*range(0, size, step), size]
-        got = [page for a, b in zip(cuts, cuts[1:]) for page in read_piece(Piece(str(dump), a, b, streams=False))]
+        got = [page for a, b in zip(cuts, cuts[1:]) for page in read_piece(Piece(str(dump), a, b, "blocks"))]
         assert got == pages, step
     assert len(pages) == 206
+
+
+def test_an_uncompressed_dump_cut_anywhere_gives_every_page_once(dump, pages, tmp_path):
+    xml = tmp_path / "enwiki-excerpt.xml"
+    xml.write_bytes(bz2.decompress(dump.read_bytes()))
+    units = dump_units(xml, 1_000_000)
+    assert len(units) == 7 and all(part.kind == "xml" for part in wiki_units.pieces(xml, *units[0], readers=1))
+    assert [page for start, stop in units for page in read_pages(xml, start, stop, readers=1)] == pages
+    assert list(read_pages(xml, readers=2)) == pages
 
 
 def test_units_of_a_single_stream_dump_hold_every_page(dump, pages):
@@ -84,7 +93,7 @@ def test_a_multistream_dump_is_cut_at_its_streams(multistream, pages):
     units = dump_units(multistream, 150_000)
     assert len(units) > 3 and all(start in offsets for start, _ in units[1:])
     assert [page for start, stop in units for page in read_pages(multistream, start, stop, readers=1)] == pages
-    assert all(part.streams for part in wiki_units.pieces(multistream, *units[1], readers=4))
+    assert all(part.kind == "streams" for part in wiki_units.pieces(multistream, *units[1], readers=4))
     assert list(read_pages(multistream, readers=2)) == pages
 
 
@@ -92,7 +101,7 @@ def test_a_multistream_dump_without_its_index_is_read_by_blocks(multistream, pag
     alone = tmp_path / multistream.name
     alone.write_bytes(multistream.read_bytes())
     assert multistream_index(alone) is None
-    assert not any(part.streams for part in wiki_units.pieces(alone, 0, -1, readers=4))
+    assert all(part.kind == "blocks" for part in wiki_units.pieces(alone, 0, -1, readers=4))
     assert [page for start, stop in dump_units(alone, 150_000)
             for page in read_pages(alone, start, stop, readers=1)] == pages
 
