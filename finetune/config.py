@@ -46,7 +46,8 @@ class FinetuneConfig:
     init: str
     """An HF BERT directory, a fine-tuning output directory, or a pre-training checkpoint directory."""
     out: str
-    """Output directory: the best model (HF export + head + vocab), metrics.jsonl (per step), summary.json, checkpoints/."""
+    """Output directory: the best model (HF export + head + vocab), metrics.jsonl (per step), summary.json,
+    checkpoints/."""
     vocab: str | None = None
     """vocab.txt to tokenise with; default: `init`'s (a pre-training checkpoint's: the vocabulary of the shards its
     run config names; give it when those moved)."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import math
 import time
 from pathlib import Path
@@ -35,11 +36,15 @@ from pretrain import checkpoint as ckpt
 from pretrain.accelerator import collective_device
 from pretrain.batch_plan import BatchPlan, plan_batch
 from pretrain.data import to_device
-from pretrain.engine import (NonFiniteLossError, build_engine, engine_config, gather_objects,
-                             init_distributed, nonfinite_gradient_norm, optimizer_name, optimizer_step,
+from pretrain.distributed import NonFiniteLossError, gather_objects, init_distributed
+from pretrain.engine import (build_engine, engine_config, nonfinite_gradient_norm, optimizer_name, optimizer_step,
                              read_engine_json, zero_stage)
 from common.files import write_atomically
-from pretrain.trainer import StepBar, StopRequest, prepare_metrics_file
+from pretrain.metrics import prepare_metrics_file
+from pretrain.progress import StepBar
+from pretrain.resume import (ResumePoint, find_resume_point, load_or_seed, lock_run_directory,
+                             report_changed_settings)
+from pretrain.stopping import StopRequest
 
 from .config import FinetuneConfig
 from .model_io import save_finetuned
@@ -48,6 +53,8 @@ from .tokenizer import Tokenizer
 
 LOG_FILE = "metrics.jsonl"
 """One JSON object per optimizer step (step, epoch, loss, lr), as pre-training's ``out_dir/metrics.jsonl``."""
+log = logging.getLogger(__name__)
+
 SUMMARY_FILE = "summary.json"
 """The run's outcome: per-epoch dev scores, the best epoch, steps done, whether it finished."""
 
@@ -119,7 +126,7 @@ def fit(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer) -> dict[str,
     """Train `task` per `cfg` on this rank (resuming automatically); returns the summary.json content. The
     process group holds the run lock of `cfg.out` throughout (`pretrain.checkpoint.RunLock`)."""
     rank, world_size = init_distributed()  # joins the group, or finds the one `finetune.run` joined
-    run_lock = ckpt.lock_run_directory(cfg.out, rank)
+    run_lock = lock_run_directory(cfg.out, rank)
     try:
         return _fit_locked(cfg, task, tokenizer, rank, world_size)
     finally:
@@ -135,12 +142,12 @@ def _fit_locked(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer, rank
     steps_per_epoch, total_steps, warmup_steps = schedule(cfg, task.train_size)
     identity = run_identity(cfg, dataclasses.asdict(task.module.backbone.cfg), tokenizer, task.meta)
     engine_json = read_engine_json(cfg.deepspeed_config_path)
-    resume = ckpt.find_resume_point(cfg.checkpoint_dir, "auto", identity, world_size, zero_stage(engine_json),
-                                    report=print if rank == 0 else None,
+    resume = find_resume_point(cfg.checkpoint_dir, "auto", identity, world_size, zero_stage(engine_json),
+                                    report=log.info if rank == 0 else None,
                                     restart=f"use another --out, or delete {cfg.checkpoint_dir} to start afresh there")
     if rank == 0:
-        print(f"[finetune] DeepSpeed config {cfg.deepspeed_config_path}", flush=True)
-        ckpt.report_changed_settings(resume, cfg.to_dict(), print)
+        log.info("[finetune] DeepSpeed config %s", cfg.deepspeed_config_path)
+        report_changed_settings(resume, cfg.to_dict(), log.info)
     engine = build_engine(
         task.module, deepspeed_config(cfg, plan, engine_json, total_steps, warmup_steps,
                                       load_universal=resume is not None and resume.universal),
@@ -156,7 +163,7 @@ def _fit_locked(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer, rank
                 zero_stage=engine.zero_optimization_stage(), optimizer_class=optimizer_name(engine.basic_optimizer))
     if rank == 0:  # resumed: the steps past the checkpoint are redone, their old records dropped
         prepare_metrics_file(out / LOG_FILE, progress.step if resume is not None else None)
-    log = open(out / LOG_FILE, "a") if rank == 0 else None
+    metrics_file = open(out / LOG_FILE, "a") if rank == 0 else None
     bar = StepBar(total_steps, progress.step, f"finetune {cfg.task}", every=max(1, min(50, steps_per_epoch // 4))) \
         if rank == 0 else None
     stop_requested = StopRequest(time.monotonic(), cfg.exit_after_minutes)
@@ -173,13 +180,14 @@ def _fit_locked(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer, rank
         while progress.step < total_steps:
             epoch, index_in_epoch = divmod(progress.step, steps_per_epoch)
             lr = engine.get_lr()[0]  # the rate this step applies (the scheduler moves on after it)
-            step_loss, stop = train_step(cfg, engine, task, plan, progress, epoch, index_in_epoch, rank, log,
+            step_loss, stop = train_step(cfg, engine, task, plan, progress, epoch, index_in_epoch, rank, metrics_file,
                                          stop_requested)  # one rank signalled: all save and exit together
             progress.step += 1
             progress.epoch_losses.append(step_loss)
-            if log:
-                log.write(json.dumps({"step": progress.step, "epoch": epoch + 1, "loss": step_loss, "lr": lr}) + "\n")
-                log.flush()
+            if metrics_file:
+                record = {"step": progress.step, "epoch": epoch + 1, "loss": step_loss, "lr": lr}
+                metrics_file.write(json.dumps(record) + "\n")
+                metrics_file.flush()
                 bar.update(progress.step, step_loss, lr)
             epoch_done = ends_an_epoch(progress.step)
             exiting = (stop or progress.step == cfg.exit_at_step) and progress.step < total_steps
@@ -193,13 +201,13 @@ def _fit_locked(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer, rank
             if exiting:
                 if rank == 0:
                     reason = "exit_at_step" if progress.step == cfg.exit_at_step else "time limit / SIGTERM / Ctrl-C"
-                    print(f"[finetune] {reason}: saved {progress.last_checkpoint.tag} at step {progress.step}; "
-                          "rerun the command to continue", flush=True)
+                    log.info("[finetune] %s: saved %s at step %d; rerun the command to continue", reason,
+                             progress.last_checkpoint.tag, progress.step)
                 break
     finally:
         stop_requested.close()
-        if log:
-            log.close()
+        if metrics_file:
+            metrics_file.close()
             bar.close()
     summary = {"task": cfg.task, "primary_metric": task.primary_metric, "best": progress.best,
                "epochs": progress.history, "steps": progress.step, "total_steps": total_steps,
@@ -209,19 +217,19 @@ def _fit_locked(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer, rank
         write_atomically(out / SUMMARY_FILE, lambda tmp: tmp.write_text(json.dumps(summary, indent=1) + "\n"))
         if summary["finished"] and progress.best is not None:
             best = progress.best
-            print(f"[finetune] done: best epoch {best['epoch']}, {task.primary_metric} "
-                  f"{best[task.primary_metric]:.4g}; its model is {out} (finetune.json, summary.json)", flush=True)
+            log.info("[finetune] done: best epoch %s, %s %.4g; its model is %s (finetune.json, summary.json)",
+                     best["epoch"], task.primary_metric, best[task.primary_metric], out)
     return summary
 
 
-def restore_progress(engine: Any, resume: ckpt.ResumePoint | None, seed: int, rank: int, world_size: int,
+def restore_progress(engine: Any, resume: ResumePoint | None, seed: int, rank: int, world_size: int,
                      total_steps: int) -> Progress:
     """Load the resume point and continue its RNG streams, or seed per-rank dropout streams."""
-    state = ckpt.load_or_seed(engine, resume, seed, rank, world_size)
+    state = load_or_seed(engine, resume, seed, rank, world_size)
     if state is None:
         return Progress()
     if rank == 0:
-        print(f"[finetune] resumed {resume.tag}: step {state['step']}/{total_steps}", flush=True)
+        log.info("[finetune] resumed %s: step %d/%d", resume.tag, state["step"], total_steps)
     return Progress(state["step"], state["history"], state["best"], state["epoch_losses"], resume.saved)
 
 
@@ -238,13 +246,13 @@ def reduce_step(losses: list[torch.Tensor], accumulation_steps: int, stop: bool)
 
 
 def train_step(cfg: FinetuneConfig, engine: Any, task: TaskSetup, plan: BatchPlan, progress: Progress, epoch: int,
-               index_in_epoch: int, rank: int, log: Any, stop_requested: StopRequest) -> tuple[float, bool]:
+               index_in_epoch: int, rank: int, metrics_file: Any, stop_requested: StopRequest) -> tuple[float, bool]:
     """One optimizer step on this rank's slice of the step's global batch. Its loss is the mean over the global
     batch whatever the (micro-batch, accumulation, ranks) split: a mean over examples in equal micro-batches, and,
     for a task with `TaskSetup.predicted_count`, each micro-batch's summed token loss over the step's tokens per
     micro-batch. Returns the step's loss, the mean over ranks (what one rank holding the whole batch would report),
-    and whether any rank's ``stop_requested`` was set by the end of its backward passes. A NaN/inf loss on any rank (before the update) or gradient (after it)
-    raises `NonFiniteLossError`."""
+    and whether any rank's ``stop_requested`` was set by the end of its backward passes. A NaN/inf loss on any rank
+    (before the update) or gradient (after it) raises `NonFiniteLossError`."""
     order = np.random.default_rng([cfg.seed, epoch]).permutation(task.train_size)
     global_batch = order[index_in_epoch * cfg.batch_size: (index_in_epoch + 1) * cfg.batch_size]
     per_rank = plan.samples_per_rank
@@ -259,12 +267,14 @@ def train_step(cfg: FinetuneConfig, engine: Any, task: TaskSetup, plan: BatchPla
     summary: dict[str, Any] = {}
 
     def stop_if_nonfinite(what: str, stopped: str) -> None:
+        last = progress.last_checkpoint.tag if progress.last_checkpoint else "none"
         message = (f"{what} at step {progress.step + 1} (epoch {epoch + 1}); stopped {stopped}; "
-                   f"the last complete checkpoint ({progress.last_checkpoint.tag if progress.last_checkpoint else 'none'}) in {cfg.checkpoint_dir} "
-                   "is intact. Check the learning rate and the precision (fp16 loss scaling: try bf16)")
-        if log:
-            log.write(json.dumps({"step": progress.step + 1, "event": "nonfinite", "message": message}) + "\n")
-            log.flush()
+                   f"the last complete checkpoint ({last}) in {cfg.checkpoint_dir} is intact. Check the learning rate "
+                   "and the precision (fp16 loss scaling: try bf16)")
+        if metrics_file:
+            event = {"step": progress.step + 1, "event": "nonfinite", "message": message}
+            metrics_file.write(json.dumps(event) + "\n")
+            metrics_file.flush()
         raise NonFiniteLossError(message)
 
     def before_update() -> None:
@@ -274,7 +284,8 @@ def train_step(cfg: FinetuneConfig, engine: Any, task: TaskSetup, plan: BatchPla
                               "before the optimizer step")
 
     measured_norm = optimizer_step(engine, micro_batches, loss_of=lambda loss: loss,
-                                   observe=lambda batch, loss: losses.append(loss.detach()), before_update=before_update)
+                                   observe=lambda batch, loss: losses.append(loss.detach()),
+                                   before_update=before_update)
     bad_norm = nonfinite_gradient_norm(engine, measured_norm)
     if bad_norm is not None:
         stop_if_nonfinite(f"non-finite gradient norm {bad_norm}", "without saving this step")
@@ -300,6 +311,6 @@ def end_epoch(cfg: FinetuneConfig, engine: Any, task: TaskSetup, tokenizer: Toke
             save_finetuned(out, task.module.backbone, task.head, tokenizer, task=cfg.task,
                            extra_meta={"settings": cfg.to_dict(), "best": record, **task.meta}, weights=weights)
     if rank == 0:
-        print(f"[finetune] epoch {epoch + 1} step {progress.step}/{total_steps}: " +
-              "  ".join(f"{k} {v:.4g}" for k, v in record.items() if isinstance(v, float)) +
-              (" (best)" if improved else ""), flush=True)
+        log.info("[finetune] epoch %d step %d/%d: %s%s", epoch + 1, progress.step, total_steps,
+                 "  ".join(f"{k} {v:.4g}" for k, v in record.items() if isinstance(v, float)),
+                 " (best)" if improved else "")

@@ -17,14 +17,16 @@ on MNLI) with the task's classes (`check_model_task`).
 from __future__ import annotations
 
 import csv
+import logging
 import math
-import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .task_files import read_jsonl_numbered
+
+log = logging.getLogger(__name__)
 
 INDEX_COLUMNS = ("index", "idx", "id")
 """Where GLUE's TSVs (`index`, QQP's `id`) and Hugging Face exports (`idx`) keep an example's id."""
@@ -264,5 +266,5 @@ def read_records(path: str | Path, fmt: RecordFormat, pairs: bool = False, predi
         if predicting and not all("label" in r for r in records):
             raise ValueError(f"{where}: {len(skipped)} malformed row(s) ({lines}); each row needs its prediction "
                              "(GLUE refuses a submission with a row missing): mend the rows")
-        print(f"[classify] {where}: skipped {len(skipped)} malformed row(s) ({lines})", file=sys.stderr)
+        log.warning("[classify] %s: skipped %d malformed row(s) (%s)", where, len(skipped), lines)
     return records

@@ -187,7 +187,7 @@ def generation_metrics(predictions: Sequence[str], references: Sequence[str]) ->
     summary-level ROUGE-L over their newline-separated sentences (the union LCS of each reference sentence
     against all predicted ones), the ROUGE-L that CNN/DailyMail results, UniLM's among them, report. Newlines
     matter to `rougeLsum` alone. The fine-tuning tasks score text in the model's word form on both sides, one
-    sentence per line (`finetune.decode.score_predictions`)."""
+    sentence per line (`finetune.generation.score_predictions`)."""
     # optional (extras): only generation metrics need them
     import sacrebleu
     from rouge_score import rouge_scorer

@@ -31,10 +31,11 @@ from pathlib import Path
 import torch
 
 from common.files import write_atomically
+from pretrain.console import configure_console
 from pretrain.outputs import check_output
 
 from . import classify, qa
-from .decode import beside, device_argument, int_at_least, refuse_distributed_launch
+from .cli import beside, device_argument, int_at_least, refuse_distributed_launch
 from .glue import GLUE_TASKS, check_model_task, read_records, record_format, task_of_path
 from .model_io import Finetuned, load_finetuned
 from .tasks import check_positions
@@ -65,6 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="torch device (default: this process's GPU when there is one, else cpu)")
     parser.add_argument("--force", action="store_true", help="replace an existing non-empty --output")
     args = parser.parse_args(argv)
+    configure_console()
     refuse_distributed_launch(parser)
     if Path(args.input).is_dir():
         parser.error(f"--input {args.input} is a directory; name a file")

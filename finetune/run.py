@@ -7,51 +7,44 @@ papers' settings and `finetune.config.FinetuneConfig` for every key.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
 from deepspeed.accelerator import get_accelerator
 
 from pretrain import checkpoint as ckpt
-from common.config_loader import keys_help
+from common.config_loader import add_field_flags, given_fields, keys_help
 from pretrain.batch_plan import plan_batch
-from pretrain.engine import (RunStopped, SetupError, close_distributed, init_distributed, on_every_rank,
-                             read_engine_json, say_once, seed_everything)
+from pretrain.console import configure_console
+from pretrain.distributed import (RunStopped, SetupError, close_distributed, init_distributed, on_every_rank,
+                                  say_once)
+from pretrain.engine import read_engine_json
+from pretrain.resume import LOCK_FILE
+from pretrain.rng import seed_everything
 from pretrain.outputs import check_output
 from pretrain.model import build_model
 
-from .config import TASKS, FinetuneConfig, load_config
+from .config import FinetuneConfig, load_config
 from .engine import BATCH_KEYS, LOG_FILE, fit, schedule
 from .model_io import load_init
 from .tasks import TaskSetup, build_task
 from .tokenizer import Tokenizer
 
 
+FLAG_KEYS = ("task", "train", "dev", "init", "out", "vocab", "from_scratch", "epochs", "max_steps", "batch_size",
+             "micro_batch_size", "lr", "max_seq_len", "max_src_len", "max_tgt_len", "aux_lm_weight", "deepspeed_config",
+             "seed")
+"""The `FinetuneConfig` keys that have a flag of their own (`--max-steps`); `--set KEY=VALUE` sets any key."""
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m finetune.run",
-                                     description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="config keys (YAML, flags, or --set KEY=VALUE):\n" + keys_help(FinetuneConfig))
-    parser.add_argument("--task", choices=TASKS)
-    parser.add_argument("--train", help="classify: JSONL, TSV, CSV or parquet (GLUE's files: glue_task); seq2seq: "
-                                        "JSONL, or UniLM's line files NAME.src with NAME.tgt beside it; qa: SQuAD JSON")
-    parser.add_argument("--dev")
-    parser.add_argument("--init", help="HF BERT directory, fine-tuning output or pre-training checkpoint")
-    parser.add_argument("--out")
+    parser = argparse.ArgumentParser(prog="python -m finetune.run", description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="config keys (YAML, flags, or --set KEY=VALUE):\n"
+                                            + keys_help(FinetuneConfig))
     parser.add_argument("--config", help="YAML in finetune/configs/ (CLI flags override it)")
-    parser.add_argument("--vocab", help="vocab.txt (default: the one in --init)")
-    parser.add_argument("--from-scratch", action="store_true", default=None,
-                        help="random weights with --init's architecture (the no-pre-training baseline)")
-    parser.add_argument("--epochs", type=int)
-    parser.add_argument("--max-steps", type=int)
-    parser.add_argument("--batch-size", type=int)
-    parser.add_argument("--micro-batch-size", type=int)
-    parser.add_argument("--lr", type=float)
-    parser.add_argument("--max-seq-len", type=int)
-    parser.add_argument("--max-src-len", type=int)
-    parser.add_argument("--max-tgt-len", type=int)
-    parser.add_argument("--aux-lm-weight", type=float, help="GPT-1 auxiliary LM loss weight (0.5 in the paper)")
-    parser.add_argument("--deepspeed-config")
-    parser.add_argument("--seed", type=int)
+    add_field_flags(parser, FinetuneConfig, FLAG_KEYS)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any config key")
     parser.add_argument("--force", action="store_true",
                         help="start a fresh run in a non-empty --out that holds no checkpoint of a run to resume")
@@ -65,8 +58,10 @@ class InputError(ValueError):
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    flags = {k: v for k, v in vars(args).items() if k not in ("config", "set", "local_rank", "force")}
-    _, world_size = init_distributed()  # first: a problem one rank finds in the setup then stops every rank
+    flags = given_fields(args, FinetuneConfig)
+    configure_console()
+    rank, world_size = init_distributed()  # first: a problem one rank finds in the setup then stops every rank
+    configure_console(logging.INFO if rank == 0 else logging.WARNING)  # rank 0 speaks for all
     try:  # together, naming that rank; across nodes no launcher would stop the others at the rendezvous
         cfg, task, tokenizer = on_every_rank(lambda: prepare(args, flags, world_size))
     except SetupError as error:
@@ -110,7 +105,7 @@ def prepare(args: argparse.Namespace, flags: dict, world_size: int) -> tuple[Fin
     return cfg, task, tokenizer
 
 
-RUN_START_FILES = {ckpt.LOCK_FILE, "run_config.json", LOG_FILE, "checkpoints"}
+RUN_START_FILES = {LOCK_FILE, "run_config.json", LOG_FILE, "checkpoints"}
 """What a run writes before its first checkpoint: a directory holding only these is a run that failed early."""
 
 

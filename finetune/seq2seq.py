@@ -6,9 +6,10 @@ both built on the device by `pretrain.masks` from (objective, len_a, length) —
 Each target token, the final [SEP] included, is replaced by [MASK] with probability `mask_prob` (paper: 0.7;
 0.5 for generative QA and dialogue); at least one per example. The loss is cross-entropy with label smoothing
 (0.1) at the masked positions only, a training step's mean over the masked targets of its whole global batch.
-Decoding (`finetune.decode`) appends [MASK] and predicts it, so masked targets are always replaced by [MASK] here. UniLM v1's fine-tuning code differs in two details the paper does not state: it
-masks exactly round(0.7 · target length) positions per example, and replaces 10 % of them by a random token and
-10 % by themselves, as in pre-training; the expected number of masked positions is about the same.
+Decoding (`finetune.beam`) appends [MASK] and predicts it, so masked targets are always replaced by [MASK] here.
+UniLM v1's fine-tuning code differs in two details the paper does not state: it masks exactly
+round(0.7 · target length) positions per example, and replaces 10 % of them by a random token and 10 % by
+themselves, as in pre-training; the expected number of masked positions is about the same.
 Sources are cut only as far as `[CLS] src [SEP] tgt [SEP]` needs to fit the positions (`encode_examples`).
 """
 from __future__ import annotations

@@ -2,6 +2,7 @@
 and how to evaluate. `finetune.engine.fit` trains whatever `build_task` returns."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,11 +13,14 @@ import torch
 from pretrain.model import UniLMModel
 
 from . import classify, qa, seq2seq
+from .beam import DecodeConfig
 from .config import TASK_METRICS, FinetuneConfig
+from .generation import decode_records, ignore_ids, score_predictions
 from .task_files import read_seq2seq
-from .decode import DecodeConfig, decode_records, ignore_ids, score_predictions
 from .glue import read_records, record_format
 from .tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -72,7 +76,7 @@ def build_classify(cfg: FinetuneConfig, backbone: UniLMModel, tokenizer: Tokeniz
     labels = classify.LabelSpace.from_records(train_records, cfg.train, fmt.regression, fmt.label_names)
     hint = labels.hint(train_records)
     if hint and (cfg.glue_task is None and cfg.regression is None):
-        print(f"[classify] {cfg.train}: {hint}", flush=True)
+        log.info("[classify] %s: %s", cfg.train, hint)
     positive = classify.positive_class(labels, cfg.positive_label or fmt.positive_label, cfg.train)
     settings = (tokenizer, labels, cfg.max_seq_len, cfg.similarity)
     train, train_cut = classify.encode_examples(train_records, *settings, where=cfg.train)
@@ -115,7 +119,7 @@ def build_seq2seq(cfg: FinetuneConfig, backbone: UniLMModel, tokenizer: Tokenize
     lengths = (cfg.max_src_len, cfg.max_tgt_len, backbone.cfg.max_position_embeddings)
     train, cut = seq2seq.encode_examples(train_records, tokenizer, *lengths, where=cfg.train)
     if note := seq2seq.x_sep_note(train_records, tokenizer):  # once the records are known to have targets
-        print(f"[seq2seq] {cfg.train}: {note}", flush=True)
+        log.info("[seq2seq] %s: %s", cfg.train, note)
     dev, _ = seq2seq.encode_examples(dev_records, tokenizer, *lengths, where=cfg.dev)
     module = seq2seq.Seq2SeqModel(backbone, cfg.label_smoothing)
     ignore = ignore_ids(tokenizer, cfg.eval_no_repeat_ignore, "eval_no_repeat_ignore")
@@ -138,7 +142,7 @@ def build_seq2seq(cfg: FinetuneConfig, backbone: UniLMModel, tokenizer: Tokenize
         return seq2seq.masked_count([train[i] for i in indices], cfg.mask_prob, [masking(epoch, i) for i in indices])
 
     def evaluate(m: torch.nn.Module) -> dict[str, float]:
-        predictions, _ = decode_records(m.backbone, tokenizer, dev_records, decoding, cfg.max_src_len)
+        predictions = decode_records(m.backbone, tokenizer, dev_records, decoding, cfg.max_src_len).predictions
         scores = score_predictions(tokenizer, predictions, [r["tgt"] for r in dev_records])
         return {**scores, "dev_loss": seq2seq.held_out_loss(m.backbone, dev, tokenizer, cfg.mask_prob, cfg.seed,
                                                              cfg.micro_batch_size)}

@@ -24,9 +24,10 @@ from pathlib import Path
 
 import torch
 
-from finetune.task_files import convert_samples, read_jsonl
-from finetune.decode import DecodeConfig, SpecialIds, generate, pack_source
+from finetune.beam import DecodeConfig, SpecialIds, generate
+from finetune.generation import pack_source
 from finetune.model_io import load_finetuned
+from finetune.task_files import convert_samples, read_jsonl
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -58,7 +58,7 @@ def test_help_lists_every_key() -> None:
 
 @pytest.mark.parametrize("path", sorted((ROOT / "finetune" / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_loads_and_fits_a_512_position_bert(path, minilm_dir) -> None:
-    from finetune.decode import ignore_ids
+    from finetune.generation import ignore_ids
     from finetune.seq2seq import source_budget
     from finetune.tokenizer import load_tokenizer
 

@@ -106,7 +106,7 @@ def test_special_tokens_in_fine_tuning_text_read_as_transformers_reads_them(mini
 def test_unilm_sentence_separator_is_one_word_piece_it_decodes_and_scores_as(minilm_dir, tiny_init, tmp_path):
     """UniLM's CNN/DM targets join sentences with " [X_SEP] ", which its code reads as [unused1] of BERT's
     vocabulary: a model learns to write it, decoding prints it, and scoring reads it as a sentence break."""
-    from finetune.decode import score_predictions
+    from finetune.generation import score_predictions
 
     reference = "Police arrested two men in London. [X_SEP] The men were charged with fraud. [X_SEP] They deny it"
     bert = load_tokenizer(minilm_dir)
@@ -193,7 +193,8 @@ def test_seq2seq_loss_is_label_smoothed_cross_entropy_at_masked_positions(tiny_i
 
 def test_seq2seq_fine_tuning_then_decoding_reproduces_memorised_targets(tiny_init):
     """The whole generation path end to end: pack → mask → loss → train, then UniLM decoding (cache and no cache)."""
-    from finetune.decode import DecodeConfig, SpecialIds, generate, pack_source
+    from finetune.beam import DecodeConfig, SpecialIds, generate
+    from finetune.generation import pack_source
     from finetune.seq2seq import Seq2SeqModel
 
     torch.manual_seed(0)

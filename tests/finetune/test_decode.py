@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from finetune.decode import (
-    CachedStepper, DecodeConfig, FullStepper, SpecialIds, block_repeated_ngrams, generate, ignore_ids,
-    length_penalty,
+from finetune.beam import (
+    CachedStepper, DecodeConfig, FullStepper, SpecialIds, block_repeated_ngrams, generate, length_penalty,
 )
+from finetune.generation import ignore_ids
 from finetune.tokenizer import load_tokenizer
 from pretrain.model import ModelConfig, UniLMModel, build_model
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 from conftest import GPU_ENV, ROOT, subprocess_env
 
-from finetune.decode import DecodeConfig, SpecialIds, generate, pack_source
+from finetune.beam import DecodeConfig, SpecialIds, generate
+from finetune.generation import pack_source
 from finetune.model_io import load_finetuned
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]

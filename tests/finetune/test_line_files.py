@@ -6,7 +6,7 @@ import json
 import pytest
 
 from finetune import decode, run
-from finetune.decode import score_predictions
+from finetune.generation import score_predictions
 from finetune.config import FinetuneConfig
 from finetune.seq2seq import encode_examples
 from finetune.task_files import read_jsonl, read_seq2seq

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from finetune.decode import score_predictions
+from finetune.generation import score_predictions
 from finetune.metrics import (
     accuracy, binary_f1, classification_metrics, generation_metrics, macro_f1, matthews_corrcoef, normalize_answer,
     pearson, spearman, squad_exact_match, squad_f1, squad_metrics,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune import decode, predict, run
+from finetune import decode, generation, predict, run
 from finetune.task_files import read_jsonl, write_jsonl
 from finetune.model_io import load_finetuned, save_finetuned
 from finetune.tokenizer import load_tokenizer
@@ -57,17 +57,15 @@ def test_predict_refuses_a_count_below_its_minimum_and_writes_nothing(tiny_init,
 
 
 @pytest.mark.parametrize("variable", ["WORLD_SIZE", "OMPI_COMM_WORLD_SIZE"])
-def test_decode_and_predict_refuse_a_distributed_launch(tiny_init, sources, tmp_path, variable, monkeypatch, capsys):
-    """Under torchrun every rank would decode everything and all but the first would fail on the written output."""
+def test_predict_refuses_a_distributed_launch(tiny_init, sources, tmp_path, variable, monkeypatch, capsys):
+    """Under torchrun every rank would predict everything and all but the first would fail on the written output
+    (`finetune.decode` runs data-parallel instead: tests/finetune/test_decode_ranks.py)."""
     monkeypatch.setenv(variable, "2")
-    for tool, args in ((decode, decode_args(tiny_init, sources, tmp_path / "out.jsonl")),
-                       (predict, ["--model", str(tiny_init), "--input", str(sources), "--output",
-                                  str(tmp_path / "out.jsonl")])):
-        with pytest.raises(SystemExit) as exit_info:
-            tool.main(args)
-        assert exit_info.value.code == 2
-        assert f"a launcher started 2 ranks ({variable}=2): run it as `python -m {tool.__name__} ...` itself" \
-            in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        predict.main(["--model", str(tiny_init), "--input", str(sources), "--output", str(tmp_path / "out.jsonl")])
+    assert exit_info.value.code == 2
+    assert f"a launcher started 2 ranks ({variable}=2): run it as `python -m finetune.predict ...` itself" \
+        in capsys.readouterr().err
     assert not (tmp_path / "out.jsonl").exists()
 
 
@@ -161,7 +159,11 @@ def test_decode_writes_one_prediction_per_record_and_replaces_output_only_with_f
     assert "exists and is not empty; pass --force" in capsys.readouterr().err
 
     real = decode.decode_records
-    monkeypatch.setattr(decode, "decode_records", lambda *a, **k: (real(*a, **k)[0][:-1], 0))  # one lost
+
+    def one_lost(*args, **kwargs):
+        decoded = real(*args, **kwargs)
+        return dataclasses.replace(decoded, predictions=decoded.predictions[:-1])
+    monkeypatch.setattr(decode, "decode_records", one_lost)
     with pytest.raises(RuntimeError, match="4 predictions for 5 input records; nothing written"):
         decode.main(decode_args(tiny_init, sources, output, "--force"))
     assert output.read_bytes() == first and [p.name for p in tmp_path.glob(".*partial*")] == []
@@ -237,7 +239,7 @@ def test_a_stopped_decode_keeps_its_predictions_and_the_same_command_continues_a
     decode.main(decode_args(tiny_init, source, whole, "--batch-size", "2"))
     output = tmp_path / "out.jsonl"
     journal = tmp_path / "out.partial.jsonl"
-    real_generate, calls, stop_at = decode.generate, [], [3]
+    real_generate, calls, stop_at = generation.beam_search, [], [3]
 
     def generate_then_stop(*args, **kwargs):  # the third batch is stopped: two are decoded and kept
         calls.append(1)
@@ -247,7 +249,7 @@ def test_a_stopped_decode_keeps_its_predictions_and_the_same_command_continues_a
             raise KeyboardInterrupt
         return real_generate(*args, **kwargs)
 
-    monkeypatch.setattr(decode, "generate", generate_then_stop)
+    monkeypatch.setattr(generation, "beam_search", generate_then_stop)
     ignore = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a SIGTERM decoding does not take fails the test below
     try:
         with pytest.raises(SystemExit) as stopped:
@@ -273,7 +275,7 @@ def test_a_stopped_decode_keeps_its_predictions_and_the_same_command_continues_a
 
 def test_kept_predictions_of_other_settings_are_not_used(tiny_init, sources, tmp_path, monkeypatch, capsys):
     output, journal = tmp_path / "out.txt", tmp_path / "out.partial.jsonl"
-    monkeypatch.setattr(decode, "generate", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr(generation, "beam_search", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
     with pytest.raises(SystemExit):  # stopped at once: the journal holds its settings' fingerprint
         decode.main(decode_args(tiny_init, sources, output, "--batch-size", "1"))
     monkeypatch.undo()
@@ -296,7 +298,7 @@ def test_a_file_of_the_journals_name_that_is_not_one_is_refused_not_replaced(tin
 def test_a_second_decode_of_the_same_output_is_refused_while_the_first_runs(tiny_init, sources, tmp_path,
                                                                               monkeypatch, capsys):
     first, second = tmp_path / "out.txt", tmp_path / "out.jsonl"  # both keep their predictions in out.partial.jsonl
-    real_generate, refusals = decode.generate, []
+    real_generate, refusals = generation.beam_search, []
 
     def generate_and_start_another(*args, **kwargs):
         if not refusals:
@@ -305,7 +307,7 @@ def test_a_second_decode_of_the_same_output_is_refused_while_the_first_runs(tiny
             refusals.append((refused.value.code, capsys.readouterr().err))
         return real_generate(*args, **kwargs)
 
-    monkeypatch.setattr(decode, "generate", generate_and_start_another)
+    monkeypatch.setattr(generation, "beam_search", generate_and_start_another)
     decode.main(decode_args(tiny_init, sources, first))
     code, said = refusals[0]
     assert code == 2 and f"--output {second}: another decode of it is running (pid {os.getpid()} on " in said
