@@ -93,7 +93,8 @@ def collate(samples: Sequence[Any], pad_id: int, max_len: int, pack: bool = Fals
 
 def pack_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     """Sample indices grouped into rows of at most ``capacity`` tokens: first-fit over the samples from longest to
-    shortest (ties in sample order). Deterministic; a row lists its samples longest first. Samples of full length get a row each, in their order."""
+    shortest (ties in sample order). Deterministic; a row lists its samples longest first. Samples of full length
+    get a row each, in their order."""
     rows: list[list[int]] = []
     free: list[int] = []
     for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):

@@ -1,8 +1,9 @@
-"""What pre-training and fine-tuning both run on: the process group, the DeepSpeed engine and its JSON, the
-optimizer's parameter groups, RNG state, and one optimizer step over micro-batches.
+"""The DeepSpeed engine both trainings run on: its JSON checked and completed with the run config's values, the
+choice of Adam, the optimizer's parameter groups, the engine built, and the gradient norm of a step.
 
 ``pretrain.trainer`` (pre-training) and ``finetune.engine`` (fine-tuning) build on these; each adds only its
-data, its model's loss and its bookkeeping. Checkpoints are ``pretrain.checkpoint``'s.
+data, its model's loss and its bookkeeping. The process group is ``pretrain.distributed``'s, RNG state
+``pretrain.rng``'s, checkpoints ``pretrain.checkpoint``'s and ``pretrain.resume``'s.
 
 The DeepSpeed JSON holds engine settings only (ZeRO stage, precision, offload, optimizer/scheduler *types*):
 batch sizes, clipping, optimizer hyper-parameters and the schedule come from the run config and are injected
@@ -16,32 +17,22 @@ import difflib
 import json
 import logging
 import math
-import os
-import random
-import re
-import socket
-import sys
-import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import deepspeed
-import numpy as np
 import torch
-import torch.distributed as torch_dist
-from deepspeed.accelerator import get_accelerator
 
-from data_prep.sources import json_type
-from pretrain.accelerator import (FUSED_ADAM_NEEDS, apply_deepspeed_arch_list, bind_local_device, collective_device,
-                                  local_rank, op_failure)
-from pretrain.batch_plan import BatchPlan
 from common.paths import REPO_ROOT
-from pretrain.kernels import retain_freed_memory
+from data_prep.sources import json_type
+from pretrain.accelerator import FUSED_ADAM_NEEDS, op_failure
+from pretrain.batch_plan import BatchPlan
+from pretrain.distributed import SetupError, first_error, say_once
 
 if TYPE_CHECKING:
-    from pretrain.checkpoint import ResumePoint
+    from pretrain.resume import ResumePoint
 
 # Hyper-parameters that come from the run config only; a DeepSpeed JSON that sets them is refused.
 INJECTED_TOP = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
@@ -54,206 +45,6 @@ SCHEDULERS = {"linear": "WarmupDecayLR", "cosine": "WarmupCosineLR"}
 decay to the minimum at the last step."""
 CONFIG_DIRECTORY = REPO_ROOT / "ds_configs"
 """The repository's DeepSpeed JSONs (one per ZeRO stage and precision; ``*_cpu.json`` for CPU-only machines)."""
-
-
-class RunStopped(RuntimeError):
-    """A diagnosed stop, not a crash: entry points print the message without a traceback (`say_once`) and exit
-    with ``exit_code``. Raised alike on every rank: each is raised after the ranks agree on it in a collective
-    (`first_error`, `on_every_rank`, the step's reduced loss and gradient norm)."""
-    exit_code = 1
-
-
-class SetupError(RunStopped):
-    """A setting, shard set, initial model or checkpoint the run cannot use, found before the first step: said in
-    one line (the message names the file or key and the fix), exit code 2 as for a bad config."""
-    exit_code = 2
-
-
-class NonFiniteLossError(RunStopped):
-    """A NaN/inf loss or gradient (fp32/bf16): the run stops without saving, leaving the last checkpoint intact."""
-    exit_code = 3
-
-
-# ------------------------------------------------------------------------------------------- process group
-def first_slurm_host(nodelist: str) -> str:
-    """The first host of a SLURM node list: ``gpu-[007-010,12],cpu1`` → ``gpu-007`` (what ``scontrol show
-    hostnames`` lists first)."""
-    depth, end = 0, len(nodelist)
-    for position, char in enumerate(nodelist):
-        depth += {"[": 1, "]": -1}.get(char, 0)
-        if char == "," and depth == 0:
-            end = position
-            break
-    return re.sub(r"\[([^\]]*)\]", lambda ranges: ranges.group(1).split(",")[0].split("-")[0], nodelist[:end])
-
-
-def slurm_task_environment(environ: Mapping[str, str]) -> dict[str, str]:
-    """torch.distributed's variables for a rank that ``srun`` started as one of the step's tasks (one task per
-    rank: ``srun --ntasks-per-node=8 python pretrain/train.py ...``), or {} when a launcher already set
-    ``RANK``/``WORLD_SIZE`` (DeepSpeed's, torchrun, or ``hostfiles/slurm.sbatch``'s one task per node) or srun
-    started a single task. RANK, WORLD_SIZE and LOCAL_RANK come from ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``
-    (set by srun only, not by sbatch: a plain ``python`` in a batch script stays a 1-rank run) and
-    ``SLURM_LOCALID``; ``MASTER_ADDR``, unless set, is the step's first node, where task 0 runs; ``MASTER_PORT``,
-    unless set, is derived from the job id (`SLURM_PORTS`), so two jobs sharing a node do not collide."""
-    tasks, task = environ.get("SLURM_STEP_NUM_TASKS", ""), environ.get("SLURM_PROCID", "")
-    if ("RANK" in environ and "WORLD_SIZE" in environ) or not (tasks.isdigit() and task.isdigit()) or int(tasks) < 2:
-        return {}
-    mpi_size, mpi_rank = mpi_environment(environ)
-    if (mpi_size is not None and mpi_size != tasks) or (mpi_rank is not None and mpi_rank != task):
-        return {}  # mpirun inside an allocation: its ranks inherit the srun step of its per-node daemons
-    values = {"RANK": task, "WORLD_SIZE": tasks, "LOCAL_RANK": environ.get("SLURM_LOCALID", "0")}
-    if "MASTER_ADDR" not in environ:
-        nodes = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
-        if not nodes:
-            raise RuntimeError("srun started this rank (SLURM_STEP_NUM_TASKS set) without SLURM_STEP_NODELIST or "
-                               "SLURM_JOB_NODELIST: set MASTER_ADDR to the host of task 0")
-        values["MASTER_ADDR"] = first_slurm_host(nodes)
-    if "MASTER_PORT" not in environ:
-        job = environ.get("SLURM_JOB_ID", "")
-        values["MASTER_PORT"] = str(SLURM_PORTS[int(job) % len(SLURM_PORTS)]) if job.isdigit() else "29500"
-    return values
-
-
-SLURM_PORTS = range(20000, 32000)
-"""Where a SLURM job's derived ``MASTER_PORT`` falls: below Linux's ephemeral ports (32768–60999 by default), which
-the kernel hands out to outgoing connections, so the port is free when rank 0 binds it."""
-
-
-MPI_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
-MPI_RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
-
-
-def mpi_environment(environ: Mapping[str, str]) -> tuple[str | None, str | None]:
-    """(world size, rank) as an MPI launcher gives them to its ranks (OpenMPI's mpirun, MPICH/Intel MPI's
-    mpiexec, srun's PMI), each None where it gives none."""
-    size = next((environ[v] for v in MPI_SIZE_VARIABLES if v in environ), None)
-    rank = next((environ[v] for v in MPI_RANK_VARIABLES if v in environ), None)
-    return size, rank
-
-
-def launched_rank(environ: Mapping[str, str]) -> int:
-    """This process's rank as its launcher set it, before the process group exists (0 when none did): to let one
-    rank speak for all before then."""
-    for value in (environ.get("RANK"), mpi_environment(environ)[1], environ.get("SLURM_PROCID")):
-        if value is not None and value.isdigit():
-            return int(value)
-    return 0
-
-
-def init_distributed() -> tuple[int, int]:
-    """Join the process group of whichever launcher started us: DeepSpeed's, torchrun, mpirun (DeepSpeed's MPI
-    discovery) or ``srun`` with one task per rank (`slurm_task_environment`); plain ``python`` becomes a 1-rank
-    group. Returns (rank, world size).
-
-    First binds the rank's device (``LOCAL_RANK``, `pretrain.accelerator.bind_local_device`) and puts
-    ``TORCH_CUDA_ARCH_LIST`` in the form DeepSpeed's op builder reads; on a CPU-only machine keeps freed memory in
-    the process instead (`pretrain.kernels.retain_freed_memory`). Once joined, a second call only returns them."""
-    if torch_dist.is_initialized() and deepspeed.comm.is_initialized():
-        return torch_dist.get_rank(), torch_dist.get_world_size()
-    os.environ.update(slurm_task_environment(os.environ))
-    device = bind_local_device()
-    if device.type == "cpu":
-        retain_freed_memory()
-    arch_note = apply_deepspeed_arch_list()
-    if arch_note and local_rank() == 0:
-        print(f"[ops] {arch_note}", file=sys.stderr, flush=True)
-
-    launched = all(k in os.environ for k in ("RANK", "WORLD_SIZE")) or mpi_environment(os.environ)[0] is not None
-    if not launched:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(port))
-    # under mpirun DeepSpeed's MPI discovery sets MASTER_PORT from this argument
-    deepspeed.init_distributed(auto_mpi_discovery=True, verbose=False,
-                               distributed_port=int(os.environ.get("MASTER_PORT", 29500)))
-    if device.type == "cpu":
-        unlink_shared_memory_names()
-    return torch_dist.get_rank(), torch_dist.get_world_size()
-
-
-def unlink_shared_memory_names(maps: Path = Path("/proc/self/maps")) -> list[str]:
-    """Remove the /dev/shm names of the buffers DeepSpeed's CPU all-reduce maps (a collective on CPU ranks).
-
-    When all ranks share one machine, each creates a POSIX shared-memory buffer (66 MB,
-    ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``) and maps every other rank's; DeepSpeed never
-    unlinks them, so every run on a new port left ``world size × 66 MB`` of RAM in /dev/shm until reboot. Once every
-    rank has mapped every buffer (the barrier), the names are removed: the mappings stay valid and the memory is
-    freed when the last rank exits. Returns the names removed here."""
-    try:
-        fields = [line.split(maxsplit=5) for line in maps.read_text().splitlines()]
-    except OSError:
-        fields = []
-    mapped = sorted({f[5] for f in fields if len(f) == 6 and f[5].startswith("/dev/shm/deepspeed_")
-                     and not f[5].endswith(" (deleted)")})
-    if torch_dist.get_world_size() > 1:
-        torch_dist.barrier()
-    removed = []
-    for name in mapped:
-        try:
-            os.unlink(name)
-            removed.append(name)
-        except FileNotFoundError:  # another rank removed it first
-            pass
-    return removed
-
-
-def close_distributed() -> None:
-    """Destroy the process group at the end of a command that completed on every rank (its ``__main__``): a
-    process leaving it to interpreter shutdown can abort there ("terminate called without an active exception",
-    SIGABRT) while gloo's worker threads still hold work — a finished run reported as failed. Not after an error:
-    destroying while other ranks are inside a collective can hang. Hence the barrier first: ranks leave their last
-    collective at different times, and on torch 2.6 a 4-rank gloo group whose ranks destroyed it as they came hung
-    in every run (6 of 6; with the barrier 1 of 10; torch 2.11 and 2.13 never hung)."""
-    if torch_dist.is_available() and torch_dist.is_initialized():
-        torch_dist.barrier()
-        torch_dist.destroy_process_group()
-        # Groups DeepSpeed still references keep their gloo worker threads; a worker releasing the last
-        # collective's tensors takes the GIL, and one that asks for it while the interpreter finalizes aborts the
-        # process the same way. Give up the GIL briefly so they finish now.
-        time.sleep(0.1)
-
-
-def gather_objects(value: Any) -> list[Any]:
-    """``value`` of every rank, in rank order (a collective: every rank calls it)."""
-    gathered: list[Any] = [None] * torch_dist.get_world_size()
-    torch_dist.all_gather_object(gathered, value)
-    return gathered
-
-
-def first_error(error: Any) -> Any:
-    """The first ``error`` that is not None over the ranks, in rank order (a collective, and a barrier): what
-    one rank hit before a collective stops every rank, instead of leaving the others waiting in it."""
-    if not (torch_dist.is_initialized() and torch_dist.get_world_size() > 1):
-        return error
-    return next((e for e in gather_objects(error) if e is not None), None)
-
-
-def say_once(message: str) -> None:
-    """Print ``message`` to stderr on rank 0 only: for what every rank knows alike (a `RunStopped`, a setting
-    every rank read), said once rather than once per rank. Before the process group exists, the launcher's rank."""
-    rank = torch_dist.get_rank() if torch_dist.is_available() and torch_dist.is_initialized() \
-        else launched_rank(os.environ)
-    if rank == 0:
-        print(message, file=sys.stderr, flush=True)
-
-
-def on_every_rank(action: Callable[[], Any]) -> Any:
-    """``action()`` on this rank as one step of a setup every rank takes together (a collective): a ValueError or
-    OSError it raises on any rank stops every rank here with a `SetupError` (the lowest such rank's message, which
-    names its rank and host when that is not rank 0), so no rank goes on into a collective the others have left
-    (across nodes, no launcher would stop them: they would wait for the collective's timeout)."""
-    result, error = None, None
-    try:
-        result = action()
-    except (ValueError, OSError) as exc:
-        rank = torch_dist.get_rank() if torch_dist.is_initialized() else 0
-        error = str(exc) if rank == 0 else f"{exc} (rank {rank} on {socket.gethostname()})"
-    error = first_error(error)
-    if error is not None:
-        raise SetupError(error)
-    return result
 
 
 # ----------------------------------------------------------------------------------------- DeepSpeed JSON
@@ -573,80 +364,6 @@ def precision(engine: Any) -> str:
     return "fp16" if engine.fp16_enabled() else "bf16" if engine.bfloat16_enabled() else "fp32"
 
 
-# ----------------------------------------------------------------------------------------------------- RNG
-def seed_everything(seed: int) -> None:
-    """Seed Python, numpy and torch; ``torch.manual_seed`` seeds every accelerator device's generator too (CUDA),
-    so a per-rank seed gives each rank its own dropout stream on GPUs as on CPUs."""
-    torch.manual_seed(seed)
-    np.random.seed(seed % 2**32)
-    random.seed(seed)
-
-
-def _accelerator_generator() -> tuple[Any, str, int] | None:
-    """(DeepSpeed accelerator, its device type, the current device index) when the process runs on an accelerator
-    with its own generators (CUDA), else None (the CPU generator is torch's)."""
-    accelerator = get_accelerator()
-    name = accelerator.device_name()
-    if name == "cpu" or not accelerator.is_available():
-        return None
-    return accelerator, name, int(accelerator.current_device())
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's torch, numpy and Python RNG states, and on an accelerator the generator of its current device
-    (``"accelerator": {"device": "cuda", "state": ByteTensor}``: dropout on a GPU draws from it)."""
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-    found = _accelerator_generator()
-    if found is not None:
-        accelerator, name, index = found
-        state["accelerator"] = {"device": name, "state": accelerator.get_rng_state(index)}
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> bool:
-    """Restore ``rng_state()``'s values. The accelerator generator is restored when the state has one for this
-    process's device type; a state without one (saved before it was recorded, or on a CPU) leaves it as it was.
-    Returns whether this process's accelerator generator (if it has one) was restored."""
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    saved, found = state.get("accelerator"), _accelerator_generator()
-    if found is None:
-        return True
-    if saved is not None and saved["device"] == found[1]:
-        accelerator, _, index = found
-        accelerator.set_rng_state(saved["state"].cpu(), index)
-        return True
-    return False
-
-
-def portable_rng_state() -> dict[str, Any]:
-    """`rng_state` as plain Python / tensor values (loadable with ``torch.load(weights_only=True)``)."""
-    state = rng_state()
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    state["numpy"] = (name, keys.tolist(), pos, has_gauss, cached)
-    return state
-
-
-def restore_rng_state(state: dict[str, Any]) -> bool:
-    """Set the RNG states saved by `portable_rng_state`; returns `set_rng_state`'s answer."""
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    return set_rng_state(dict(state, numpy=(name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached)))
-
-
-def resume_rng(saved_states: Sequence[dict[str, Any]], seed: int, step: int, rank: int, world_size: int) -> None:
-    """Continue this rank's dropout stream from a checkpoint's gathered RNG states; saved by another world size
-    they cannot continue, so fresh ones are derived from (seed, step, rank). A state without this device's
-    generator (saved on a CPU, or before GPU generators were saved) restores the rest and seeds the GPU's from
-    (seed, step, rank): it would otherwise stay where the identical start-up seed of every rank put it, giving
-    every rank the same dropout."""
-    derived = seed * 1_000_003 + step * 1_009 + rank
-    if len(saved_states) != world_size:
-        seed_everything(derived)
-    elif not restore_rng_state(saved_states[rank]):
-        get_accelerator().manual_seed(derived)
-
-
 # --------------------------------------------------------------------------------------- one optimizer step
 def optimizer_step(engine: Any, micro_batches: Sequence[dict[str, torch.Tensor]],
                    loss_of: Callable[[Any], torch.Tensor],
@@ -656,8 +373,7 @@ def optimizer_step(engine: Any, micro_batches: Sequence[dict[str, torch.Tensor]]
 
     ``loss_of(output)`` is the scalar to backpropagate; ``observe(batch, output)`` sees each micro-batch's output
     (statistics); ``before_update()`` runs after the last backward and before the update is applied — where a
-    non-finite loss stops the run with the weights untouched. Returns the global gradient norm measured here where
-    DeepSpeed records none (`records_gradient_norm`), else None; `step_gradient_norm` reads either.
+    non-finite loss stops the run with the weights untouched. Returns `measured_gradient_norm`'s answer.
     """
     measured = None
     for index, batch in enumerate(micro_batches):
@@ -666,10 +382,16 @@ def optimizer_step(engine: Any, micro_batches: Sequence[dict[str, torch.Tensor]]
         observe(batch, output)
         if index == len(micro_batches) - 1:
             before_update()
-            if not records_gradient_norm(engine):
-                measured = gradient_norm(engine.module.parameters())
+            measured = measured_gradient_norm(engine)
         engine.step()
     return measured
+
+
+def measured_gradient_norm(engine: Any) -> float | None:
+    """The global gradient norm, measured here after the last micro-batch's backward (before the ``engine.step()``
+    that applies the update) where DeepSpeed's step records none (`records_gradient_norm`), else None;
+    `step_gradient_norm` reads either after the step."""
+    return None if records_gradient_norm(engine) else gradient_norm(engine.module.parameters())
 
 
 def records_gradient_norm(engine: Any) -> bool:
@@ -686,7 +408,7 @@ def gradient_norm(parameters: Iterable[torch.nn.Parameter]) -> float:
 
 
 def step_gradient_norm(engine: Any, measured: float | None) -> float | None:
-    """The global gradient norm of the step just taken: DeepSpeed's, else the one `optimizer_step` measured."""
+    """The global gradient norm of the step just taken: DeepSpeed's, else the one `measured_gradient_norm` took."""
     norm = engine.get_global_grad_norm()
     return measured if norm is None else float(norm)
 

@@ -14,7 +14,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
-    from pretrain.trainer import read_metrics
+    from pretrain.metrics import read_metrics
     records = read_metrics(run_dir / "metrics.jsonl")  # a line being written by a live run is skipped
     records = [r for r in records if "loss" in r]
     if not records:

@@ -55,19 +55,20 @@ from typing import Any
 
 from deepspeed.launcher.runner import apply_num_nodes_and_gpus, parse_inclusion_exclusion
 
+from common.config_loader import config_error
 from common.files import sha256_file
+from common.paths import REPO_ROOT
 from data_prep.shard_format import MANIFEST_NAME, ShardDataset
 from pretrain.accelerator import FUSED_ADAM_NEEDS, deepspeed_arch_list, fused_adam_toolkit_missing
 from pretrain.batch_plan import InfeasibleBatchError, plan_batch
 from pretrain.checkpoint import code_version
-from common.config_loader import config_error
-from common.paths import REPO_ROOT
-from pretrain.config import RunConfig, load_config
+from pretrain.config import RunConfig, load_config, resolve_model_config
 from pretrain.engine import adam_op, read_engine_json
 from pretrain.hf import hf_model_config, hf_weight_files
-from pretrain.trainer import model_for_shards, resolve_model_config
+from pretrain.setup_checks import model_for_shards
 
-CHECKPOINT_BYTES_PER_PARAMETER = 20  # fp32 weights + Adam moments (12) + low-precision copy / slack + safetensors fp32 (4)
+# fp32 weights + Adam moments (12) + low-precision copy / slack + safetensors fp32 (4)
+CHECKPOINT_BYTES_PER_PARAMETER = 20
 SSH_TIMEOUT_S = 120
 LAUNCHER_GRACE_S = 30  # deepspeed.launcher.launch.terminate_process_tree: psutil.wait_procs(timeout=30), then kill
 WRITE_PROBE_BYTES = 64 * 2**20
@@ -190,7 +191,8 @@ def arch_list_note(value: str | None) -> tuple[str | None, bool]:
     if normalised == value:
         return None, False
     return (f"TORCH_CUDA_ARCH_LIST={value!r} cannot be parsed by DeepSpeed's op builder; the trainer builds for "
-            f"{normalised!r}. Set TORCH_CUDA_ARCH_LIST=\"{normalised}\" (e.g. in .deepspeed_env) to prebuild ops"), False
+            f"{normalised!r}. Set TORCH_CUDA_ARCH_LIST=\"{normalised}\" (e.g. in .deepspeed_env) to prebuild "
+            "ops"), False
 
 
 
@@ -229,7 +231,8 @@ def sigterm_save_warning(checkpoint_size: int, write_bytes_per_s: float | None, 
 def checkpoint_bytes(cfg: RunConfig) -> int:
     model_cfg = resolve_model_config(cfg)
     h, layers, vocab = model_cfg.hidden_size, model_cfg.num_layers, model_cfg.vocab_size
-    parameters = layers * (4 * h * h + 2 * h * model_cfg.intermediate_size) + (vocab + model_cfg.max_position_embeddings) * h
+    parameters = (layers * (4 * h * h + 2 * h * model_cfg.intermediate_size)
+                  + (vocab + model_cfg.max_position_embeddings) * h)
     return CHECKPOINT_BYTES_PER_PARAMETER * parameters
 
 

@@ -20,8 +20,9 @@ if __package__ in (None, ""):  # `deepspeed pretrain/train.py` runs this file as
 
 from common.config_loader import config_error, keys_help  # noqa: E402
 from pretrain.config import RunConfig, load_config  # noqa: E402
-from pretrain.engine import (RunStopped, SetupError, close_distributed, init_distributed, on_every_rank,  # noqa: E402
-                             say_once)
+from pretrain.console import configure_console  # noqa: E402
+from pretrain.distributed import (RunStopped, SetupError, close_distributed, init_distributed,  # noqa: E402
+                                  on_every_rank, say_once)
 from pretrain.trainer import train  # noqa: E402
 
 
@@ -35,6 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     args = parser.parse_args(argv)
+    configure_console()
     init_distributed()  # first: a config one rank cannot read (not at this path on its node) stops every rank
     try:
         cfg = on_every_rank(lambda: load_config(args.config, args.overrides))

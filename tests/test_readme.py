@@ -19,7 +19,7 @@ from unittest import mock
 
 from finetune.config import FinetuneConfig
 from pretrain.batch_plan import feasible_pairs, nearest_feasible_globals
-from pretrain.config import reference_markdown
+from tools.config_reference import reference_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -112,7 +112,7 @@ def accepted_options(module: str) -> frozenset[str]:
 def test_configuration_reference_is_generated_from_the_config_dataclasses() -> None:
     reference = reference_markdown()
     assert section("config-reference", CONFIGURATION.read_text(), str(CONFIGURATION)) == reference + "\n", (
-        "docs/configuration.md is out of date: run `python -m pretrain.config --update-reference`")
+        "docs/configuration.md is out of date: run `python -m tools.config_reference --update`")
     missing = [f.name for f in dataclasses.fields(FinetuneConfig) if f"| `{f.name}` |" not in reference]
     assert not missing, f"the configuration reference lacks fine-tuning keys {missing}"
 

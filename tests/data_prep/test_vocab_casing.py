@@ -13,7 +13,7 @@ import pytest
 from data_prep.vocab import VocabError, load_vocab, resolve_casing, resolve_vocab_source, vocab_is_uncased, \
     write_hf_tokenizer
 from finetune.tokenizer import load_tokenizer
-from pretrain.trainer import check_init_vocabulary
+from pretrain.setup_checks import check_init_vocabulary
 
 
 def casing(path) -> bool:

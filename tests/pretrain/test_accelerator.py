@@ -195,7 +195,7 @@ def test_bf16_counts_as_native_from_compute_capability_8_and_on_the_local_ranks_
 
 def test_on_the_cpu_accelerator_binding_is_a_no_op_and_collectives_use_cpu_tensors(one_rank_group) -> None:
     from pretrain.model import REPORTED_OBJECTIVES, PretrainOutput
-    from pretrain.trainer import StepSums
+    from pretrain.metrics import StepSums
 
     assert accelerator.bind_local_device() == torch.device("cpu")
     assert accelerator.default_device() == torch.device("cpu")
@@ -234,8 +234,8 @@ DECIDE = """
 import torch
 from no_compiler import MISSING_COMPILER  # torch.compile finds no C++ compiler
 from pretrain.accelerator import compiler_failure
-from pretrain.engine import SetupError
-from pretrain.trainer import compiler_works
+from pretrain.distributed import SetupError
+from pretrain.setup_checks import compiler_works
 print("failure:", compiler_failure(torch.device("cpu")))
 print("left to the default:", compiler_works(None, 0))
 try:

@@ -11,7 +11,8 @@ import torch
 
 from common import files
 from pretrain import checkpoint as ckpt
-from pretrain import engine
+from pretrain import rng
+from pretrain.resume import ResumePoint, changed_settings, check_compatible, report_changed_settings
 
 
 def fake_save(directory: Path, step: int, complete: bool = True) -> str:
@@ -86,12 +87,12 @@ def test_unknown_marker_version_is_refused(tmp_path: Path) -> None:
 ])
 def test_mismatch_names_the_field(field: str, value: object, message: str) -> None:
     saved = {"model_config": {"hidden_size": 64}, "vocab_hash": "abc", "manifest_hash": "def", "seed": 1}
-    ckpt.check_compatible(saved, dict(saved), "ckpt")
+    check_compatible(saved, dict(saved), "ckpt")
     with pytest.raises(ckpt.CheckpointMismatchError, match="refusing to resume") as error:
-        ckpt.check_compatible(saved, dict(saved, **{field: value}), "ckpt")
+        check_compatible(saved, dict(saved, **{field: value}), "ckpt")
     assert message in str(error.value) and field in str(error.value)
     with pytest.raises(ckpt.CheckpointMismatchError, match=r"model.num_layers=2.*model.num_layers=4"):
-        ckpt.check_compatible(dict(saved, model_config={"num_layers": 2}), dict(saved, model_config={"num_layers": 4}),
+        check_compatible(dict(saved, model_config={"num_layers": 2}), dict(saved, model_config={"num_layers": 4}),
                               "ckpt")
 
 
@@ -100,31 +101,31 @@ def test_rebuilt_shards_are_named_as_such() -> None:
     with pytest.raises(ckpt.CheckpointMismatchError, match=r"another build of its shards \(manifest sha256 "
                                                           r"dddddddddddd…, these shards' eeeeeeeeeeee…\): they were "
                                                           r"rebuilt .*point data.shards at the shards"):
-        ckpt.check_compatible(saved, dict(saved, manifest_hash="e" * 64), "ckpt")
+        check_compatible(saved, dict(saved, manifest_hash="e" * 64), "ckpt")
     saved["run_config"] = {"data": {"shards": "/data/shards/unilm-512"}}
     with pytest.raises(ckpt.CheckpointMismatchError, match=r"eeeeeeeeeeee…; trained on /data/shards/unilm-512, these "
                                                           r"are data/shards/unilm-128\): they were rebuilt"):
-        ckpt.check_compatible(saved, dict(saved, manifest_hash="e" * 64, shards="data/shards/unilm-128"), "ckpt")
+        check_compatible(saved, dict(saved, manifest_hash="e" * 64, shards="data/shards/unilm-128"), "ckpt")
     tuned = dict(saved, task={"task": "classify"})  # a fine-tuning run: its hash is its training file's
     with pytest.raises(ckpt.CheckpointMismatchError, match=r"ckpt was trained on another training file \(sha256 "
                                                           r"dddddddddddd…, this one's eeeeeeeeeeee…\); refusing to "
                                                           r"resume \(use another --out\)"):
-        ckpt.check_compatible(tuned, dict(tuned, manifest_hash="e" * 64), "ckpt", restart="use another --out")
+        check_compatible(tuned, dict(tuned, manifest_hash="e" * 64), "ckpt", restart="use another --out")
 
 
 def test_a_resumed_run_names_the_settings_it_changed() -> None:
     saved = {"optim": {"lr": 1e-4, "betas": [0.9, 0.999]}, "train": {"max_steps": 40, "exit_at_step": 10}}
     now = {"optim": {"lr": 1e-2, "betas": (0.9, 0.999)}, "train": {"max_steps": 50, "exit_at_step": None}}
-    assert ckpt.changed_settings(saved, now) == ["optim.lr: 0.0001 -> 0.01", "train.max_steps: 40 -> 50"]
+    assert changed_settings(saved, now) == ["optim.lr: 0.0001 -> 0.01", "train.max_steps: 40 -> 50"]
     reports = []
-    resume = ckpt.ResumePoint(Path("c"), "global_step40", "global_step40", {"step": 40, "run_config": saved})
-    ckpt.report_changed_settings(resume, now, reports.append)
+    resume = ResumePoint(Path("c"), "global_step40", "global_step40", {"step": 40, "run_config": saved})
+    report_changed_settings(resume, now, reports.append)
     assert reports == ["[resume] settings changed since global_step40, the run continues with the new ones from "
                        "step 40: optim.lr: 0.0001 -> 0.01; train.max_steps: 40 -> 50"]
-    ckpt.report_changed_settings(resume, saved, reports.append)
+    report_changed_settings(resume, saved, reports.append)
     # the run config in memory holds tuples where the checkpoint's JSON has lists: the same setting
-    ckpt.report_changed_settings(resume, dict(saved, optim={"lr": 1e-4, "betas": (0.9, 0.999)}), reports.append)
-    ckpt.report_changed_settings(None, now, reports.append)
+    report_changed_settings(resume, dict(saved, optim={"lr": 1e-4, "betas": (0.9, 0.999)}), reports.append)
+    report_changed_settings(None, now, reports.append)
     assert len(reports) == 1
 
 
@@ -136,12 +137,12 @@ def test_activation_checkpointing_stored_by_older_checkpoints_is_no_mismatch() -
     """It was a model field; now a training setting that may change on resume."""
     current = {"model_config": {"hidden_size": 64}, "vocab_hash": "abc", "manifest_hash": "def", "seed": 1}
     for stored in (False, True):
-        ckpt.check_compatible(dict(current, model_config={"hidden_size": 64, "activation_checkpointing": stored}),
+        check_compatible(dict(current, model_config={"hidden_size": 64, "activation_checkpointing": stored}),
                               current, "ckpt")
 def test_rng_state_holds_an_accelerator_generator_only_on_an_accelerator() -> None:
     from deepspeed.accelerator import get_accelerator
 
-    state = engine.rng_state()
+    state = rng.rng_state()
     if get_accelerator().device_name() == "cpu":  # the CPU suite: torch's CPU generator is "torch"
         assert set(state) == {"torch", "numpy", "python"}
     else:
@@ -150,9 +151,9 @@ def test_rng_state_holds_an_accelerator_generator_only_on_an_accelerator() -> No
 
 
 def test_portable_rng_states_load_with_weights_only_and_old_or_foreign_ones_still_restore(tmp_path: Path) -> None:
-    from pretrain.engine import portable_rng_state, restore_rng_state
+    from pretrain.rng import portable_rng_state, restore_rng_state
 
-    engine.seed_everything(5)
+    rng.seed_everything(5)
     torch.save(portable_rng_state(), tmp_path / "rng.pt")
     first = (torch.rand(3), np.random.rand(3), random.random())
     saved = torch.load(tmp_path / "rng.pt", weights_only=True)

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from pretrain import accelerator, engine
+from pretrain import accelerator, distributed, engine, rng
 from common.paths import REPO_ROOT
-from pretrain.engine import first_slurm_host, launched_rank, slurm_task_environment
+from pretrain.distributed import SetupError, first_slurm_host, launched_rank, slurm_task_environment
 
 
 def draws() -> tuple[torch.Tensor, np.ndarray, float]:
@@ -28,30 +28,30 @@ def assert_same(first: tuple, second: tuple) -> None:
 
 
 def test_rng_state_round_trip() -> None:
-    engine.seed_everything(3)
-    state = engine.rng_state()
+    rng.seed_everything(3)
+    state = rng.rng_state()
     first = draws()
-    engine.set_rng_state(state)
+    rng.set_rng_state(state)
     assert_same(first, draws())
 
 
 def test_portable_rng_state_survives_a_weights_only_load(tmp_path: Path) -> None:
-    engine.seed_everything(5)
-    torch.save({"rng_states": [engine.portable_rng_state()]}, tmp_path / "state.pt")
+    rng.seed_everything(5)
+    torch.save({"rng_states": [rng.portable_rng_state()]}, tmp_path / "state.pt")
     first = draws()
-    engine.restore_rng_state(torch.load(tmp_path / "state.pt", weights_only=True)["rng_states"][0])
+    rng.restore_rng_state(torch.load(tmp_path / "state.pt", weights_only=True)["rng_states"][0])
     assert_same(first, draws())
 
 
 def test_resume_rng_continues_on_the_same_world_size_and_reseeds_on_another() -> None:
-    engine.seed_everything(11)
-    saved = [engine.portable_rng_state(), engine.portable_rng_state()]
+    rng.seed_everything(11)
+    saved = [rng.portable_rng_state(), rng.portable_rng_state()]
     continued = draws()
-    engine.resume_rng(saved, seed=1, step=4, rank=0, world_size=2)
+    rng.resume_rng(saved, seed=1, step=4, rank=0, world_size=2)
     assert_same(continued, draws())
-    engine.resume_rng(saved, seed=1, step=4, rank=0, world_size=3)
+    rng.resume_rng(saved, seed=1, step=4, rank=0, world_size=3)
     other_size = draws()
-    engine.seed_everything(1 * 1_000_003 + 4 * 1_009 + 0)
+    rng.seed_everything(1 * 1_000_003 + 4 * 1_009 + 0)
     assert_same(other_size, draws())
 
 
@@ -71,17 +71,17 @@ class RecordingGpu:
 def test_a_state_without_the_gpus_generator_seeds_it_per_rank_on_resume(monkeypatch) -> None:
     """Left alone, the GPU generator would keep the start-up seed, the same on every rank: the same dropout on
     all of them. Restored where saved; seeded from (seed, step, rank) where not."""
-    cpu_saved = [engine.portable_rng_state() for _ in range(2)]  # on the CPU: no "accelerator" entry
+    cpu_saved = [rng.portable_rng_state() for _ in range(2)]  # on the CPU: no "accelerator" entry
     gpu = RecordingGpu()
-    monkeypatch.setattr(engine, "get_accelerator", lambda: gpu)
-    monkeypatch.setattr(engine, "_accelerator_generator", lambda: (gpu, "cuda", 0))
+    monkeypatch.setattr(rng, "get_accelerator", lambda: gpu)
+    monkeypatch.setattr(rng, "_accelerator_generator", lambda: (gpu, "cuda", 0))
     for rank in (0, 1):
-        engine.resume_rng(cpu_saved, seed=1, step=4, rank=rank, world_size=2)
+        rng.resume_rng(cpu_saved, seed=1, step=4, rank=rank, world_size=2)
     assert gpu.calls == [("seed", 1 * 1_000_003 + 4 * 1_009), ("seed", 1 * 1_000_003 + 4 * 1_009 + 1)]
     gpu.calls.clear()
     gpu_saved = [dict(state, accelerator={"device": "cuda", "state": torch.zeros(8, dtype=torch.uint8)})
                  for state in cpu_saved]
-    engine.resume_rng(gpu_saved, seed=1, step=4, rank=1, world_size=2)
+    rng.resume_rng(gpu_saved, seed=1, step=4, rank=1, world_size=2)
     assert gpu.calls == [("restore", 0)]
 
 
@@ -129,7 +129,7 @@ def test_engine_json_that_sets_injected_values_is_refused(tmp_path: Path) -> Non
 
 _GLOO_EXIT = """
 import sys, torch, torch.distributed as dist
-from pretrain.engine import close_distributed
+from pretrain.distributed import close_distributed
 dist.init_process_group("gloo")
 tensor = torch.ones(1000)
 for _ in range(20):
@@ -174,11 +174,11 @@ def test_shared_memory_names_are_unlinked_and_their_mappings_stay_valid(tmp_path
     maps.write_text(f"7f00-7f01 rw-s 00000000 00:19 12 {shm}\n7f02-7f03 rw-s 00000000 00:19 13 {other}\n"
                     "7f04-7f05 r--p 00000000 00:00 0 \n")
     try:
-        assert engine.unlink_shared_memory_names(maps) == [str(shm)]
+        assert distributed.unlink_shared_memory_names(maps) == [str(shm)]
         assert not shm.exists() and other.exists()
         view[:5] = b"still"
         assert view[:5] == b"still"
-        assert engine.unlink_shared_memory_names(maps) == []  # already gone: nothing to do, no error
+        assert distributed.unlink_shared_memory_names(maps) == []  # already gone: nothing to do, no error
     finally:
         view.close()
         other_view.close()
@@ -326,7 +326,7 @@ def test_a_build_log_is_summarised_by_its_first_line_and_the_line_naming_the_cau
 
 @pytest.mark.slow  # ≈ 10 s: a failed JIT build
 def test_where_fused_adam_cannot_be_built_the_engine_steps_with_torch_adamw_unless_the_json_insists(
-        one_rank_group, monkeypatch, tmp_path, capsys) -> None:
+        one_rank_group, monkeypatch, tmp_path, caplog) -> None:
     """A real failed FusedAdam build (DeepSpeed's own JIT load; here its C++ compiler is missing, on a GPU machine
     without the CUDA toolkit nvcc is): the engine is built and steps with torch's AdamW, saying why once; a JSON
     that sets torch_adam false stops before deepspeed.initialize, naming the cause and the fix."""
@@ -352,36 +352,37 @@ def test_where_fused_adam_cannot_be_built_the_engine_steps_with_torch_adamw_unle
         ds_engine.backward(ds_engine(torch.ones(1, 2)).sum())
         ds_engine.step()
     assert not torch.equal(model.weight.detach(), before) and torch.isfinite(model.weight).all()
-    said = capsys.readouterr().err
+    said = caplog.text  # said once, through logging (`say_once`)
+    caplog.clear()
     assert "[optimizer] DeepSpeed's FusedAdam cannot be loaded here (RuntimeError: Error building extension " \
            "'fused_adam' (" in said and "): stepping with torch's AdamW" in said, said
     assert re.search(r"/nonexistent/g\+\+: (not found|No such file or directory)", said), said
     assert "CUDA toolkit's nvcc" in said
 
     # a checkpoint FusedAdam stepped goes on with torch's AdamW, which takes over its state
-    from pretrain.checkpoint import ResumePoint
+    from pretrain.resume import ResumePoint
 
     fused = ResumePoint(tmp_path, "global_step4", "global_step4",
                         {"optimizer_class": "deepspeed.ops.adam.fused_adam.FusedAdam"})
     resumed = engine.build_engine(torch.nn.Linear(2, 1), config, weight_decay=0.0, resumed=fused)
     assert type(resumed.optimizer) is torch.optim.AdamW
     assert f"{tmp_path / 'global_step4'} was stepped by DeepSpeed's FusedAdam, whose state torch's AdamW takes " \
-           "over. A checkpoint of this run resumes with torch's AdamW" in capsys.readouterr().err
+           "over. A checkpoint of this run resumes with torch's AdamW" in caplog.text
 
     config["optimizer"]["params"]["torch_adam"] = False  # (torch does not retry a failed build in one process)
-    with pytest.raises(engine.SetupError, match=r"^DeepSpeed's FusedAdam cannot be loaded here: .*The DeepSpeed JSON "
+    with pytest.raises(SetupError, match=r"^DeepSpeed's FusedAdam cannot be loaded here: .*The DeepSpeed JSON "
                                                 r"sets optimizer.params.torch_adam false; DeepSpeed builds FusedAdam"):
         engine.build_engine(torch.nn.Linear(2, 1), config, weight_decay=0.0)
 
 
 def test_a_checkpoint_resumes_into_the_optimizer_that_stepped_it(one_rank_group, monkeypatch, tmp_path,
-                                                                 capsys) -> None:
+                                                                 caplog) -> None:
     """DeepSpeed's FusedAdam cannot take over torch's AdamW's state (its load stops on a KeyError: the parameter
     groups torch saved lack bias_correction). A checkpoint stepped by torch's AdamW (where FusedAdam did not load)
     resumes with it wherever it runs, even where FusedAdam loads; a JSON that insists on FusedAdam, or a class
     that cannot take over the one the marker records, is refused before anything is loaded."""
     from pretrain.batch_plan import plan_batch
-    from pretrain.checkpoint import ResumePoint
+    from pretrain.resume import ResumePoint
 
     monkeypatch.setenv("LOCAL_RANK", "0")
     engine_json = engine.read_engine_json(REPO_ROOT / "ds_configs/zero0_fp32_cpu.json")
@@ -397,16 +398,16 @@ def test_a_checkpoint_resumes_into_the_optimizer_that_stepped_it(one_rank_group,
     assert engine.optimizer_name(ds_engine.basic_optimizer) == torch_adamw  # FusedAdam was not even tried
     assert "torch_adam" not in config["optimizer"]["params"]
     assert f"[optimizer] {tmp_path / 'global_step4'} was stepped by torch's AdamW: so is this run" in \
-        capsys.readouterr().err
+        caplog.text
 
     config["optimizer"]["params"]["torch_adam"] = False
-    with pytest.raises(engine.SetupError, match=r"was stepped by torch's AdamW and the DeepSpeed JSON sets "
+    with pytest.raises(SetupError, match=r"was stepped by torch's AdamW and the DeepSpeed JSON sets "
                                                 r"optimizer.params.torch_adam false"):
         engine.build_engine(torch.nn.Linear(2, 1), config, weight_decay=0.0, resumed=resumed(torch_adamw))
     config["optimizer"]["params"]["torch_adam"] = True
     engine.build_engine(torch.nn.Linear(2, 1), config, weight_decay=0.0, resumed=resumed(fused))  # takes it over
     adamax = engine.optimizer_name(torch.optim.Adamax)
-    with pytest.raises(engine.SetupError, match=rf"^{tmp_path / 'global_step4'} was stepped by {adamax}, whose state "
+    with pytest.raises(SetupError, match=rf"^{tmp_path / 'global_step4'} was stepped by {adamax}, whose state "
                                                 rf"{torch_adamw}, which this run builds, cannot take over\. Resume "
                                                 r"with the optimizer settings it ran with"):
         engine.build_engine(torch.nn.Linear(2, 1), config, weight_decay=0.0, resumed=resumed(adamax))
@@ -423,7 +424,7 @@ def test_a_checkpoint_resumes_into_the_optimizer_that_stepped_it(one_rank_group,
     assert engine.adam_that_loads(config, resumed(engine.optimizer_name(torch.optim.Adam)))["optimizer"]["params"][
         "torch_adam"] is True
     config["zero_optimization"] = {"stage": 2, "offload_optimizer": {"device": "cpu"}}  # DeepSpeed's CPUAdam
-    with pytest.raises(engine.SetupError, match=r"was stepped by torch's AdamW, and the DeepSpeed JSON offloads "
+    with pytest.raises(SetupError, match=r"was stepped by torch's AdamW, and the DeepSpeed JSON offloads "
                                                 r"optimizer state .*Resume with a JSON without offload_optimizer, or "
                                                 r"one that offloads torch's"):
         engine.adam_that_loads(config, resumed(torch_adamw))
@@ -439,7 +440,8 @@ def test_which_adam_goes_on_from_which_checkpoint_as_saved_and_universally_conve
     would fail (FusedAdam reading bias_correction torch's groups lack; torch's AdamW refusing the plain-number step
     a conversion gives it), `build_engine` either builds the optimizer that goes on or refuses before loading."""
     from pretrain.batch_plan import plan_batch
-    from pretrain.checkpoint import ResumePoint, to_universal
+    from pretrain.convert import to_universal
+    from pretrain.resume import ResumePoint
     from pretrain.data import synthetic_batch
     from pretrain.model import build_model, preset
 
@@ -492,7 +494,7 @@ def test_which_adam_goes_on_from_which_checkpoint_as_saved_and_universally_conve
     goes_on(torch_adamw, resumed=resumed("torch", torch_adamw))  # the JSON leaves the choice to the checkpoint
     with pytest.raises(KeyError, match="bias_correction"):  # DeepSpeed's own load, where nothing chooses
         train(range(2, 4), resumed=resumed("torch", None))
-    with pytest.raises(engine.SetupError, match=rf"^{tmp_path / 'torch'} was stepped by torch's AdamW and the "
+    with pytest.raises(SetupError, match=rf"^{tmp_path / 'torch'} was stepped by torch's AdamW and the "
                                                 r"DeepSpeed JSON sets optimizer.params.torch_adam false, asking for "
                                                 r"DeepSpeed's FusedAdam, which cannot take over torch's state"):
         train(range(2, 4), torch_adam=False, resumed=resumed("torch", torch_adamw))
@@ -502,13 +504,13 @@ def test_which_adam_goes_on_from_which_checkpoint_as_saved_and_universally_conve
     goes_on(fused_adam, resumed=resumed("fused", fused_adam, universal=True))
     with pytest.raises(RuntimeError, match="state_steps"):  # torch's first step, where nothing chooses
         train(range(2, 4), torch_adam=True, resumed=resumed("fused", None, universal=True))
-    with pytest.raises(engine.SetupError, match=rf"^{tmp_path / 'fused'} was stepped by {fused_adam}, whose state "
+    with pytest.raises(SetupError, match=rf"^{tmp_path / 'fused'} was stepped by {fused_adam}, whose state "
                                                 r"\(converted to DeepSpeed's universal checkpoint: another world size "
                                                 rf"or ZeRO stage\) {torch_adamw}, which this run builds, cannot take "
                                                 r"over"):
         train(range(2, 4), torch_adam=True, resumed=resumed("fused", fused_adam, universal=True))
     monkeypatch.setattr(engine, "op_failure", lambda op: "RuntimeError: no CUDA toolkit")  # as without nvcc
-    with pytest.raises(engine.SetupError, match=r"^DeepSpeed's FusedAdam cannot be loaded here: RuntimeError: no "
+    with pytest.raises(SetupError, match=r"^DeepSpeed's FusedAdam cannot be loaded here: RuntimeError: no "
                                                 rf"CUDA toolkit\. {tmp_path / 'fused'} was stepped by DeepSpeed's "
                                                 r"FusedAdam and is resumed on another world size or ZeRO stage, "
                                                 r".*or resume with the world size and ZeRO stage it was saved with$"):
@@ -532,7 +534,7 @@ def test_offloaded_optimizer_state_stops_naming_the_compiler_where_cpu_adam_cann
     del engine_json["optimizer"]["params"]["torch_adam"]
     engine_json["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     config = engine.engine_config(engine_json, plan_batch(1, 1, 1), 1.0, {"lr": 0.1}, 0.1, 0.0, 1, 4)
-    with pytest.raises(engine.SetupError, match=r"^DeepSpeed's CPUAdam, which steps optimizer state offloaded .*cannot "
+    with pytest.raises(SetupError, match=r"^DeepSpeed's CPUAdam, which steps optimizer state offloaded .*cannot "
                                                 r"be loaded here: RuntimeError: Error building extension 'cpu_adam' "
                                                 r"\(.*/nonexistent/g\+\+: (not found|No such file or directory)\)\. "
                                                 r".*C\+\+ compiler"):

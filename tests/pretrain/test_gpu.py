@@ -169,7 +169,7 @@ def test_cuda_generator_state_round_trips_and_ranks_seed_their_own_streams(tmp_p
     result = gpu_python(f"""
 import json, torch
 from pretrain.accelerator import bind_local_device
-from pretrain.engine import portable_rng_state, restore_rng_state, seed_everything
+from pretrain.rng import portable_rng_state, restore_rng_state, seed_everything
 bind_local_device()
 seed_everything(11)
 seeded = torch.cuda.initial_seed()

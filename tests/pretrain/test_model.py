@@ -427,7 +427,7 @@ def test_cache_can_drop_a_placeholder_position():
 def test_training_forward_and_step_sums_never_read_the_device(monkeypatch, one_rank_group):
     """A forward + backward and `StepSums.add` per micro-batch never copy a value to the host (on a GPU each such
     read waits for every queued kernel); only `StepSums.reduce` does, once per step."""
-    from pretrain.trainer import StepSums
+    from pretrain.metrics import StepSums
 
     model = tiny_model().train()
     sums = StepSums("cpu")

@@ -15,8 +15,8 @@ _SCENARIOS = r"""
 import json, sys
 from pathlib import Path
 import torch.distributed as dist
-from pretrain.engine import on_every_rank
-from pretrain.trainer import check_shared_out_dir
+from pretrain.distributed import on_every_rank
+from pretrain.setup_checks import check_shared_out_dir
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()

@@ -143,15 +143,15 @@ def test_saves_fsync_files_and_directories_before_the_marker_and_latest(tmp_path
     for name in (MODEL_FILE, OPTIM_FILE, "sub/extra.pt"):
         (tag_dir / name).write_bytes(b"w" * 100)
     synced: list[tuple[str, bool]] = []   # (path, marker visible at that moment)
-    real_fsync = ckpt.os.fsync
+    real_fsync = os.fsync
 
     def recording_fsync(descriptor: int) -> None:
-        path = Path(ckpt.os.readlink(f"/proc/self/fd/{descriptor}"))
+        path = Path(os.readlink(f"/proc/self/fd/{descriptor}"))
         synced.append((str(path.relative_to(tmp_path)) if path != tmp_path else ".",
                        (tag_dir / ckpt.MARKER).exists()))
         real_fsync(descriptor)
 
-    monkeypatch.setattr(ckpt.os, "fsync", recording_fsync)
+    monkeypatch.setattr(os, "fsync", recording_fsync)
     ckpt.write_marker(tag_dir, {"step": 4})
     ckpt.update_latest(tmp_path, "global_step4")
     before_marker = {path for path, marker_seen in synced if not marker_seen}

@@ -238,7 +238,7 @@ def test_the_fast_paths_together_train_with_the_plain_paths_losses(runs: dict) -
     assert "[fast paths] train.compile=on, train.chunked_loss=on, train.pack_samples=on" in runs["fast_log"].stdout
     # The blocks really ran compiled: one graph serves every block (a second at most, when a micro-batch's shape
     # first changes and dynamo recompiles with dynamic sizes), traced without a graph break; one graph more is the
-    # probe that tells torch.compile works here (`pretrain.trainer.compiler_works`).
+    # probe that tells torch.compile works here (`pretrain.setup_checks.compiler_works`).
     report = json.loads(runs["fast_log"].stdout.split("[compile report] ", 1)[1].splitlines()[0])
     assert report["frames"] >= 2 and 2 <= report["unique_graphs"] <= 3 and report["graph_breaks"] == 0, report
     plain, fast = losses(runs["nodrop"]), losses(runs["fast"])
@@ -352,20 +352,20 @@ def test_a_corrupt_shard_stops_training_before_it_starts(unilm_shards: Path, tmp
     assert not (tmp_path / "run" / "checkpoints" / "latest").exists()
 
 
-def test_a_first_ctrl_c_asks_for_a_save_and_a_second_stops_at_once(capsys) -> None:
+def test_a_first_ctrl_c_asks_for_a_save_and_a_second_stops_at_once(caplog) -> None:
     """Ctrl-C in a terminal run: the first SIGINT is handled as SIGTERM (save the step in progress, exit 0), so
     an interactive stop loses no steps; a second one interrupts at once."""
     import os
     import signal
     import time
 
-    from pretrain.trainer import StopRequest
+    from pretrain.stopping import StopRequest
     before = signal.getsignal(signal.SIGINT)
     stop = StopRequest(time.monotonic(), None)
     try:
         assert not stop
         os.kill(os.getpid(), signal.SIGINT)
-        assert stop and "Ctrl-C again stops at once" in capsys.readouterr().err
+        assert stop and "Ctrl-C again stops at once" in caplog.text
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(1)  # the handler runs here at the latest

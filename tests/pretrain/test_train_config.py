@@ -208,7 +208,7 @@ def test_no_weight_decay_on_biases_and_layer_norms() -> None:
 
 
 def test_model_from_preset_overrides_or_a_full_config(tmp_path: Path) -> None:
-    from pretrain.trainer import resolve_model_config
+    from pretrain.config import resolve_model_config
     cfg = load_config(REPO_ROOT / "pretrain/configs/tiny.yaml", ["model.overrides.num_layers=3"])
     assert resolve_model_config(cfg).num_layers == 3 and resolve_model_config(cfg).hidden_size == 64
     full = {"vocab_size": 100, "hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}
@@ -254,7 +254,7 @@ def test_help_lists_every_key() -> None:
 
 def test_fast_path_defaults_resolve_per_run_and_compile_refuses_zero3() -> None:
     from pretrain.model import preset
-    from pretrain.trainer import fast_path_settings
+    from pretrain.setup_checks import fast_path_settings
 
     def resolved(overrides: list[str], engine_json: dict, model: str = "tiny") -> dict[str, bool]:
         return fast_path_settings(load_config(REPO_ROOT / "pretrain/configs/tiny.yaml", overrides), engine_json,
@@ -303,7 +303,7 @@ def test_yaml_syntax_errors_are_value_errors_naming_the_file_or_the_override(tmp
 
 
 def test_an_absent_section_or_an_incomplete_model_is_named(tmp_path: Path) -> None:
-    from pretrain.trainer import resolve_model_config
+    from pretrain.config import resolve_model_config
 
     no_data = tmp_path / "no_data.yaml"
     no_data.write_text("out_dir: runs/a\ndeepspeed_config: ds_configs/zero2_fp32_cpu.json\n")
@@ -321,7 +321,7 @@ def test_an_absent_section_or_an_incomplete_model_is_named(tmp_path: Path) -> No
     ("model.preset=tinyy", "model.preset: unknown model preset 'tinyy'; choose one of unilm-large, "),
 ])
 def test_model_errors_name_the_key_a_run_sets(override: str, message: str) -> None:
-    from pretrain.trainer import resolve_model_config
+    from pretrain.config import resolve_model_config
 
     with pytest.raises(ValueError, match=f"^{message}"):
         resolve_model_config(load_config(REPO_ROOT / "pretrain/configs/tiny.yaml", [override]))
@@ -401,14 +401,15 @@ def test_a_config_read_from_a_pipe(unilm_shards, tmp_path, capsys) -> None:
 
 def test_an_unusable_train_resume_names_the_key_and_its_values(tmp_path: Path, one_rank_group) -> None:
     from pretrain import checkpoint as ckpt
+    from pretrain.resume import find_resume_point
 
     with pytest.raises(ckpt.CheckpointPathError, match=r"^train.resume=sometimes: sometimes is neither a checkpoints "
                                                        r"directory .*; use auto, never, or a checkpoints/tag "
                                                        r"directory$"):
-        ckpt.find_resume_point(tmp_path / "checkpoints", "sometimes", {}, world_size=1, zero_stage=0)
+        find_resume_point(tmp_path / "checkpoints", "sometimes", {}, world_size=1, zero_stage=0)
     checkpoints = tmp_path / "checkpoints"
     (checkpoints / "global_step4").mkdir(parents=True)  # unfinished: not listed
     with pytest.raises(ckpt.CheckpointPathError, match=rf"^train.resume={checkpoints}/global_step99: "
                                                        rf"{checkpoints}/global_step99 does not exist; {checkpoints} "
                                                        r"holds no complete checkpoint$"):
-        ckpt.find_resume_point(checkpoints, str(checkpoints / "global_step99"), {}, world_size=1, zero_stage=0)
+        find_resume_point(checkpoints, str(checkpoints / "global_step99"), {}, world_size=1, zero_stage=0)

@@ -21,6 +21,7 @@ from conftest import ROOT, subprocess_env
 
 from pretrain import checkpoint as ckpt
 from pretrain.model import ModelConfig, build_model
+from pretrain.resume import RunLock, RunLockedError, choose_resume_tag, find_resume_point, lock_run_directory
 
 TINY = dict(vocab_size=120, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32,
             max_position_embeddings=64)
@@ -108,7 +109,7 @@ def test_a_latest_leading_outside_the_checkpoint_directory_is_refused(tmp_path: 
     checkpoints = tmp_path / "checkpoints"
     tag_with_weights(checkpoints, 4)
     (checkpoints / ckpt.LATEST).write_text(latest)
-    for call in (lambda: ckpt.choose_resume_tag(checkpoints), lambda: ckpt.load_weights(checkpoints)):
+    for call in (lambda: choose_resume_tag(checkpoints), lambda: ckpt.load_weights(checkpoints)):
         with pytest.raises(ckpt.CheckpointPathError, match=f"names {latest!r}, not a tag"):
             call()
 
@@ -142,7 +143,7 @@ def test_pruning_after_resuming_past_a_corrupt_newest_keeps_the_new_save(tmp_pat
     tag_with_weights(tmp_path, 4, parent=first)
     flip_a_byte(tmp_path / "global_step4" / ckpt.WEIGHTS)
     reports: list[str] = []
-    assert ckpt.choose_resume_tag(tmp_path, reports.append) == "global_step2"
+    assert choose_resume_tag(tmp_path, reports.append) == "global_step2"
     assert any("global_step4: model_weights.safetensors does not match the sha256" in r for r in reports)
     tag_with_weights(tmp_path, 3, parent=first)
     assert ckpt.prune(tmp_path, keep_last=1, just_written="global_step3") == ["global_step2"]
@@ -166,7 +167,7 @@ def test_a_rolled_back_run_resumes_where_latest_says_and_names_the_abandoned_tag
     tag_with_weights(tmp_path, 300, parent=id200)
     tag_with_weights(tmp_path, 150, parent=id100)
     reports: list[str] = []
-    assert ckpt.choose_resume_tag(tmp_path, reports.append) == "global_step150"
+    assert choose_resume_tag(tmp_path, reports.append) == "global_step150"
     assert any("not resuming global_step200, global_step300" in r and "abandoned" in r for r in reports), reports
     assert ckpt.prune(tmp_path, keep_last=1, just_written="global_step150") == ["global_step100"]
     assert {p.name for p in tmp_path.iterdir() if p.is_dir()} == {"global_step150", "global_step200", "global_step300"}
@@ -176,11 +177,11 @@ def test_a_save_whose_latest_update_was_cut_off_is_resumed(tmp_path: Path) -> No
     id4 = tag_with_weights(tmp_path, 4)
     tag_with_weights(tmp_path, 6, parent=id4)
     ckpt.update_latest(tmp_path, "global_step4")  # the crash came between the marker of 6 and `latest`
-    assert ckpt.choose_resume_tag(tmp_path) == "global_step6"
+    assert choose_resume_tag(tmp_path) == "global_step6"
 
 
 # ---------------------------------------------------------------------------------------------------- 3. run lock
-HOLD_LOCK = ("import sys, time; from pretrain.checkpoint import RunLock; lock = RunLock.acquire(sys.argv[1]); "
+HOLD_LOCK = ("import sys, time; from pretrain.resume import RunLock; lock = RunLock.acquire(sys.argv[1]); "
              "print('held', flush=True); time.sleep(600)")
 
 
@@ -196,18 +197,18 @@ def test_a_second_holder_is_refused_naming_the_first_and_a_killed_holder_is_repo
 
     holder = hold_lock(tmp_path)
     try:
-        with pytest.raises(ckpt.RunLockedError, match=f"in use by another run: pid {holder.pid} on "
+        with pytest.raises(RunLockedError, match=f"in use by another run: pid {holder.pid} on "
                                                       f"{socket.gethostname()}, started "):
-            ckpt.RunLock.acquire(tmp_path)
+            RunLock.acquire(tmp_path)
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
     reports: list[str] = []
-    lock = ckpt.RunLock.acquire(tmp_path, report=reports.append)  # kill -9 released it
+    lock = RunLock.acquire(tmp_path, report=reports.append)  # kill -9 released it
     assert len(reports) == 1 and f"pid {holder.pid}" in reports[0] and "ended without releasing" in reports[0]
     lock.release()
     reports.clear()
-    ckpt.RunLock.acquire(tmp_path, report=reports.append).release()  # a clean release leaves nothing stale
+    RunLock.acquire(tmp_path, report=reports.append).release()  # a clean release leaves nothing stale
     assert reports == []
 
 
@@ -220,9 +221,9 @@ def test_a_filesystem_without_flock_is_a_diagnosed_stop_naming_the_fix(tmp_path:
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
 
     monkeypatch.setattr(fcntl, "flock", flock)
-    with pytest.raises(ckpt.RunLockedError, match=r"run.lock: cannot take the run lock .*No locks available.*"
+    with pytest.raises(RunLockedError, match=r"run.lock: cannot take the run lock .*No locks available.*"
                                                   r"filesystem with flock support"):
-        ckpt.lock_run_directory(tmp_path, rank=0)
+        lock_run_directory(tmp_path, rank=0)
 
 
 @pytest.mark.slow
@@ -259,16 +260,16 @@ def test_a_refused_run_leaves_no_out_dir_behind(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------------------ 4. metrics.jsonl
 def test_a_torn_last_metrics_line_is_skipped_and_reported_and_the_file_rewritten_atomically(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from pretrain import trainer
+    from pretrain import metrics
 
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in (1, 2, 3)) + '{"step": 4, "lo')
     replaced: list[tuple[str, str]] = []
     real_replace = os.replace
-    monkeypatch.setattr(trainer.os, "replace", lambda a, b: (replaced.append((Path(a).name, Path(b).name)),
+    monkeypatch.setattr(metrics.os, "replace", lambda a, b: (replaced.append((Path(a).name, Path(b).name)),
                                                              real_replace(a, b)))
     reports: list[str] = []
-    trainer.prepare_metrics_file(path, resumed_step=2, report=reports.append)
+    metrics.prepare_metrics_file(path, resumed_step=2, report=reports.append)
     assert reports == [f"[metrics] {path}:4: skipping a torn or unreadable line ('{{\"step\": 4, \"lo')"]
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
     assert len(replaced) == 1 and replaced[0][0].startswith(".metrics.jsonl.partial-") \
@@ -276,12 +277,12 @@ def test_a_torn_last_metrics_line_is_skipped_and_reported_and_the_file_rewritten
 
 
 def test_a_fresh_run_keeps_an_earlier_history(tmp_path: Path) -> None:
-    from pretrain import trainer
+    from pretrain import metrics
 
     path = tmp_path / "metrics.jsonl"
     for history in ("first\n", "second\n"):
         path.write_text(history)
-        trainer.prepare_metrics_file(path, resumed_step=None, report=lambda line: None)
+        metrics.prepare_metrics_file(path, resumed_step=None, report=lambda line: None)
         assert not path.exists()
     assert (tmp_path / "metrics.1.jsonl").read_text() == "first\n"
     assert (tmp_path / "metrics.2.jsonl").read_text() == "second\n"
@@ -295,8 +296,7 @@ def test_a_fresh_run_keeps_an_earlier_history(tmp_path: Path) -> None:
     ("train.max_steps=true", "train.max_steps"), ("model.overrides.layer_norm_eps=.nan", None),
 ])
 def test_bad_pretraining_values_are_refused_naming_the_key(override: str, key: str | None, tmp_path: Path) -> None:
-    from pretrain.config import load_config
-    from pretrain.trainer import resolve_model_config
+    from pretrain.config import load_config, resolve_model_config
 
     with pytest.raises(ValueError, match=(key or "layer_norm_eps").replace(".", r"\.")):
         resolve_model_config(load_config("pretrain/configs/tiny.yaml", [override, f"out_dir={tmp_path}"]))
@@ -382,7 +382,7 @@ def test_out_of_range_objective_token_and_masked_position_name_the_shard_and_sam
 def test_the_recipe_a_model_cannot_train_is_refused(gpt_shards: Path, unilm_shards: Path) -> None:
     from data_prep.shard_format import ShardDataset
     from pretrain.model import preset
-    from pretrain.trainer import check_trainable
+    from pretrain.setup_checks import check_trainable
 
     with pytest.raises(ValueError, match="GPT-recipe shards .* cannot train a masked-LM model"):
         check_trainable(ShardDataset(gpt_shards), preset("tiny"), str(gpt_shards))
@@ -407,7 +407,7 @@ def test_init_from_a_model_of_another_vocabulary_is_told_to_rebuild_the_shards(u
     says the same."""
     from data_prep.shard_format import ShardDataset
     from pretrain.config import load_config
-    from pretrain.trainer import model_for_shards
+    from pretrain.setup_checks import model_for_shards
 
     small = tmp_path / "small-bert"  # MiniLM's config and first 1,500 word pieces
     small.mkdir()
@@ -667,6 +667,7 @@ import json, sys
 from pathlib import Path
 import torch.distributed as dist
 from pretrain import checkpoint as ckpt
+from pretrain.resume import find_resume_point
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -676,7 +677,7 @@ ckpt.sha256_file = lambda path: hashed.append(Path(path).name) or real_sha256(pa
 directory = Path(sys.argv[1 + rank])
 identity = json.loads(sys.argv[3])
 try:
-    point = ckpt.find_resume_point(directory, "auto", identity, world_size=2, zero_stage=0)
+    point = find_resume_point(directory, "auto", identity, world_size=2, zero_stage=0)
     outcome = point.tag
 except (OSError, ValueError) as error:
     outcome = f"{type(error).__name__}: {error}"

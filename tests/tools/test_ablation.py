@@ -12,10 +12,9 @@ from safetensors.torch import load_file
 
 from conftest import ROOT, subprocess_env
 from finetune.model_io import load_init
-from pretrain.engine import seed_everything
-from pretrain.config import load_config
+from pretrain.rng import seed_everything
+from pretrain.config import load_config, resolve_model_config
 from pretrain.hf import load_hf_bert
-from pretrain.trainer import resolve_model_config
 from tools import ablation
 
 
