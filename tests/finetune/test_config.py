@@ -68,3 +68,33 @@ def test_every_shipped_config_loads_and_fits_a_512_position_bert(path, minilm_di
         assert ignore_ids(load_tokenizer(minilm_dir), cfg.eval_no_repeat_ignore, path.name)
     else:
         assert cfg.max_seq_len <= 512
+
+
+def test_run_flags_are_the_config_fields_typed_and_only_given_ones_are_passed_on() -> None:
+    from common.config_loader import given_fields
+    from finetune import run
+
+    args = run.parse_args(["--task", "seq2seq", "--lr", "3e-5", "--max-steps", "7", "--from-scratch",
+                           "--deepspeed-config", "ds.json", "--set", "epochs=2"])
+    assert given_fields(args, FinetuneConfig) == {"task": "seq2seq", "lr": 3e-5, "max_steps": 7, "from_scratch": True,
+                                                  "deepspeed_config": "ds.json"}
+    with pytest.raises(SystemExit):
+        run.parse_args(["--epochs", "two"])  # typed by the field
+    cfg = load_config(None, dict(REQUIRED, **given_fields(run.parse_args(["--epochs", "4"]), FinetuneConfig)),
+                      ["epochs=5"])
+    assert cfg.epochs == 5  # --set after the flags
+    with pytest.raises(ValueError, match="task must be one of classify, qa, seq2seq, got 'bogus'"):
+        load_config(None, dict(REQUIRED, **given_fields(run.parse_args(["--task", "bogus"]), FinetuneConfig)))
+
+
+@pytest.mark.parametrize("module, flags", [
+    ("finetune.decode", ("--beam-size", "--max-tgt-len", "--min-tgt-len", "--max-src-len", "--length-penalty",
+                         "--no-repeat-ngram", "--no-repeat-ignore", "--no-cache", "--batch-size", "--device",
+                         "--n-best", "--dtype", "--force")),
+    ("finetune.predict", ("--glue-task", "--max-seq-len", "--batch-size", "--device", "--force")),
+    ("finetune.task_files", ("--samples", "--out", "--dev-fraction", "--test-fraction")),
+])
+def test_every_finetune_entry_point_lists_its_settings_in_help(module: str, flags: tuple[str, ...]) -> None:
+    shown = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, env=subprocess_env(),
+                           capture_output=True, text=True, check=True).stdout
+    assert all(flag in shown for flag in flags), [flag for flag in flags if flag not in shown]

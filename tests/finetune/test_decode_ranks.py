@@ -2,7 +2,6 @@
 writes (tiny models, CPU; gloo ranks under torchrun)."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess

@@ -1,7 +1,8 @@
 """Fine-tuning and decoding on a CUDA GPU (`pytest -m gpu`): `python -m finetune.run` in a child process on
 DeepSpeed's CUDA accelerator picks its GPU engine config by itself (bf16 ZeRO-2 where the GPU has bf16), trains a
 few seq2seq steps, and its model decodes on the GPU with the key/value cache exactly as without it. A classifier
-run stopped and rerun continues like the uninterrupted one (the CUDA generator is in its checkpoint)."""
+run stopped and rerun continues like the uninterrupted one (the CUDA generator is in its checkpoint).
+`python -m finetune.decode --dtype bf16|fp16` decodes on the GPU in that precision."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,8 @@ import pytest
 import torch
 from conftest import GPU_ENV, ROOT, subprocess_env
 
-from finetune.beam import DecodeConfig, SpecialIds, generate
+from finetune.beam import DecodeConfig, SpecialIds, beam_search, generate
+from finetune.decode import DTYPES
 from finetune.generation import pack_source
 from finetune.model_io import load_finetuned
 
@@ -73,3 +75,32 @@ def test_a_stopped_gpu_classifier_run_continues_like_the_uninterrupted_one(small
     gap = max(abs(a - b) for a, b in zip(step_losses(first), step_losses(stopped)))
     assert len(step_losses(stopped)) == len(step_losses(first)) == 10
     assert gap <= 4 * noise + 1e-6 * max(step_losses(first)), (gap, noise)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_decoding_in_half_precision_on_the_gpu(small_tasks, tiny_init, tmp_path, dtype):
+    """The model runs in `dtype` on the GPU (its n-best lists sorted, their scores finite), and the command writes
+    one prediction and one n-best list per input there."""
+    finetuned = load_finetuned(tiny_init)
+    model = finetuned.model.to(device="cuda", dtype=DTYPES[dtype])
+    records = [json.loads(line) for line in Path(small_tasks["bbc_headline.dev"]).read_text().splitlines()]
+    sources = [pack_source(finetuned.tokenizer, r["src"], 96)[0] for r in records]
+    special = SpecialIds.of(finetuned.tokenizer)
+    for use_cache in (True, False):
+        lists = beam_search(model, sources, special, DecodeConfig(beam_size=3, max_tgt_len=8, use_cache=use_cache),
+                            n_best=3)
+        for hypotheses in lists:
+            scores = [h.score for h in hypotheses]
+            assert scores == sorted(scores, reverse=True) and all(score > -float("inf") for score in scores)
+    assert next(model.parameters()).dtype == DTYPES[dtype]
+
+    output = tmp_path / "out.jsonl"
+    process = subprocess.run([sys.executable, "-m", "finetune.decode", "--model", str(tiny_init), "--input",
+                              str(small_tasks["bbc_headline.dev"]), "--output", str(output), "--beam-size", "3",
+                              "--max-tgt-len", "8", "--n-best", "2", "--dtype", dtype], cwd=ROOT,
+                             env=subprocess_env(**GPU_ENV), capture_output=True, text=True, timeout=420)
+    assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-5000:]
+    predictions = [json.loads(line)["prediction"] for line in output.read_text().splitlines()]
+    lists = [json.loads(line)["hyps"] for line in (tmp_path / "out.nbest.jsonl").read_text().splitlines()]
+    assert len(predictions) == len(lists) == len(records)
+    assert [hyps[0]["text"] for hyps in lists] == predictions
