@@ -22,9 +22,7 @@ import torch
 import torch.distributed as torch_dist
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-from pretrain import checkpoint as ckpt
-from pretrain import train as entry
-from pretrain import trainer
+from pretrain import checkpoint as ckpt, train as entry, trainer
 
 FAULT_ENV = "UNILM_TEST_FAULT"
 

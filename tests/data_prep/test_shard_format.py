@@ -8,8 +8,17 @@ import struct
 import numpy as np
 import pytest
 
-from data_prep.shard_format import (FORMAT_VERSION, INDEX_DTYPE, MAGIC, ShardArrays, ShardDataset, ShardError,
-                                    ShardFile, token_dtype, write_shard)
+from data_prep.shard_format import (
+    FORMAT_VERSION,
+    INDEX_DTYPE,
+    MAGIC,
+    ShardArrays,
+    ShardDataset,
+    ShardError,
+    ShardFile,
+    token_dtype,
+    write_shard,
+)
 
 
 def _arrays(dtype: np.dtype, rng: np.random.Generator, num_samples: int = 5) -> ShardArrays:
@@ -24,7 +33,8 @@ def _arrays(dtype: np.dtype, rng: np.random.Generator, num_samples: int = 5) -> 
     index["mask_offset"] = np.cumsum(masked) - masked
     high = np.iinfo(dtype).max
     return ShardArrays(index, rng.integers(0, high, lengths.sum()).astype(dtype),
-                       rng.integers(0, 4, masked.sum()).astype("<u2"), rng.integers(0, high, masked.sum()).astype(dtype))
+                       rng.integers(0, 4, masked.sum()).astype("<u2"),
+                       rng.integers(0, high, masked.sum()).astype(dtype))
 
 
 @pytest.mark.parametrize("vocab_size", [30522, 70000])

@@ -87,8 +87,8 @@ def test_training_a_vocab_twice_gives_the_same_file(tmp_path, samples_dir):
     for casing in ("cased", "uncased"):
         files = [tmp_path / casing / str(run) / "vocab.txt" for run in range(3)]
         for path in files:
-            subprocess.run([sys.executable, "-c", script, str(path), casing], check=True, cwd=ROOT, env=subprocess_env(),
-                           timeout=300)
+            subprocess.run([sys.executable, "-c", script, str(path), casing], check=True, cwd=ROOT,
+                           env=subprocess_env(), timeout=300)
         assert len({path.read_bytes() for path in files}) == 1
         tokens = files[0].read_text().split("\n")
         assert len(tokens) == 2001 and "##s" in tokens and "##." not in tokens  # punctuation never continues

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from deepspeed.accelerator import get_accelerator
 
+from common.paths import REPO_ROOT
 from finetune.config import CPU_DEEPSPEED_CONFIG, GPU_DEEPSPEED_CONFIGS, default_deepspeed_config, load_config
 from finetune.engine import deepspeed_config
 from pretrain.accelerator import native_bf16
 from pretrain.batch_plan import plan_batch
-from common.paths import REPO_ROOT
 from pretrain.engine import read_engine_json
 
 REQUIRED = {"task": "classify", "train": "t.jsonl", "dev": "d.jsonl", "init": "m", "out": "o"}

@@ -15,7 +15,8 @@ from finetune.tokenizer import load_tokenizer
 
 def rotten(small_tasks, split: str) -> list[dict]:
     """Real review snippets, tabs and line breaks flattened (a GLUE TSV row is one line)."""
-    return [{"text": " ".join(r["text"].split()), "label": r["label"]} for r in read_jsonl(small_tasks[f"rotten.{split}"])]
+    return [{"text": " ".join(r["text"].split()), "label": r["label"]}
+            for r in read_jsonl(small_tasks[f"rotten.{split}"])]
 
 
 def write_tsv(path, header: list[str] | None, rows: list[list]) -> None:
@@ -57,7 +58,8 @@ def test_glue_tsvs_and_hugging_face_exports_read_as_the_same_examples(small_task
                   "idx": i} for i, (a, b, y) in enumerate(zip(first, second, nli))],
         "qqp": [{"question1": a, "question2": b, "label": y, "idx": i}
                 for i, (a, b, y) in enumerate(zip(first, second, binary))],
-        "stsb": [{"sentence1": a, "sentence2": b, "label": i * 0.8, "idx": i} for i, (a, b) in enumerate(zip(first, second))],
+        "stsb": [{"sentence1": a, "sentence2": b, "label": i * 0.8, "idx": i}
+                 for i, (a, b) in enumerate(zip(first, second))],
     }
     for task, rows in hf.items():
         pq.write_table(pa.Table.from_pylist(rows), tmp_path / f"{task}.parquet")
@@ -112,7 +114,8 @@ def test_integers_and_strings_are_classes_and_floats_are_regression(capsys):
     assert "numbers written as strings: read as 3 classes" in space(strings, "f").hint(strings)
     assert space(strings, "f", regression=True).label_id(strings[0], 1, "f") == 3.8
     assert space([{"text": "x", "label": "pos"}], "f").hint([{"label": "pos"}]) is None
-    assert space(ints, "f").label_id({"label": 10}, 1, "f") == 3 and space(ints, "f").label_id({"label": "10"}, 1, "f") == 3
+    assert space(ints, "f").label_id({"label": 10}, 1, "f") == 3
+    assert space(ints, "f").label_id({"label": "10"}, 1, "f") == 3
     with pytest.raises(ValueError, match="f: record 2 has label True; every training record needs a label"):
         space([{"text": "x", "label": 1}, {"text": "x", "label": True}], "f")
     with pytest.raises(ValueError, match="f: record 1 has no label; every training record needs one"):

@@ -48,11 +48,11 @@ def test_classify_run_exports_the_best_model_and_metrics(small_tasks, tiny_init,
 def assert_transformers_runs_the_task_head(out, dev) -> None:
     """The output loads as transformers' BertForSequenceClassification (no missing or unexpected weights, the
     labels named) and gives our classifier's logits on dev inputs tokenized by its own AutoTokenizer."""
+    from safetensors.torch import load_file
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from finetune import classify
     from finetune.task_files import read_jsonl
-    from safetensors.torch import load_file
     finetuned = load_finetuned(out)
     kept = load_file(out / "finetune_extra.safetensors")  # the heads the HF class has no place for come back
     assert {"mlm_head.dense.weight", "nsp_head.weight"} <= set(kept)
@@ -80,7 +80,8 @@ def test_a_stopped_run_resumes_to_the_same_losses(small_tasks, tiny_init, tmp_pa
     run.main(classify_args(small_tasks, tiny_init, straight, "--epochs", "2"))
     run.main(classify_args(small_tasks, tiny_init, stopped, "--epochs", "2", "--set", "exit_at_step=3"))
     assert len(losses(stopped)) == 3 and not json.loads((stopped / "summary.json").read_text())["finished"]
-    with open(stopped / "metrics.jsonl", "a") as handle:  # a run killed while logging step 5: steps past the save, one torn
+    # a run killed while logging step 5: steps past the save, one torn
+    with open(stopped / "metrics.jsonl", "a") as handle:
         handle.write('{"step": 4, "epoch": 1, "loss": 9.0, "lr": 0.001}\n{"step": 5, "epoch": 2, "loss": 9.0, "lr"')
     run.main(classify_args(small_tasks, tiny_init, stopped, "--epochs", "2", "--set", "exit_at_step=3"))
     assert losses(stopped) == losses(straight)  # dropout on: RNG states travel in the checkpoint
@@ -297,7 +298,8 @@ def test_a_token_loss_is_the_mean_over_its_global_batchs_tokens_whatever_its_spl
     config.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     (no_dropout / "config.json").write_text(json.dumps(config))
     files, flags = {"seq2seq": ("bbc_headline", ["--max-src-len", "48", "--max-tgt-len", "16"]),
-                    "classify": ("rotten", ["--max-seq-len", "64", "--aux-lm-weight", "0.5", "--set", "dropout=0"])}[task]
+                    "classify": ("rotten", ["--max-seq-len", "64", "--aux-lm-weight", "0.5",
+                                            "--set", "dropout=0"])}[task]
     runs = {}
     for micro in (8, 2):
         out = tmp_path / f"micro{micro}"
@@ -462,7 +464,8 @@ def test_sigterm_saves_the_step_and_the_rerun_continues(small_tasks, tiny_init, 
     assert process.returncode == 0, process.stderr[-3000:]
     stopped_at = len(losses(tmp_path))
     assert 4 <= stopped_at < 200
-    assert f"[finetune] time limit / SIGTERM / Ctrl-C: saved global_step{stopped_at} at step {stopped_at}" in process.stdout
+    assert (f"[finetune] time limit / SIGTERM / Ctrl-C: saved global_step{stopped_at} at step {stopped_at}"
+            in process.stdout)
     tags = {p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("global_step")}
     assert {"global_step3", f"global_step{stopped_at}"} <= tags  # save_interval's and the stop's
     assert not json.loads((tmp_path / "summary.json").read_text())["finished"]
@@ -505,7 +508,8 @@ def test_predict_writes_squad_predictions_and_scores_them_as_fine_tuning_did(sma
 
     squad = small_tasks["squad"]
     summary = fine_tune(squad, tmp_path / "v1")
-    scores = predict.main(["--model", str(tmp_path / "v1"), "--input", str(squad), "--output", str(tmp_path / "p.json")])
+    scores = predict.main(["--model", str(tmp_path / "v1"), "--input", str(squad),
+                           "--output", str(tmp_path / "p.json")])
     assert scores == pytest.approx({k: summary["best"][k] for k in ("exact_match", "f1")})
     answers = json.loads((tmp_path / "p.json").read_text())
     data = json.loads(squad.read_text())
@@ -553,7 +557,8 @@ def test_a_nan_loss_stops_before_the_update_naming_the_step_and_keeping_the_last
     assert f"[stop] non-finite loss (this rank's micro-batches: [nan, nan]) at step {step} (epoch " in err
     assert f"the last complete checkpoint ({kept}) in {tmp_path / 'checkpoints'} is intact" in err
     assert (tmp_path / "checkpoints" / "latest").read_text() == kept
-    assert not (tmp_path / "summary.json").exists() or not json.loads((tmp_path / "summary.json").read_text())["finished"]
+    summary = tmp_path / "summary.json"
+    assert not summary.exists() or not json.loads(summary.read_text())["finished"]
 
 
 

@@ -28,7 +28,8 @@ def test_collate_matches_the_architecture_contract(dataset: ShardDataset) -> Non
         count = len(sample.masked_positions)
         assert batch["masked_positions"][row, :count].tolist() == sample.masked_positions.tolist()
         assert batch["masked_labels"][row, :count].tolist() == sample.masked_labels.tolist()
-        assert (batch["masked_labels"][row, count:] == IGNORE_INDEX).all() and (batch["masked_positions"][row, count:] == 0).all()
+        assert (batch["masked_labels"][row, count:] == IGNORE_INDEX).all()
+        assert (batch["masked_positions"][row, count:] == 0).all()
     assert batch["objective"].tolist() == [s.objective for s in samples]
     assert batch["len_a"].tolist() == [s.segment_a_length for s in samples]
     assert batch["length"].tolist() == lengths

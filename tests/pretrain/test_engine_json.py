@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 from deepspeed.accelerator import get_accelerator
 
-from pretrain import engine
 from common.paths import REPO_ROOT
+from pretrain import engine
 
 CONFIGS = REPO_ROOT / "ds_configs"
 CPU_CONFIGS = ("zero0_fp32_cpu.json", "zero1_fp32_cpu.json", "zero2_bf16_cpu.json", "zero2_fp32_cpu.json",
@@ -184,6 +184,7 @@ def test_fp16_on_a_cpu_without_it_stops_pretraining_naming_the_cpu_configs(unilm
     """unilm-large.yaml's JSON on a CPU-only machine (forced here: DS_ACCELERATOR=cpu): refused before DeepSpeed's
     "Type fp16 is not supported on your device" traceback."""
     from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
     from training_runs import launch
 
     if CPU_Accelerator().is_fp16_supported():

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from common.paths import REPO_ROOT
 from data_prep.shard_format import ShardDataset
 from pretrain.batch_plan import plan_batch
-from common.paths import REPO_ROOT
 from pretrain.config import load_config
 from pretrain.data import collate
 from pretrain.model import build_model, preset

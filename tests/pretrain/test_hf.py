@@ -13,8 +13,14 @@ from safetensors.torch import load_file, save_file
 
 from pretrain.data import synthetic_batch
 from pretrain.hf import (
-    SEGMENT_ROWS_FROM_HF, config_from_hf, hf_config, hf_model_config, hf_pretraining_inputs, load_hf_bert,
-    save_hf_bert, to_hf_name,
+    SEGMENT_ROWS_FROM_HF,
+    config_from_hf,
+    hf_config,
+    hf_model_config,
+    hf_pretraining_inputs,
+    load_hf_bert,
+    save_hf_bert,
+    to_hf_name,
 )
 from pretrain.masks import BIDIRECTIONAL, LEFT_TO_RIGHT, build_attention_mask, build_segment_ids
 from pretrain.model import build_model, preset

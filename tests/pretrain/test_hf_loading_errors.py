@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from training_runs import launch
 
 from pretrain.hf import hf_model_config, load_hf_bert, save_hf_bert
 from pretrain.model import ModelConfig, build_model
+from training_runs import launch
 
 LFS_POINTER = (b"version https://git-lfs.github.com/spec/v1\n"
                b"oid sha256:4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393\nsize 1344997306\n")

@@ -339,7 +339,8 @@ def chunked_vs_plain_errors(device: str, dtype: torch.dtype) -> dict[str, tuple[
     row_grad = torch.rand(rows, generator=generator, device=device)
     results = {}
     for name, compute in (
-            ("float64", lambda x, w, b: F.cross_entropy(F.linear(x, w, b), labels, ignore_index=-100, reduction="none")),
+            ("float64", lambda x, w, b: F.cross_entropy(F.linear(x, w, b), labels, ignore_index=-100,
+                                                        reduction="none")),
             ("plain", lambda x, w, b: F.cross_entropy(F.linear(x, w, b).float(), labels, ignore_index=-100,
                                                       reduction="none")),
             ("chunked", lambda x, w, b: kernels.chunked_cross_entropy(x, w, b, labels, -100))):

@@ -13,6 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
 from conftest import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,8 +5,15 @@ import torch
 
 from data_prep.shard_format import Objective
 from pretrain.masks import (
-    BIDIRECTIONAL, LEFT_TO_RIGHT, NUM_SEGMENT_TYPES, RIGHT_TO_LEFT, SEQ2SEQ, build_attention_mask,
-    build_packed_attention_mask, build_packed_segment_ids, build_segment_ids,
+    BIDIRECTIONAL,
+    LEFT_TO_RIGHT,
+    NUM_SEGMENT_TYPES,
+    RIGHT_TO_LEFT,
+    SEQ2SEQ,
+    build_attention_mask,
+    build_packed_attention_mask,
+    build_packed_segment_ids,
+    build_segment_ids,
 )
 
 

@@ -15,10 +15,11 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
+
 from conftest import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from pretrain.model import UniLMModel
 from tests.conftest import DISTRIBUTED_VARIABLES
 from tools import bench_all
-from pretrain.model import UniLMModel
 from tools.bench_model import GPU_VARIANTS, measure_gpu, report_gpu
 from tools.bench_train import train_step_throughput
 from tools.stages import stream

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from conftest import DISTRIBUTED_VARIABLES, subprocess_env
-from training_runs import train_command
 from tools import demo as demo_module
+from training_runs import train_command
 
 
 def make_demo(out: Path) -> demo_module.Demo:
@@ -105,7 +105,8 @@ def test_the_report_ends_on_the_real_bert_headlines_and_the_ablation_table(tmp_p
         {"bert": "data/samples/minilm", "best_dev": {"rouge1": 30.0, "rouge2": 12.0, "rougeL": 28.0},
          "samples": [{"tgt": "Wales win", "prediction": "wales beat england"}], "wall_s": 1.0}))
     (tmp_path / "ablation").mkdir()
-    (tmp_path / "ablation" / "table.md").write_text("| task | metric | bert |\n|---|---|---:|\n| BBC headline | rougeL | 1 |\n")
+    (tmp_path / "ablation" / "table.md").write_text(
+        "| task | metric | bert |\n|---|---|---:|\n| BBC headline | rougeL | 1 |\n")
     report = demo_module.render_report(demo)
     generation = report.index("## Generation: a real BERT")
     assert generation > report.index("## Pipeline check: the tiny model")

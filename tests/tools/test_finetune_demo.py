@@ -29,7 +29,8 @@ def test_rows_give_mean_sd_and_per_seed_differences() -> None:
         ("headline", "scratch"): [run([0.0], [6.5]), run([0.0], [6.5]), run([0.0], [6.5])],
     }
     rows = {line.split(" | ")[1]: line for line in table(results).splitlines()[2:]}
-    assert rows["accuracy"] == "| BBC topic | accuracy | 70.00 ± 10.00 | 65.00 ± 13.23 | +5.00 (+10.00, -5.00, +10.00) |"
+    assert rows["accuracy"] == ("| BBC topic | accuracy | 70.00 ± 10.00 | 65.00 ± 13.23 "
+                                "| +5.00 (+10.00, -5.00, +10.00) |")
     assert rows["dev loss (lower is better)"].endswith("| 6.50 ± 0.10 | 6.50 ± 0.00 | +0.00 (-0.10, +0.10, +0.00) |")
 
 
@@ -73,7 +74,8 @@ def test_runs_fine_tuned_from_another_checkpoint_are_redone(tmp_path, capsys) ->
     model.mkdir()
     (model / "config.json").write_text("{}")
     (model / "model.safetensors").write_bytes(b"exported weights")
-    assert model_identity(str(model))["sha256"] == {"model.safetensors": hashlib.sha256(b"exported weights").hexdigest()}
+    expected = {"model.safetensors": hashlib.sha256(b"exported weights").hexdigest()}
+    assert model_identity(str(model))["sha256"] == expected
 
 
 def test_a_checkpoint_shorter_than_the_comparison_is_warned_about() -> None:
