@@ -2,7 +2,6 @@
 its save and print its last lines, then stops the driver with a message instead of a traceback."""
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
@@ -11,42 +10,82 @@ from pathlib import Path
 
 import pytest
 
+import tools.stages as stages_module
 from tools.stages import Stages
 
-# stands for a training run: on SIGTERM or Ctrl-C it "saves", says so and exits 1, as DeepSpeed's launcher does
+# stands for a training run: on SIGTERM or Ctrl-C (waited for, at most 20 s) it "saves", says so and exits 1, as
+# DeepSpeed's launcher does; with neither it exits 3
 CHILD = r"""
 import signal, sys, time
-heard = []
-signal.signal(signal.SIGTERM, lambda n, f: heard.append("SIGTERM"))
-signal.signal(signal.SIGINT, lambda n, f: heard.append("SIGINT"))
+stops = {signal.SIGTERM, signal.SIGINT}
+for number in stops:  # handled (a background job starts with SIGINT ignored, and an ignored signal is never pending)
+    signal.signal(number, lambda n, f: None)
+signal.pthread_sigmask(signal.SIG_BLOCK, stops)
 print("ready", flush=True)
-deadline = time.monotonic() + 20
-while not heard and time.monotonic() < deadline:
-    time.sleep(0.05)
-time.sleep(0.5)  # the save
-print(f"saved after {heard[0] if heard else 'nothing'}", flush=True)
-sys.exit(1 if heard else 3)
+got = signal.sigtimedwait(stops, 20)
+time.sleep(0.5)  # the save takes a while: the driver reads the command's output to its end
+print(f"saved after {signal.Signals(got.si_signo).name if got else 'nothing'}", flush=True)
+sys.exit(1 if got else 3)
 """
 
 
-def signal_this_process_once_ready(log: Path, signum: int, times: int = 1) -> threading.Thread:
-    """Sends ``signum`` to this process (``times`` times) once the child has printed "ready" to ``log``."""
-    def send() -> None:
+class Sender(threading.Thread):
+    """Sends ``signum`` to this process's main thread ``times`` times once the child has printed "ready" to
+    ``log``, each one after the driver's handler has run for the one before; ``failure`` says what it waited for in
+    vain."""
+
+    def __init__(self, log: Path, signum: int, times: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        super().__init__(daemon=True)
+        self.log, self.signum, self.times, self.failure = log, signum, times, ""
+        self.handled = threading.Event()
+        monkeypatch.setattr(stages_module, "signal", _Observed(self.handled))
+
+    def run(self) -> None:
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and "ready" not in (log.read_text() if log.exists() else ""):
+        while "ready" not in (self.log.read_text() if self.log.exists() else ""):
+            if time.monotonic() > deadline:
+                self.failure = f"the child did not print 'ready' to {self.log} within 30 s"
+                return
             time.sleep(0.05)
-        for _ in range(times):
-            os.kill(os.getpid(), signum)
-            time.sleep(0.1)
-    thread = threading.Thread(target=send, daemon=True)
-    thread.start()
-    return thread
+        for sent in range(1, self.times + 1):
+            self.handled.clear()
+            signal.pthread_kill(threading.main_thread().ident, self.signum)
+            if sent < self.times and not self.handled.wait(10):
+                self.failure = f"the driver's handler did not run within 10 s of signal {sent}"
+                return
+
+
+class _Observed:
+    """`tools.stages`'s view of the ``signal`` module: the handlers it installs set ``handled`` once they have run."""
+
+    def __init__(self, handled: threading.Event) -> None:
+        self.handled = handled
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(signal, name)
+
+    def signal(self, number: int, handler: object) -> object:
+        if callable(handler) and getattr(handler, "__module__", None) == stages_module.__name__:
+            def observed(signum: int, frame: object, run=handler) -> None:
+                try:
+                    run(signum, frame)
+                finally:
+                    self.handled.set()
+            return signal.signal(number, observed)
+        return signal.signal(number, handler)
+
+
+def signal_this_process_once_ready(log: Path, signum: int, monkeypatch: pytest.MonkeyPatch,
+                                   times: int = 1) -> Sender:
+    sender = Sender(log, signum, times, monkeypatch)
+    sender.start()
+    return sender
 
 
 def test_sigterm_is_passed_on_and_the_driver_stops_after_the_commands_last_lines(
-        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     stages, log = Stages(tmp_path, "probe"), tmp_path / "child.log"
-    sender = signal_this_process_once_ready(log, signal.SIGTERM)
+    sender = signal_this_process_once_ready(log, signal.SIGTERM, monkeypatch)
     before = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a SIGTERM the driver does not take fails the test
     try:
         with pytest.raises(SystemExit) as stopped:
@@ -55,6 +94,7 @@ def test_sigterm_is_passed_on_and_the_driver_stops_after_the_commands_last_lines
     finally:
         sender.join()
         signal.signal(signal.SIGTERM, before)
+    assert not sender.failure, sender.failure
     assert stopped.value.code == 0
     assert "saved after SIGTERM" in log.read_text()  # passed on to the command, whose last line was still read
     out = capsys.readouterr().out
@@ -62,25 +102,27 @@ def test_sigterm_is_passed_on_and_the_driver_stops_after_the_commands_last_lines
 
 
 def test_a_ctrl_c_waits_for_the_command_which_the_terminal_reached_and_a_second_stops_at_once(
-        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     stages, log = Stages(tmp_path, "probe"), tmp_path / "child.log"
-    sender = signal_this_process_once_ready(log, signal.SIGINT)
+    sender = signal_this_process_once_ready(log, signal.SIGINT, monkeypatch)
     with pytest.raises(SystemExit) as stopped:
         # the terminal's Ctrl-C does not reach this command (no terminal here): it ends on its own, unsaved
-        stages.command([sys.executable, "-c", CHILD.replace("20", "1")], log)
+        stages.command([sys.executable, "-c", CHILD.replace("stops, 20)", "stops, 1)")], log)
     assert stopped.value.code == 0 and "saved after nothing" in log.read_text()
     assert "[probe] stopped by SIGINT (exit code 3)" in capsys.readouterr().out
     sender.join()
+    assert not sender.failure, sender.failure
 
     log.unlink()
     before = signal.getsignal(signal.SIGINT)  # ignored where the tests run as a background job
-    sender = signal_this_process_once_ready(log, signal.SIGINT, times=2)
+    sender = signal_this_process_once_ready(log, signal.SIGINT, monkeypatch, times=2)
     started = time.monotonic()
     with pytest.raises(SystemExit) as stopped:
-        stages.command([sys.executable, "-c", CHILD.replace("20", "10")], log)
+        stages.command([sys.executable, "-c", CHILD.replace("stops, 20)", "stops, 10)")], log)
     assert "SIGINT again: stopped at once" in str(stopped.value.code) and time.monotonic() - started < 8
     assert signal.getsignal(signal.SIGINT) is before
     sender.join()
+    assert not sender.failure, sender.failure
 
 
 def test_a_command_without_signals_fails_the_driver_on_its_exit_code(tmp_path: Path) -> None:
