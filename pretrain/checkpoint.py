@@ -15,6 +15,10 @@ Layout of ``out_dir/checkpoints/``::
                                   file read outside a resume: exports, fine-tuning's ``--init`` and a new run's
                                   ``model.init_from`` load it after the marker's hashes check out, and never
                                   unpickle anything
+    global_step{N}/adam_moments.safetensors
+                                  every parameter's Adam moments (fp32, by name) and the step count
+                                  (``pretrain.moments``; ZeRO 0-2 except ZeRO-0 fp16): what a new run's
+                                  ``train.init_optimizer`` takes over
     latest                        tag of the checkpoint to resume; we write it atomically after the marker
                                   (DeepSpeed's own ``latest`` update is switched off)
     out_dir/run.lock              held (``flock``) by the run's rank 0 while it runs: pid, host, start time
@@ -59,6 +63,7 @@ from safetensors.torch import load_file, save_file
 
 from common.files import PARTIAL_MARK, fsync_tree, sha256_file, write_atomically, write_text_atomically
 from pretrain.distributed import RunStopped, first_error, gather_objects
+from pretrain.moments import gather_moments, write_moments
 from pretrain.rng import portable_rng_state
 
 log = logging.getLogger(__name__)
@@ -376,8 +381,11 @@ def save(engine: Any, checkpoint_dir: Path, step: int, meta: dict[str, Any], cli
     try:
         engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state=state, save_latest=False)
         weights = gather_full_weights(engine.module, keep=rank == 0)  # collective under ZeRO
+        moments = gather_moments(engine, keep=rank == 0)  # collective under ZeRO
         if rank == 0:
             write_weights(tag_dir, weights)
+            if moments is not None:
+                write_moments(tag_dir, moments)
         fsync_tree(tag_dir)  # this rank's files are on disk before they count
     except (OSError, RuntimeError) as error:  # a full disk surfaces as OSError or as torch's RuntimeError
         free = shutil.disk_usage(checkpoint_dir).free

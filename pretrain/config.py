@@ -23,8 +23,8 @@ import yaml
 
 from common.config_loader import check_field_types, config_error, load_dataclass, reference_rows
 from common.paths import REPO_ROOT
-from pretrain.hf import hf_model_config
 from pretrain.model import ModelConfig, preset
+from pretrain.warm_start import check_same_architecture, init_model_config, is_checkpoint
 
 REPLACED_KEYS = {"train.eval_batches": "train.eval_samples (held-out samples per evaluation, each counted once; "
                                        "null: all of them)"}
@@ -62,11 +62,15 @@ class ModelSection:
     preset: str | None = "tiny"
     """A ``pretrain.model.preset`` name: unilm-large, bert-large, bert-base, gpt, tiny."""
     init_from: str | None = None
-    """A Hugging Face BERT directory to initialise from (UniLM starts from BERT-large): ``config.json`` and its
-    weights, in one file or in shards; a fine-tuned BERT's task head is left out. Overrides ``preset``."""
+    """What to initialise from, overriding ``preset``: a Hugging Face BERT directory (UniLM starts from BERT-large:
+    ``config.json`` and its weights, in one file or in shards; a fine-tuned BERT's task head is left out), or a
+    checkpoint of this pipeline (phase 2 from phase 1: its checkpoints directory, whose ``latest`` it takes, or one
+    ``global_stepN`` directory), whose hash-checked fp32 weights and architecture are taken exactly
+    (``model.overrides`` may change the dropout only; see ``train.init_optimizer``)."""
     check_init_vocab: bool = True
-    """With ``init_from``: refuse shards not tokenized with its vocabulary (``vocab.txt`` or ``tokenizer.json``)
-    and casing, whose ids would not mean what its embeddings learned."""
+    """With ``init_from``: refuse shards not tokenized with its vocabulary (``vocab.txt`` or ``tokenizer.json``;
+    a checkpoint's: the vocabulary hash it recorded) and casing, whose ids would not mean what its embeddings
+    learned."""
     overrides: dict[str, Any] = field(default_factory=dict, metadata={"schema": ModelConfig})
     """``ModelConfig`` fields replaced on top of the preset, e.g. ``{hidden_dropout: 0.0}``; with
     ``preset: null`` and no ``init_from``, the complete model config."""
@@ -176,6 +180,10 @@ class TrainConfig:
     """Pack each micro-batch's samples into as few rows as fit, each as long as the micro-batch's longest sample
     (several short samples per row, each seeing only itself: the same loss, less padding). Null: on, except for a
     causal LM (GPT), whose samples are full-length blocks."""
+    init_optimizer: bool = False
+    """With ``model.init_from`` a checkpoint of this pipeline: also take over its Adam moments (``exp_avg``,
+    ``exp_avg_sq`` per parameter, by name, fp32) and step count, so Adam goes on where it was (ZeRO 0-2, not ZeRO-0
+    fp16). The learning-rate schedule, batch sizes and data stay this run's own; its consumed samples start at 0."""
     peak_tflops: float | None = None
     """Dense matmul peak of one rank's device in the training dtype, TFLOP/s: the denominator of the ``mfu`` metric
     (e.g. 989 for an H100 SXM in bf16). Null: measured once at start, by every rank at once (a short matmul on
@@ -220,6 +228,8 @@ class RunConfig:
         check_field_types(self)
         if not self.out_dir:
             raise ValueError("out_dir is required")
+        if self.train.init_optimizer and not self.model.init_from:
+            raise ValueError("train.init_optimizer=true needs model.init_from (a checkpoint of this pipeline)")
         if self.train.eval_interval and not self.data.eval_shards:
             raise ValueError("train.eval_interval > 0 needs data.eval_shards")
         if self.optim.warmup_steps >= self.train.max_steps:
@@ -253,8 +263,14 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
 def resolve_model_config(cfg: RunConfig) -> ModelConfig:
     """The model config this run trains: ``model.init_from``'s (a Hugging Face directory's ``config.json``, or the
     model config the marker of this pipeline's checkpoint records) with ``model.overrides`` applied, else the
-    preset's."""
-    return cfg.model.model_config(hf_model_config(cfg.model.init_from) if cfg.model.init_from else None)
+    preset's. A checkpoint's architecture stays as it was (`pretrain.warm_start.check_same_architecture`)."""
+    if not cfg.model.init_from:
+        return cfg.model.model_config()
+    init_config = init_model_config(cfg.model.init_from)
+    model_cfg = cfg.model.model_config(init_config)
+    if is_checkpoint(cfg.model.init_from):
+        check_same_architecture(init_config, model_cfg, cfg.model.init_from)
+    return model_cfg
 
 
 # ------------------------------------------------------------------------------- configuration reference

@@ -66,6 +66,7 @@ from pretrain.config import RunConfig, load_config, resolve_model_config
 from pretrain.engine import adam_op, read_engine_json
 from pretrain.hf import hf_model_config, hf_weight_files
 from pretrain.setup_checks import model_for_shards
+from pretrain.warm_start import checkpoint_marker, is_checkpoint
 
 # fp32 weights + Adam moments (12) + low-precision copy / slack + safetensors fp32 (4)
 CHECKPOINT_BYTES_PER_PARAMETER = 20
@@ -156,8 +157,11 @@ def probe(cfg: RunConfig, shared_file: str | None = None) -> dict[str, Any]:
     target = existing_ancestor(Path(cfg.out_dir))
     if cfg.model.init_from:  # every rank reads it
         try:
-            hf_model_config(cfg.model.init_from)
-            hf_weight_files(cfg.model.init_from)
+            if is_checkpoint(cfg.model.init_from):  # this pipeline's checkpoint: every file there, of its size
+                checkpoint_marker(cfg.model.init_from)
+            else:
+                hf_model_config(cfg.model.init_from)
+                hf_weight_files(cfg.model.init_from)
         except (OSError, ValueError) as error:
             report["init_from_error"] = str(error)
     report["free_bytes"] = shutil.disk_usage(target).free

@@ -20,6 +20,7 @@ from pretrain.config import RunConfig, resolve_model_config
 from pretrain.distributed import SetupError, first_error, gather_objects
 from pretrain.engine import zero_stage
 from pretrain.model import ModelConfig
+from pretrain.warm_start import checkpoint_marker, is_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,9 @@ def model_for_shards(cfg: RunConfig, dataset: ShardDataset, rank: int = 0) -> Mo
     embeddings hold, and (from ``model.init_from``) that model's vocabulary and casing. Preflight runs it too."""
     model_cfg = resolve_model_config(cfg)
     check_trainable(dataset, model_cfg, cfg.data.shards)
-    if cfg.model.init_from and cfg.model.check_init_vocab:  # shards of another vocabulary: the fix is to rebuild them
+    if cfg.model.init_from and cfg.model.check_init_vocab and is_checkpoint(cfg.model.init_from):
+        check_checkpoint_vocabulary(dataset, cfg.model.init_from)
+    elif cfg.model.init_from and cfg.model.check_init_vocab:  # shards of another vocabulary: rebuild them
         check_init_vocabulary(dataset, cfg.model.init_from,
                               report=log.warning if rank == 0 else lambda _: None)
     check_vocabulary_fits(dataset, model_cfg, cfg.model.init_from)
@@ -141,6 +144,17 @@ def check_vocabulary_fits(dataset: ShardDataset, model_cfg: ModelConfig, init_fr
                          f"`python -m data_prep.build --vocab {init_from}`")
     raise ValueError(f"the shards' vocabulary has {size} tokens but model.vocab_size is "
                      f"{model_cfg.vocab_size}; set model.overrides.vocab_size={size}")
+
+
+def check_checkpoint_vocabulary(dataset: ShardDataset, init_from: str) -> None:
+    """The shards of a run that starts from a checkpoint of this pipeline must be tokenized with the vocabulary it
+    was trained on (the vocab hash its marker records)."""
+    tag_dir, meta = checkpoint_marker(init_from)
+    theirs, ours = meta.get("vocab_hash"), dataset.manifest["vocab"].get("sha256")
+    if theirs is not None and ours is not None and theirs != ours:
+        raise ValueError(f"{dataset.directory} was built with another vocabulary (sha256 {ours[:12]}…) than "
+                         f"model.init_from {tag_dir} was trained on ({theirs[:12]}…): its ids would name other word "
+                         "pieces; build the shards with that run's --vocab, or set model.check_init_vocab=false")
 
 
 def check_init_vocabulary(dataset: ShardDataset, init_from: str,

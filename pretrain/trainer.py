@@ -35,7 +35,6 @@ from pretrain.data import PretrainLoader, SampleOrder, collate, sample_objective
 from pretrain.distributed import NonFiniteLossError, SetupError, init_distributed, on_every_rank
 from pretrain.engine import (build_engine, engine_config, measured_gradient_norm, nonfinite_gradient_norm,
                              optimizer_name, precision, read_engine_json, step_gradient_norm, zero_stage)
-from pretrain.hf import load_hf_bert
 from pretrain.metrics import Metrics, StepSums, Throughput, measured_peak_tflops, write_monitor
 from pretrain.model import ModelConfig, UniLMModel, build_model
 from pretrain.resume import (LOCK_FILE, ResumePoint, find_resume_point, load_or_seed, lock_run_directory,
@@ -44,6 +43,7 @@ from pretrain.rng import seed_everything
 from pretrain.setup_checks import (check_shared_out_dir, compiler_works, fast_path_settings, model_for_shards,
                                    verify_shards)
 from pretrain.stopping import StopRequest
+from pretrain.warm_start import init_optimizer, load_initial_model
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +175,8 @@ def _train_locked(cfg: RunConfig, rank: int, world_size: int, started: float) ->
     """``train`` once this process group holds the run lock of ``cfg.out_dir``: its steps, in order."""
     setup = check_setup(cfg, rank, world_size)
     engine = build_training_engine(cfg, setup.model, setup.deepspeed_config, setup.fast_paths, setup.resume)
+    if cfg.train.init_optimizer and setup.resume is None:  # a resumed run has its own optimizer state
+        take_over_optimizer(engine, cfg.model.init_from, rank)
     throughput = Throughput(setup.model_cfg, world_size, cfg.train.peak_tflops or measured_peak_tflops(engine, rank))
     progress = restore_progress(engine, setup.resume, cfg.train.seed, rank, world_size)
     loader = build_loader(cfg, setup.dataset, setup.model_cfg, setup.plan, rank, progress.consumed_samples,
@@ -235,16 +237,25 @@ def check_setup(cfg: RunConfig, rank: int, world_size: int) -> RunSetup:
 
 
 def initial_model(cfg: RunConfig, model_cfg: ModelConfig) -> UniLMModel:
-    """The model the run starts from: freshly initialised, or with the weights of ``model.init_from``, read and
-    checked against ``model_cfg`` (a file that holds no weights, a tensor of another shape, one missing or unknown:
-    a ValueError naming the file and tensor)."""
+    """The model the run starts from: freshly initialised, or with the weights of ``model.init_from`` (an HF
+    directory's or a checkpoint's, `pretrain.warm_start.load_initial_model`), read and checked against ``model_cfg``
+    (a file that holds no weights, a tensor of another shape, one missing or unknown: a ValueError naming the file
+    and tensor)."""
     seed_everything(cfg.train.seed)  # identical initial weights on every rank
     if not cfg.model.init_from:
         return build_model(model_cfg)
     try:
-        return load_hf_bert(cfg.model.init_from, model_cfg)
+        return load_initial_model(cfg.model.init_from, model_cfg)
     except (ValueError, OSError) as error:
         raise ValueError(f"model.init_from: {error}") from error
+
+
+def take_over_optimizer(engine: Any, init_from: str, rank: int) -> None:
+    """``train.init_optimizer``: the Adam moments and step count of the checkpoint ``model.init_from`` go into the
+    new run's optimizer (`pretrain.warm_start.init_optimizer`), every rank together."""
+    step = on_every_rank(lambda: init_optimizer(engine, init_from))
+    if rank == 0:
+        log.info(f"[init] Adam moments and step count ({step}) taken over from {init_from}")
 
 
 def build_training_engine(cfg: RunConfig, model: UniLMModel, deepspeed_config: dict[str, Any],
