@@ -21,8 +21,8 @@ so an interrupted save is detected on load instead of mixing an old head with ne
 
 `load_init` accepts that, a plain HF BERT directory, or a pre-training checkpoint (a DeepSpeed tag directory
 with our `complete.json` marker, or its parent `checkpoints/` directory; its `model_weights.safetensors` is read
-after the marker's hashes check out, by `pretrain.export.load_consolidated`; its tokenizer is its shards' vocabulary
-and casing, found through the run config it records, or `--vocab` when the shards moved, checked against the
+after the marker's hashes check out, by `pretrain.consolidated.load_consolidated`; its tokenizer is its shards'
+vocabulary and casing, found through the run config it records, or `--vocab` when the shards moved, checked against the
 vocabulary hash it records). Nothing is unpickled.
 """
 from __future__ import annotations
@@ -38,12 +38,13 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from common.files import sha256_file
 from data_prep.vocab import write_hf_tokenizer
 from pretrain import checkpoint as ckpt
-from pretrain.export import load_consolidated, resolve_checkpoint, shard_vocabulary
-from pretrain.hf import (HF_TASK_ARCHITECTURES, git_lfs_pointer, hf_config_file, load_hf_bert, read_weight_file,
-                         save_hf_bert, to_hf_name)
+from pretrain.consolidated import load_consolidated, resolve_checkpoint, shard_vocabulary
+from pretrain.hf import HF_TASK_ARCHITECTURES, hf_config_file, load_hf_bert, save_hf_bert, to_hf_name
 from pretrain.model import UniLMModel
+from pretrain.weight_files import git_lfs_pointer, read_weight_file
 
 from .tokenizer import Tokenizer, load_tokenizer
 
@@ -170,8 +171,6 @@ def save_finetuned(out_dir: str | Path, model: UniLMModel, head: torch.nn.Module
     ``weights``: the task module's state under its names (``backbone.*``, ``head.*``) to write instead of what
     ``model`` and ``head`` hold — under DeepSpeed, the fp32 master copy from
     `pretrain.checkpoint.gather_full_weights` (the modules hold bf16/fp16 copies, or ZeRO-3 partitions)."""
-    from common.files import sha256_file
-
     if weights is None:
         weights = {f"backbone.{k}": v for k, v in model.state_dict().items()}
         weights.update({f"head.{k}": v for k, v in (head.state_dict() if head is not None else {}).items()})
@@ -248,8 +247,6 @@ def hf_task_config(architecture: str, meta: dict[str, Any]) -> dict[str, Any]:
 def check_complete(directory: Path, meta: dict[str, Any]) -> None:
     """Every file `finetune.json` lists has the sha256 it recorded (an interrupted save or a mixed directory
     is refused, naming the file)."""
-    from common.files import sha256_file
-
     for name, digest in meta.get("files", {}).items():
         path = directory / name
         if Path(name).name != name or not path.is_file() or sha256_file(path) != digest:

@@ -48,14 +48,18 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from pretrain.masks import (
-    NUM_SEGMENT_TYPES, SEGMENT_BIDIRECTIONAL_A, SEGMENT_BIDIRECTIONAL_B, SEGMENT_LEFT_TO_RIGHT,
+    NUM_SEGMENT_TYPES,
+    SEGMENT_BIDIRECTIONAL_A,
+    SEGMENT_BIDIRECTIONAL_B,
+    SEGMENT_LEFT_TO_RIGHT,
 )
 from pretrain.model import IGNORE_INDEX, ModelConfig, UniLMModel, build_model
+from pretrain.weight_files import read_state_dict
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 # (our name prefix, HF BertForPreTraining name prefix); `{i}` is a layer index.
 _HF_NAMES = (
@@ -167,98 +171,6 @@ def config_from_hf(config: dict) -> ModelConfig:
     )
 
 
-# Weight files of a HF model directory, in from_pretrained's order of preference; an index file lists the shards of
-# a checkpoint saved in parts (`save_pretrained(max_shard_size=...)`).
-_WEIGHT_FILES = (("model.safetensors", False), ("model.safetensors.index.json", True),
-                 ("pytorch_model.bin", False), ("pytorch_model.bin.index.json", True))
-
-
-def hf_weight_files(directory: str | Path) -> tuple[list[Path], set[str] | None]:
-    """The files that hold a HF directory's tensors — one file, or the shards an index lists — and, for an index,
-    the tensor names it lists. Checks that they exist; reads no tensor."""
-    directory = Path(directory)
-    for name, is_index in _WEIGHT_FILES:
-        path = directory / name
-        if not path.is_file():
-            continue
-        if not is_index:
-            return [path], None
-        try:
-            weight_map = json.loads(path.read_text())["weight_map"]
-            shards = sorted(set(weight_map.values()))
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"{path}: not a checkpoint index (a JSON object with a 'weight_map' of tensor name → "
-                             f"file): {e}") from None
-        missing = [shard for shard in shards if not (directory / shard).is_file()]
-        if missing:
-            raise FileNotFoundError(f"{path} lists shard files that are not in {directory}: {missing}")
-        return [directory / shard for shard in shards], set(weight_map)
-    tensorflow = sorted(p.name for p in directory.glob("*.ckpt*.index"))
-    raise FileNotFoundError(f"{directory}: no weights (looked for {', '.join(n for n, _ in _WEIGHT_FILES)})"
-                            + (f"; {tensorflow[0]} is a TensorFlow checkpoint, which this loader does not read: "
-                               "Google's BERT releases are on the Hugging Face hub as PyTorch weights "
-                               "(google-bert/bert-large-cased, ...)" if tensorflow else ""))
-
-
-# The first bytes of a git-lfs pointer.
-_LFS_POINTER = b"version https://git-lfs.github.com/spec/"
-# Where training checkpoints (PyTorch Lightning, fairseq, DeepSpeed's mp_rank_*_model_states.pt) keep the weights,
-# beside optimizer state and step counters.
-_CHECKPOINT_KEYS = ("model", "state_dict", "module")
-
-
-def git_lfs_pointer(path: Path) -> bool:
-    """Whether ``path`` is a git-lfs pointer: the few lines a clone without git-lfs holds in place of a large file."""
-    with open(path, "rb") as handle:
-        return handle.read(len(_LFS_POINTER)) == _LFS_POINTER
-
-
-def read_weight_file(path: Path) -> dict[str, torch.Tensor]:
-    """The tensors of one weight file: safetensors, or a `pytorch_model.bin` read by `torch.load(weights_only=True)`
-    (tensors and containers only; nothing else is unpickled). A file that holds no such dict is refused with a
-    ValueError naming it and what it most likely is: cut short, a git-lfs pointer, a training checkpoint."""
-    if git_lfs_pointer(path):
-        raise ValueError(f"{path} is a git-lfs pointer, not the weights: run `git lfs pull` in the repository it "
-                         "was cloned from, or download the file itself")
-    try:
-        state = load_file(path) if path.suffix == ".safetensors" else \
-            torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # whatever the file's bytes make the readers raise (pickle's UnpicklingError, ...)
-        # torch's own text advises weights_only=False, which would run any code the file holds: never passed on
-        pickled = re.findall(r"Unsupported global: GLOBAL ([\w.]+)", str(error))
-        reason = (f"it pickles {pickled[0]}, which model weights do not hold" if pickled else
-                  "not a PyTorch tensor file" if type(error).__name__ == "UnpicklingError" else
-                  str(error).split(". ")[0] or type(error).__name__)
-        raise ValueError(f"{path} ({path.stat().st_size:,} bytes) cannot be read as model weights ({reason}); "
-                         "most likely it is a download cut short (download it again) or a training checkpoint "
-                         "rather than model weights (export the weights: `python -m pretrain.export` for this "
-                         "project's checkpoints)") from None
-    if not isinstance(state, dict):
-        raise ValueError(f"{path} holds a {type(state).__name__}, not model weights (a dict of tensor name → tensor)")
-    not_tensors = sorted(str(name) for name, value in state.items() if not isinstance(value, torch.Tensor))
-    if not_tensors:
-        nested = next((key for key in _CHECKPOINT_KEYS if isinstance(state.get(key), dict)), None)
-        if nested is not None:
-            raise ValueError(f"{path} is a training checkpoint, not model weights: its weights are nested under "
-                             f"{nested!r} beside {sorted(map(str, state))[:8]}; save that entry alone as the weights "
-                             "file, or export the weights (`python -m pretrain.export` for this project's "
-                             "checkpoints)")
-        raise ValueError(f"{path}: not model weights: {not_tensors[:5]} hold no tensor")
-    return state
-
-
-def _read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
-    files, listed = hf_weight_files(directory)
-    state: dict[str, torch.Tensor] = {}
-    for path in files:
-        state.update(read_weight_file(path))
-    absent = sorted((listed or set()) - set(state))
-    if absent:
-        raise ValueError(f"{directory}: tensors its index lists are in none of its shards: {absent[:5]}"
-                         + (f" and {len(absent) - 5} more" if len(absent) > 5 else ""))
-    return state
-
-
 # A model directory's config file: Hugging Face's name, then the original BERT release's (`bert_config.json`, beside
 # `pytorch_model.bin` in the archives pytorch-pretrained-bert and UniLM v1's fine-tuning code read).
 CONFIG_FILES = ("config.json", "bert_config.json")
@@ -312,7 +224,7 @@ def _check_unilm_v1_eps(directory: Path) -> None:
     ≈ 1e-3). Our own exports and HF configs of a UniLM model write the key, and are left alone."""
     config_file = hf_config_file(directory)
     if config_file is not None and "layer_norm_eps" not in json.loads(config_file.read_text()):
-        logger.warning(f"{directory}: six segment rows (UniLM v1's released layout) under {config_file.name}, which "
+        log.warning(f"{directory}: six segment rows (UniLM v1's released layout) under {config_file.name}, which "
                        "sets no layer_norm_eps: BERT's 1e-12 is used, but UniLM v1 trained with 1e-5; add "
                        f'"layer_norm_eps": 1e-5 to {config_file} (pre-training: model.overrides.layer_norm_eps=1e-5)')
 
@@ -338,27 +250,48 @@ def load_hf_bert(path: str | Path, cfg: ModelConfig | None = None,
     """
     directory = Path(path)
     source = hf_model_config(directory)
-    cfg = cfg or source
+    return load_hf_state(directory, read_state_dict(directory), source, cfg or source, supplement)
+
+
+def load_hf_state(directory: Path, stored: dict[str, torch.Tensor], source: ModelConfig, cfg: ModelConfig,
+                  supplement: dict[str, torch.Tensor] | None = None) -> UniLMModel:
+    """`load_hf_bert` of tensors already read (HF names, as ``stored``), ``source`` being the config they were saved
+    under and ``cfg`` the one to build; ``directory`` names them in messages."""
     if cfg.causal_lm != source.causal_lm:
-        logger.warning(f"{directory} holds a {'causal LM (is_decoder)' if source.causal_lm else 'masked-LM BERT'}, "
-                       f"loaded here as a {'causal LM' if cfg.causal_lm else 'masked-LM model'} (causal_lm="
-                       f"{str(cfg.causal_lm).lower()}): its weights were trained under the other attention mask; "
-                       "train them before use")
+        log.warning(f"{directory} holds a {'causal LM (is_decoder)' if source.causal_lm else 'masked-LM BERT'}, "
+                    f"loaded here as a {'causal LM' if cfg.causal_lm else 'masked-LM model'} (causal_lm="
+                    f"{str(cfg.causal_lm).lower()}): its weights were trained under the other attention mask; "
+                    "train them before use")
     model = build_model(cfg)
     ours = model.state_dict()
+    loaded, decoder, decoder_bias, task_head = _map_hf_names(directory, stored, ours, cfg, source)
+    if task_head and supplement is None:
+        log.warning(f"{directory}: left out its fine-tuned task head {sorted(task_head)}; the encoder loads")
+    loaded.update(supplement or {})
+    _take_decoder(directory, loaded, decoder, decoder_bias, supplement)
+    identity_transform = _check_missing(directory, ours, loaded, cfg)
+    model.load_state_dict(loaded, strict=False)
+    if identity_transform:
+        with torch.no_grad():
+            model.mlm_head.dense.weight.copy_(torch.eye(cfg.hidden_size))
+            model.mlm_head.dense.bias.zero_()
+    return model
 
+
+def _map_hf_names(directory: Path, stored: dict[str, torch.Tensor], ours: dict[str, torch.Tensor], cfg: ModelConfig,
+                  source: ModelConfig) -> tuple[dict[str, torch.Tensor], torch.Tensor | None, torch.Tensor | None,
+                                                list[str]]:
+    """Map a checkpoint's tensors onto our names: (ours by name, the HF decoder weight and bias if stored, the task
+    head's names left out). Segment rows 1 or 2 → 6 (module docstring); an unknown tensor or one of the wrong
+    shape is an error naming it."""
     loaded: dict[str, torch.Tensor] = {}
     unknown, task_head = [], []
     decoder = decoder_bias = None
-    for stored_name, tensor in _read_state_dict(directory).items():
-        hf_name = stored_name
-        if hf_name.startswith(_HF_TASK_HEADS):
-            task_head.append(hf_name)
+    for stored_name, tensor in stored.items():
+        if stored_name.startswith(_HF_TASK_HEADS):
+            task_head.append(stored_name)
             continue
-        hf_name = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", hf_name)  # TF-era names
-        hf_name = re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", hf_name)
-        if not hf_name.startswith(("bert.", "cls.")):
-            hf_name = "bert." + hf_name
+        hf_name = _canonical_hf_name(stored_name)
         if hf_name in _HF_REDUNDANT:
             decoder = tensor if hf_name == "cls.predictions.decoder.weight" else decoder
             decoder_bias = tensor if hf_name == "cls.predictions.decoder.bias" else decoder_bias
@@ -367,19 +300,13 @@ def load_hf_bert(path: str | Path, cfg: ModelConfig | None = None,
         if name is None or name not in ours:  # another model's tensor, or a layer beyond cfg's
             unknown.append(stored_name)
             continue
-        if name == "embeddings.segment.weight" and tensor.shape[0] == NUM_SEGMENT_TYPES:
-            _check_unilm_v1_eps(directory)
-        if name == "embeddings.segment.weight" and tensor.shape[0] == 1:  # one token type: every segment reads it
-            tensor = tensor.expand(NUM_SEGMENT_TYPES, -1).clone()
-        if name == "embeddings.segment.weight" and tensor.shape[0] == 2:
-            if source.causal_lm and not torch.equal(tensor[0], tensor[1]):
-                logger.warning(f"{directory}: a causal LM reads one segment row; its HF token type 0 fills them "
-                               "all and its different token type 1 is dropped")
-            tensor = tensor[list(SEGMENT_ROWS_FROM_HF_DECODER if source.causal_lm else SEGMENT_ROWS_FROM_HF)]
+        if name == "embeddings.segment.weight":
+            tensor = _six_segment_rows(directory, tensor, source)
         if tensor.shape != ours[name].shape:
             raise ValueError(f"{directory}: {hf_name} has shape {tuple(tensor.shape)}, our {name} needs "
                              f"{tuple(ours[name].shape)}"
-                             + _size_hint(tensor.shape, ours[name].shape, cfg, source, hf_config_file(directory).name))
+                             + _size_hint(tensor.shape, ours[name].shape, cfg, source,
+                                          getattr(hf_config_file(directory), "name", "config.json")))
         loaded[name] = tensor
     if unknown:
         layers = {int(m.group(1)) for n in unknown if (m := re.search(r"encoder\.layer\.(\d+)\.", n))}
@@ -388,19 +315,50 @@ def load_hf_bert(path: str | Path, cfg: ModelConfig | None = None,
                 if layers and max(layers) >= cfg.num_layers else "")
         raise ValueError(f"{directory}: tensors our model has no place for{hint}: {unknown[:5]}"
                          + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""))
-    if task_head and supplement is None:
-        logger.warning(f"{directory}: left out its fine-tuned task head {sorted(task_head)}; the encoder loads")
-    loaded.update(supplement or {})
+    return loaded, decoder, decoder_bias, task_head
 
+
+def _canonical_hf_name(stored_name: str) -> str:
+    """A stored tensor name as transformers' BertForPreTraining names it: TF-era LayerNorm gamma/beta → weight/bias,
+    the `bert.` prefix a BertModel checkpoint omits."""
+    hf_name = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", stored_name)
+    hf_name = re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", hf_name)
+    return hf_name if hf_name.startswith(("bert.", "cls.")) else "bert." + hf_name
+
+
+def _six_segment_rows(directory: Path, tensor: torch.Tensor, source: ModelConfig) -> torch.Tensor:
+    """A checkpoint's token-type embedding Float[T, H] as our Float[6, H] segment table (module docstring); a table
+    of another size is returned as is, for the shape check to name."""
+    if tensor.shape[0] == NUM_SEGMENT_TYPES:
+        _check_unilm_v1_eps(directory)
+    if tensor.shape[0] == 1:  # one token type: every segment reads it
+        return tensor.expand(NUM_SEGMENT_TYPES, -1).clone()
+    if tensor.shape[0] == 2:
+        if source.causal_lm and not torch.equal(tensor[0], tensor[1]):
+            log.warning(f"{directory}: a causal LM reads one segment row; its HF token type 0 fills them "
+                        "all and its different token type 1 is dropped")
+        return tensor[list(SEGMENT_ROWS_FROM_HF_DECODER if source.causal_lm else SEGMENT_ROWS_FROM_HF)]
+    return tensor
+
+
+def _take_decoder(directory: Path, loaded: dict[str, torch.Tensor], decoder: torch.Tensor | None,
+                  decoder_bias: torch.Tensor | None, supplement: dict[str, torch.Tensor] | None) -> None:
+    """Use a stored HF decoder's bias, and warn when its weight is not tied to the word embeddings (ours is)."""
     if decoder_bias is not None and not (supplement and "mlm_head.decoder.bias" in supplement):
         # the bias the HF decoder adds: the same tensor as cls.predictions.bias in a tied model, the one the forward
         # uses in an untied one (transformers 5 keeps cls.predictions.bias apart there, untrained)
         loaded["mlm_head.decoder.bias"] = decoder_bias
     if decoder is not None and not torch.equal(decoder, loaded.get("embeddings.token.weight", decoder)):
-        logger.warning(f"{directory}: its MLM decoder weights differ from its word embeddings (an untied "
-                       "checkpoint, tie_word_embeddings false); our decoder is tied to the word embeddings, so its "
-                       "encoder loads exactly but its word predictions are not the checkpoint's: train the MLM head "
-                       "before using them (a classifier or span extractor on the encoder is unaffected)")
+        log.warning(f"{directory}: its MLM decoder weights differ from its word embeddings (an untied "
+                    "checkpoint, tie_word_embeddings false); our decoder is tied to the word embeddings, so its "
+                    "encoder loads exactly but its word predictions are not the checkpoint's: train the MLM head "
+                    "before using them (a classifier or span extractor on the encoder is unaffected)")
+
+
+def _check_missing(directory: Path, ours: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor],
+                   cfg: ModelConfig) -> bool:
+    """Refuse a checkpoint that lacks an encoder tensor; name the heads that keep their fresh init in a warning.
+    Returns whether the MLM transform is missing (it then starts at the identity, module docstring)."""
     tied = "mlm_head.decoder.weight"
     missing = sorted(n for n in ours if n not in loaded and n != tied)
     not_optional = [n for n in missing if not n.startswith(_OPTIONAL_PREFIXES)]
@@ -409,17 +367,11 @@ def load_hf_bert(path: str | Path, cfg: ModelConfig | None = None,
     identity_transform = {"mlm_head.dense.weight", "mlm_head.dense.bias"} <= set(missing)
     reported = [n for n in missing if not (cfg.causal_lm and n.startswith(_UNTRAINED_BY_CAUSAL_LM))]
     if reported:
-        message = (f"{directory}: no weights for {sorted({n.split('.')[0] for n in reported})} "
-                   f"({len(reported)} tensors) — freshly initialised"
-                   + (" (the MLM transform at the identity)" if identity_transform else "")
-                   + ", train them before use")
-        logger.warning(message)
-    model.load_state_dict(loaded, strict=False)
-    if identity_transform:
-        with torch.no_grad():
-            model.mlm_head.dense.weight.copy_(torch.eye(cfg.hidden_size))
-            model.mlm_head.dense.bias.zero_()
-    return model
+        log.warning(f"{directory}: no weights for {sorted({n.split('.')[0] for n in reported})} "
+                    f"({len(reported)} tensors) — freshly initialised"
+                    + (" (the MLM transform at the identity)" if identity_transform else "")
+                    + ", train them before use")
+    return identity_transform
 
 
 # What each HF class holds besides the encoder: from_pretrained reports anything else as unexpected.
@@ -531,10 +483,10 @@ def save_hf_bert(model: UniLMModel, path: str | Path, architecture: str | None =
         tensors[hf_name] = tensor.detach().cpu().contiguous()
     tensors.update({name: tensor.detach().cpu().contiguous() for name, tensor in (task_head or {}).items()})
     if not quiet and model.cfg.causal_lm:
-        logger.warning("causal LM: exported segment row 2 (left-to-right, the one it embeds every token with) as "
+        log.warning("causal LM: exported segment row 2 (left-to-right, the one it embeds every token with) as "
                        "HF token types 0 and 1; dropped rows 0, 1, 3-5, which its training never updates")
     elif not quiet:
-        logger.warning("HF BERT has 2 token types: exported segment rows 0/1 (bidirectional A/B); dropped rows "
+        log.warning("HF BERT has 2 token types: exported segment rows 0/1 (bidirectional A/B); dropped rows "
                        "2-5 (left-to-right, right-to-left, seq2seq source/target)")
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
     config = dict(hf_config(model.cfg, architecture), **(task_config or {}))

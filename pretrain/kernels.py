@@ -84,11 +84,11 @@ def onednn_linear_available() -> bool:
     try:
         pairs = [(onednn_linear(x, w, b), F.linear(x, w, b)), (onednn_linear(g, w.t()), g @ w)]
     except RuntimeError as error:
-        warnings.warn(f"oneDNN linear unavailable ({error}); using torch.nn.functional.linear")
+        warnings.warn(f"oneDNN linear unavailable ({error}); using torch.nn.functional.linear", stacklevel=2)
         return False
     if not all(ours.shape == ref.shape and torch.allclose(ours, ref, rtol=1e-5, atol=1e-5) for ours, ref in pairs):
         warnings.warn("oneDNN linear disagrees with torch.nn.functional.linear on this torch build; "
-                      "using torch.nn.functional.linear")
+                      "using torch.nn.functional.linear", stacklevel=2)
         return False
     return True
 

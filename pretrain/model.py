@@ -47,8 +47,16 @@ from torch.utils.checkpoint import checkpoint
 
 from pretrain.kernels import Linear, attention, chunked_cross_entropy, dropout_add
 from pretrain.masks import (
-    BIDIRECTIONAL, LEFT_TO_RIGHT, NUM_OBJECTIVES, NUM_SEGMENT_TYPES, RIGHT_TO_LEFT, SEQ2SEQ,
-    build_attention_mask, build_packed_attention_mask, build_packed_segment_ids, build_segment_ids,
+    BIDIRECTIONAL,
+    LEFT_TO_RIGHT,
+    NUM_OBJECTIVES,
+    NUM_SEGMENT_TYPES,
+    RIGHT_TO_LEFT,
+    SEQ2SEQ,
+    build_attention_mask,
+    build_packed_attention_mask,
+    build_packed_segment_ids,
+    build_segment_ids,
 )
 
 try:  # an optional accelerator, never a requirement (apex is not on PyPI); falls back to torch on CPU tensors
@@ -110,7 +118,7 @@ class ModelConfig:
             raise ValueError("ModelConfig.layer_norm_eps and initializer_range must be finite and > 0")
 
     @classmethod
-    def from_dict(cls, values: dict) -> "ModelConfig":
+    def from_dict(cls, values: dict) -> ModelConfig:
         """A stored model config (a checkpoint's marker). Checkpoints written before activation checkpointing
         became a training setting (``train.activation_checkpointing``) store it here too; it is dropped."""
         return cls(**{k: v for k, v in values.items() if k not in RETIRED_FIELDS})
@@ -411,7 +419,7 @@ class UniLMModel(nn.Module):
         """Float[B, H] hidden states of the samples' first tokens → Float[B, H]: BERT's pooler, tanh(dense(·))."""
         return torch.tanh(self.pooler(first_tokens))
 
-    # -- the training forward
+    # -- the training forward: inputs → encoder → losses → reports
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -427,13 +435,13 @@ class UniLMModel(nn.Module):
         token_normalizer: torch.Tensor | None = None,
         nsp_normalizer: torch.Tensor | None = None,
     ) -> PretrainOutput:
-        """Loss of a collated batch (see docs/architecture.md).
+        """Loss of a collated batch (its keys are these arguments; see docs/architecture.md).
 
         Args:
             input_ids: Long[B, L], padded; objective, len_a, length, is_random_next: Long[B]
                 (is_random_next: 1 random B, 0 true next, -1 no NSP loss; default all -1);
-            masked_positions: Long[B, P] (padding positions arbitrary), masked_labels: Long[B, P] (`IGNORE_INDEX` = pad).
-                Unused (may be None) when cfg.causal_lm.
+            masked_positions: Long[B, P] (padding positions arbitrary), masked_labels: Long[B, P] (`IGNORE_INDEX`
+                at padding). Unused (may be None) when cfg.causal_lm.
             position_ids, token_sample: Long[R, L], sample_starts: Long[S]: packed rows, several samples per row
                 (`pretrain.data.collate` with ``pack=True``); input_ids is then Long[R, L], the per-sample tensors
                 have S rows and masked_positions index the flattened R × L tokens. Same loss as one sample per row.
@@ -442,59 +450,65 @@ class UniLMModel(nn.Module):
                 step's counts divided by its number of micro-batches (`pretrain.data.PretrainLoader`), so that
                 DeepSpeed's mean over micro-batches and ranks is the mean over the global batch, whatever its split.
         """
+        packed = token_sample is not None
         if self.cfg.causal_lm:  # GPT: every sample is a left-to-right sample
             objective = torch.full_like(objective, LEFT_TO_RIGHT)
-        if token_sample is None:
-            hidden = self.encode_objective(input_ids, objective, len_a, length)
-            first_tokens = hidden[:, 0]
-        else:
-            if self.cfg.causal_lm or position_ids is None or sample_starts is None:
-                raise ValueError("packed rows need position_ids, token_sample and sample_starts, and a masked-LM "
-                                 "model (cfg.causal_lm predicts every token of one sample per row)")
-            hidden = self.encode(input_ids, build_packed_segment_ids(token_sample, position_ids, objective, len_a),
-                                 build_packed_attention_mask(token_sample, position_ids, objective, len_a),
-                                 position_ids)
-            first_tokens = hidden.flatten(0, 1)[sample_starts]
-
-        if self.cfg.causal_lm:
-            predicting, labels = hidden[:, :-1], causal_lm_labels(input_ids, length)  # t predicts token t + 1
-            token_objective = None
-        else:
-            if masked_positions is None or masked_labels is None:
-                raise ValueError("masked_positions and masked_labels are required unless cfg.causal_lm")
-            if token_sample is None:
-                predicting = gather_positions(hidden, masked_positions)
-            else:
-                predicting = hidden.flatten(0, 1)[masked_positions]
-            labels = masked_labels
-            token_objective = objective.unsqueeze(1).expand_as(labels)
-        token_loss = self.token_losses(predicting, labels)
-        predicted = (labels.flatten() != IGNORE_INDEX).float()
-        token_count = predicted.sum()
-        loss = token_loss.sum() / (token_count.clamp(min=1) if token_normalizer is None else token_normalizer)
-
-        # NSP on every sample, weighted to zero where it does not apply: the graph (and which parameters get
-        # gradients) is the same for every batch, and no host sync is needed.
+        if packed and (self.cfg.causal_lm or position_ids is None or sample_starts is None):
+            raise ValueError("packed rows need position_ids, token_sample and sample_starts, and a masked-LM "
+                             "model (cfg.causal_lm predicts every token of one sample per row)")
+        if not self.cfg.causal_lm and (masked_positions is None or masked_labels is None):
+            raise ValueError("masked_positions and masked_labels are required unless cfg.causal_lm")
         if is_random_next is None:
             is_random_next = torch.full_like(objective, -1)
-        nsp_weight = ((objective == BIDIRECTIONAL) & (is_random_next >= 0)).float()
-        nsp_loss = F.cross_entropy(self.nsp_head(self.pool(first_tokens)).float(), is_random_next.clamp(min=0),
-                                   reduction="none")
-        nsp_count = nsp_weight.sum()
-        loss = loss + (nsp_loss * nsp_weight).sum() / (nsp_count.clamp(min=1) if nsp_normalizer is None
-                                                       else nsp_normalizer)
 
-        # Per-objective reports in REPORTED_OBJECTIVES' fixed slots, left on the device.
-        with torch.no_grad():
-            if token_objective is None:
-                slots = torch.full_like(labels.flatten(), _CAUSAL_LM_SLOT)
-            else:
-                slots = token_objective.flatten()
-            sums = token_loss.new_zeros(len(REPORTED_OBJECTIVES)).index_add_(0, slots, token_loss)
-            counts = predicted.new_zeros(len(REPORTED_OBJECTIVES)).index_add_(0, slots, predicted)
-            sums[_NSP_SLOT] += (nsp_loss * nsp_weight).sum()
-            counts[_NSP_SLOT] += nsp_count
-        return PretrainOutput(loss, sums, counts)
+        segment_ids, attention_mask = self._segments_and_mask(objective, len_a, length, input_ids.shape[1],
+                                                              position_ids, token_sample)
+        hidden = self.encode(input_ids, segment_ids, attention_mask, position_ids if packed else None)
+        first_tokens = hidden.flatten(0, 1)[sample_starts] if packed else hidden[:, 0]  # Float[B or S, H]
+
+        predicting, labels, slots = self._prediction_targets(hidden, input_ids, objective, length, masked_positions,
+                                                             masked_labels, packed)
+        token_loss = self.token_losses(predicting, labels)  # Float[N]
+        predicted = (labels.flatten() != IGNORE_INDEX).float()  # Float[N]
+        # NSP on every sample, weighted to zero where it does not apply: the graph (and which parameters get
+        # gradients) is the same for every batch, and no host sync is needed.
+        nsp_loss = F.cross_entropy(self.nsp_head(self.pool(first_tokens)).float(), is_random_next.clamp(min=0),
+                                   reduction="none")  # Float[B or S]
+        nsp_weight = ((objective == BIDIRECTIONAL) & (is_random_next >= 0)).float()
+        weighted_nsp_loss = nsp_loss * nsp_weight
+        loss = _mean(token_loss.sum(), predicted.sum(), token_normalizer) + \
+            _mean(weighted_nsp_loss.sum(), nsp_weight.sum(), nsp_normalizer)
+        return PretrainOutput(loss, *_objective_reports(token_loss, predicted, slots, weighted_nsp_loss, nsp_weight))
+
+    @staticmethod
+    def _segments_and_mask(objective: torch.Tensor, len_a: torch.Tensor, length: torch.Tensor, max_len: int,
+                           position_ids: torch.Tensor | None, token_sample: torch.Tensor | None,
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input preparation: segment ids Long[B, L] and attention mask Bool[B, L, L] from each sample's
+        (objective, len_a, length) — or, for packed rows, from each token's sample and position (Long[R, L])."""
+        if token_sample is None:
+            return (build_segment_ids(objective, len_a, length, max_len),
+                    build_attention_mask(objective, len_a, length, max_len))
+        return (build_packed_segment_ids(token_sample, position_ids, objective, len_a),
+                build_packed_attention_mask(token_sample, position_ids, objective, len_a))
+
+    def _prediction_targets(self, hidden: torch.Tensor, input_ids: torch.Tensor, objective: torch.Tensor,
+                            length: torch.Tensor, masked_positions: torch.Tensor | None,
+                            masked_labels: torch.Tensor | None, packed: bool,
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The hidden states that predict a token, their labels and each prediction's report slot.
+
+        Masked LM: the states at the masked positions (Float[B, P, H], or Float[S, P, H] gathered from the flattened
+        packed rows), labels Long[B, P], slot = the sample's objective. Causal LM: every position but the last
+        (Float[B, L-1, H]) predicts the next token, slot `causal_lm`. Slots: Long[N], N = labels.numel()."""
+        if self.cfg.causal_lm:
+            labels = causal_lm_labels(input_ids, length)  # t predicts token t + 1
+            return hidden[:, :-1], labels, torch.full_like(labels.flatten(), _CAUSAL_LM_SLOT)
+        if packed:
+            predicting = hidden.flatten(0, 1)[masked_positions]
+        else:
+            predicting = gather_positions(hidden, masked_positions)
+        return predicting, masked_labels, objective.unsqueeze(1).expand_as(masked_labels).flatten()
 
     def compile_blocks(self) -> None:
         """`torch.compile` every Transformer block in place (``nn.Module.compile``: parameter names, checkpoints and
@@ -557,6 +571,23 @@ def causal_lm_labels(input_ids: torch.Tensor, length: torch.Tensor) -> torch.Ten
     past each row's ``length``."""
     positions = torch.arange(1, input_ids.shape[1], device=input_ids.device)
     return input_ids[:, 1:].masked_fill(positions >= length.unsqueeze(1), IGNORE_INDEX)
+
+
+def _mean(total: torch.Tensor, count: torch.Tensor, normalizer: torch.Tensor | None) -> torch.Tensor:
+    """``total`` divided by ``normalizer``, or by ``count`` (at least 1) when none is given."""
+    return total / (count.clamp(min=1) if normalizer is None else normalizer)
+
+
+@torch.no_grad()
+def _objective_reports(token_loss: torch.Tensor, predicted: torch.Tensor, slots: torch.Tensor,
+                       nsp_loss: torch.Tensor, nsp_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-objective (sums, counts), each Float[len(REPORTED_OBJECTIVES)], left on the device: token losses and
+    predictions Float[N] added into their Long[N] slots, weighted NSP losses and weights Float[B] into nsp's."""
+    sums = token_loss.new_zeros(len(REPORTED_OBJECTIVES)).index_add_(0, slots, token_loss)
+    counts = predicted.new_zeros(len(REPORTED_OBJECTIVES)).index_add_(0, slots, predicted)
+    sums[_NSP_SLOT] += nsp_loss.sum()
+    counts[_NSP_SLOT] += nsp_weight.sum()
+    return sums, counts
 
 
 def build_model(cfg: ModelConfig) -> UniLMModel:

@@ -64,9 +64,10 @@ from pretrain.batch_plan import InfeasibleBatchError, plan_batch
 from pretrain.checkpoint import code_version
 from pretrain.config import RunConfig, load_config, resolve_model_config
 from pretrain.engine import adam_op, read_engine_json
-from pretrain.hf import hf_model_config, hf_weight_files
+from pretrain.hf import hf_model_config
 from pretrain.setup_checks import model_for_shards
 from pretrain.warm_start import checkpoint_marker, is_checkpoint
+from pretrain.weight_files import hf_weight_files
 
 # fp32 weights + Adam moments (12) + low-precision copy / slack + safetensors fp32 (4)
 CHECKPOINT_BYTES_PER_PARAMETER = 20
