@@ -22,10 +22,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-from training_runs import check, launch, losses, metrics, preempt, train_command
 import torch
 
 from pretrain.model import preset, training_flops
+from training_runs import check, launch, losses, metrics, preempt, train_command
 
 pytestmark = pytest.mark.slow
 
@@ -355,7 +355,6 @@ def test_a_corrupt_shard_stops_training_before_it_starts(unilm_shards: Path, tmp
 def test_a_first_ctrl_c_asks_for_a_save_and_a_second_stops_at_once(caplog) -> None:
     """Ctrl-C in a terminal run: the first SIGINT is handled as SIGTERM (save the step in progress, exit 0), so
     an interactive stop loses no steps; a second one interrupts at once."""
-    import os
     import signal
     import time
 
@@ -364,11 +363,10 @@ def test_a_first_ctrl_c_asks_for_a_save_and_a_second_stops_at_once(caplog) -> No
     stop = StopRequest(time.monotonic(), None)
     try:
         assert not stop
-        os.kill(os.getpid(), signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)  # runs the Python handler before it returns
         assert stop and "Ctrl-C again stops at once" in caplog.text
         with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(1)  # the handler runs here at the latest
+            signal.raise_signal(signal.SIGINT)
     finally:
         stop.close()
     assert signal.getsignal(signal.SIGINT) is before
