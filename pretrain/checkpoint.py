@@ -11,8 +11,8 @@ Layout of ``out_dir/checkpoints/``::
     global_step{N}_universal/     DeepSpeed universal checkpoint, made on demand when the world size changes
                                   (``pretrain.convert``)
     global_step{N}/model_weights.safetensors
-                                  the module's full fp32 weights (gathered from every ZeRO partition), the only
-                                  file read outside a resume: exports, fine-tuning's ``--init`` and a new run's
+                                  the module's full fp32 weights (gathered from every ZeRO partition), read
+                                  outside a resume (with the moments below): exports, fine-tuning's ``--init`` and a new run's
                                   ``model.init_from`` load it after the marker's hashes check out, and never
                                   unpickle anything
     global_step{N}/adam_moments.safetensors
