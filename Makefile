@@ -38,7 +38,7 @@ BUILD_ARGS ?=
 # the exact shards it started with (its checkpoints record their manifest hash). OVERWRITE=1 replaces them.
 OVERWRITE  ?=
 
-.PHONY: help setup system-deps sample-corpus vocab shards inspect demo ablation test test-fast bench bench-data bench-model clean pretrain preflight plot bench-train finetune-data finetune-demo bench-decode gpu-speed
+.PHONY: help setup system-deps sample-corpus vocab shards inspect demo ablation lint test test-fast bench bench-data bench-model clean pretrain preflight plot bench-train finetune-data finetune-demo bench-decode gpu-speed
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -93,6 +93,10 @@ demo: $(STAMP)  ## the whole pipeline end to end on the sample corpus -> demo_ou
 ABLATION_ARGS ?=
 ablation: sample-corpus  ## BERT vs BERT+MLM vs BERT+UniLM on BBC headlines + topics -> ablation_out/REPORT.md (reruns skip done stages)
 	$(PY) -m tools.ablation --samples $(SAMPLES) $(ABLATION_ARGS)
+
+lint: $(STAMP)  ## ruff over the whole project, mypy over common, data_prep, pretrain, finetune and tools (pyproject.toml)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 test: system-deps sample-corpus  ## run the whole test suite (installs the Debian packages its launcher tests use)
 	$(PY) -m pytest -q tests
