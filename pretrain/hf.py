@@ -235,7 +235,9 @@ def load_hf_bert(path: str | Path, cfg: ModelConfig | None = None,
     or either split into shards by an index file; or the original release's bert_config.json + pytorch_model.bin).
 
     ``cfg`` (default: the directory's own, `hf_model_config`) builds the model instead, for settings that leave
-    the tensors' shapes alone, such as other dropout rates; a shape it changes is an error naming the tensor, and
+    the tensors' shapes alone, such as other dropout rates, or a longer ``max_position_embeddings``, whose rows past
+    the checkpoint's repeat its learned ones (`extend_position_table`); another shape it changes is an error naming
+    the tensor, and
     a `causal_lm` other than the directory's (`is_decoder`) is named in a warning.
 
     Accepts BertModel, BertForMaskedLM, BertForPreTraining and BertLMHeadModel checkpoints, with or without the
@@ -302,6 +304,9 @@ def _map_hf_names(directory: Path, stored: dict[str, torch.Tensor], ours: dict[s
             continue
         if name == "embeddings.segment.weight":
             tensor = _six_segment_rows(directory, tensor, source)
+        if name == "embeddings.position.weight" and \
+                tensor.shape[0] == source.max_position_embeddings < cfg.max_position_embeddings:
+            tensor = extend_position_table(tensor, cfg.max_position_embeddings)
         if tensor.shape != ours[name].shape:
             raise ValueError(f"{directory}: {hf_name} has shape {tuple(tensor.shape)}, our {name} needs "
                              f"{tuple(ours[name].shape)}"
@@ -324,6 +329,14 @@ def _canonical_hf_name(stored_name: str) -> str:
     hf_name = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", stored_name)
     hf_name = re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", hf_name)
     return hf_name if hf_name.startswith(("bert.", "cls.")) else "bert." + hf_name
+
+
+def extend_position_table(table: torch.Tensor, rows: int) -> torch.Tensor:
+    """A learned position table Float[P, H] extended to Float[rows, H] by microsoft/unilm's rule for CNN/DailyMail
+    (unilm-v1 `modeling.py`, `from_pretrained`: copies of the first rows in chunks of P, so row P + i = row i for
+    i < P, row 2P + i = row i, ...); rows 0..P-1 stay exactly as they were."""
+    repeats = -(-rows // table.shape[0])
+    return table.repeat(repeats, 1)[:rows].clone()
 
 
 def _six_segment_rows(directory: Path, tensor: torch.Tensor, source: ModelConfig) -> torch.Tensor:

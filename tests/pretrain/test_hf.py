@@ -364,8 +364,23 @@ def test_load_with_other_dropout_keeps_every_tensor_and_refuses_other_shapes(min
     assert model.cfg == cfg and own.cfg != cfg
     for name, tensor in own.state_dict().items():
         assert torch.equal(model.state_dict()[name], tensor), name
-    with pytest.raises(ValueError, match="position_embeddings"):
-        load_hf_bert(minilm_dir, dataclasses.replace(minilm.cfg, max_position_embeddings=1024))
+    with pytest.raises(ValueError, match="position_embeddings"):  # fewer rows than the weights have
+        load_hf_bert(minilm_dir, dataclasses.replace(minilm.cfg, max_position_embeddings=64))
+
+
+def test_more_positions_repeat_the_learned_rows_and_leave_short_inputs_unchanged(minilm_dir):
+    """microsoft/unilm's rule for CNN/DailyMail (unilm-v1 modeling.py, from_pretrained): row 512 + i = row i."""
+    torch.manual_seed(0)
+    own = load_hf_bert(minilm_dir).eval()
+    longer = load_hf_bert(minilm_dir, dataclasses.replace(own.cfg, max_position_embeddings=768)).eval()
+    table, rows = longer.embeddings.position.weight, own.cfg.max_position_embeddings
+    assert table.shape[0] == 768 and torch.equal(table[:rows], own.embeddings.position.weight)
+    assert torch.equal(table[rows:768], own.embeddings.position.weight[:768 - rows])
+    input_ids = torch.randint(0, own.cfg.vocab_size, (2, 40))
+    length = torch.tensor([40, 31])
+    with torch.no_grad():
+        expected = own.encode_objective(input_ids, BIDIRECTIONAL, length, length)
+        assert torch.equal(longer.encode_objective(input_ids, BIDIRECTIONAL, length, length), expected)
 
 
 def test_bad_checkpoints_fail_loudly(minilm_dir, tmp_path):
