@@ -12,9 +12,9 @@ Layout of ``out_dir/checkpoints/``::
                                   (``pretrain.convert``)
     global_step{N}/model_weights.safetensors
                                   the module's full fp32 weights (gathered from every ZeRO partition), read
-                                  outside a resume (with the moments below): exports, fine-tuning's ``--init`` and a new run's
-                                  ``model.init_from`` load it after the marker's hashes check out, and never
-                                  unpickle anything
+                                  outside a resume (with the moments below): exports, fine-tuning's
+                                  ``--init`` and a new run's ``model.init_from`` load it after the
+                                  marker's hashes check out, and never unpickle anything
     global_step{N}/adam_moments.safetensors
                                   every parameter's Adam moments (fp32, by name) and the step count
                                   (``pretrain.moments``; ZeRO 0-2 except ZeRO-0 fp16): what a new run's
