@@ -13,8 +13,9 @@ import argparse
 import collections
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -29,7 +30,7 @@ def shard_statistics(ds: ShardDataset) -> dict[str, Any]:
     objectives: collections.Counter = collections.Counter()
     random_next: collections.Counter = collections.Counter()
     spans: collections.Counter = collections.Counter()
-    totals = collections.Counter()
+    totals: collections.Counter = collections.Counter()
     masked_by_objective: collections.Counter = collections.Counter()
     maskable_by_objective: collections.Counter = collections.Counter()
     masking = ds.manifest.get("masking")

@@ -19,13 +19,16 @@ by default round(mask_prob × max_seq_len), so a full-length sample is masked at
 lengths follow the recipe (``SPAN_LENGTH_PROBS``): unilm 80% single tokens and 20% bigrams or trigrams, never
 adjacent (UniLM, Dong et al. 2019), bert single tokens at uniformly chosen positions (BERT, Devlin et al. 2019); of
 the masked tokens 80% become [MASK], 10% a random non-special token, 10% stay. Everything random comes from a
-generator seeded by (seed, document index, stream), never by process order, so any split of the work gives the same bytes.
+generator seeded by (seed, document index, stream), never by process order, so any split of the work gives the
+same bytes.
 """
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -40,38 +43,44 @@ UNILM_MIX = {Objective.BIDIRECTIONAL: 1 / 3, Objective.SEQ2SEQ: 1 / 3,
 
 @dataclass(frozen=True)
 class MaskingConfig:
-    """Cloze masking parameters (recorded in the manifest)."""
+    """Cloze masking parameters (recorded in the manifest, resolved for the recipe and the length: `resolved`)."""
 
     mask_prob: float = 0.15
     """fraction of non-special tokens to predict"""
-    max_predictions: int = 20
-    """cap on masked tokens per sample"""
-    span_length_probs: tuple[float, ...] = SPAN_LENGTH_PROBS["unilm"]
-    """probability of a masked span of length 1, 2, 3, … (the recipe's: `for_recipe`)"""
+    max_predictions: int | None = None
+    """cap on masked tokens per sample. Null: round(mask_prob × max_seq_len) (19 at 128, 77 at 512 with 0.15), so
+    a full-length sample is masked at mask_prob too"""
+    span_length_probs: tuple[float, ...] | None = None
+    """probability of a masked span of length 1, 2, 3, …. Null: the recipe's (unilm 0.8 / 0.1 / 0.1, bert single
+    tokens: `SPAN_LENGTH_PROBS`)"""
     replace_mask: float = 0.8
     """fraction of masked tokens shown as [MASK]"""
     replace_random: float = 0.1
     """fraction shown as a random token (the rest stay unchanged)"""
 
     def __post_init__(self) -> None:
-        if not 0 < self.mask_prob < 1:
-            raise ValueError(f"mask_prob {self.mask_prob} must be in (0, 1)")
+        if not 0 < self.mask_prob < 1:  # NaN fails too
+            raise ValueError(f"--mask-prob {self.mask_prob} must be a probability in (0, 1)")
         if self.mask_prob > 0.5:
             raise ValueError(f"--mask-prob {self.mask_prob}: at most 0.5 (spans need unmasked tokens between them)")
-        if self.max_predictions < 1:
+        if self.max_predictions is not None and self.max_predictions < 1:
             raise ValueError(f"--max-predictions {self.max_predictions} must be at least 1")
-        if abs(sum(self.span_length_probs) - 1) > 1e-6:
+        if self.span_length_probs is not None and abs(sum(self.span_length_probs) - 1) > 1e-6:
             raise ValueError(f"span_length_probs {self.span_length_probs} must sum to 1")
         if self.replace_mask < 0 or self.replace_random < 0 or self.replace_mask + self.replace_random > 1:
             raise ValueError("replace_mask + replace_random must be within [0, 1]")
 
     @classmethod
-    def for_recipe(cls, recipe: str, **settings: float | int) -> "MaskingConfig":
+    def for_recipe(cls, recipe: str, **settings: Any) -> MaskingConfig:
         """The masking of ``recipe`` with these other settings: its span lengths (``SPAN_LENGTH_PROBS``); gpt's
         config is never used (it masks nothing, and the manifest records no masking)."""
-        if recipe in SPAN_LENGTH_PROBS:
-            return cls(span_length_probs=SPAN_LENGTH_PROBS[recipe], **settings)
-        return cls(**settings)
+        return cls(span_length_probs=SPAN_LENGTH_PROBS.get(recipe, SPAN_LENGTH_PROBS["unilm"]), **settings)
+
+    def resolved(self, recipe: str, max_seq_len: int) -> MaskingConfig:
+        """This masking with its unset values filled in for ``recipe`` at ``max_seq_len`` tokens."""
+        return dataclasses.replace(
+            self, span_length_probs=self.span_length_probs or SPAN_LENGTH_PROBS.get(recipe, SPAN_LENGTH_PROBS["unilm"]),
+            max_predictions=self.max_predictions or default_max_predictions(max_seq_len, self.mask_prob))
 
 
 @dataclass(frozen=True)
@@ -79,10 +88,14 @@ class InstanceConfig:
     """How documents become samples (recorded in the manifest)."""
 
     recipe: str = "unilm"
+    """one of unilm, bert, gpt (the module docstring says what each makes)"""
     max_seq_len: int = 128
+    """tokens per sample, [CLS]/[SEP] included"""
     short_seq_prob: float = 0.1
+    """share of samples (every objective) built to a random shorter length, as BERT's short_seq_prob"""
     objective_mix: dict[str, float] = field(default_factory=dict)
-    """objective key → probability; empty means the recipe's default"""
+    """unilm only: objective name → probability (e.g. bidirectional=0.5,seq2seq=0.5 as a flag); empty means the
+    recipe's default"""
 
     def __post_init__(self) -> None:
         if not 0 <= self.short_seq_prob <= 1:  # NaN fails too
@@ -99,7 +112,7 @@ class InstanceConfig:
             unknown = sorted(set(self.objective_mix) - keys)
             if unknown:
                 raise ValueError(f"--objective-mix: unknown objective(s) {unknown}; use {sorted(keys)}")
-            if any(not 0 <= p <= 1 for p in self.objective_mix.values()):  # NaN fails too
+            if any(not isinstance(p, (int, float)) or not 0 <= p <= 1 for p in self.objective_mix.values()):  # NaN too
                 raise ValueError(f"--objective-mix: proportions must be numbers in [0, 1], got {self.objective_mix}")
             total = sum(self.objective_mix.values())
             if abs(total - 1) > 1e-6:
@@ -194,7 +207,15 @@ def _trim(tokens: list[int], count: int, rng: Uniforms) -> list[int]:
     return tokens[front:len(tokens) - (count - front)]
 
 
-def document_instances(sentences: list[list[int]], other_documents: list[list[list[int]]],
+class Documents(Protocol):
+    """Tokenized documents by index (a list of them, or a view of one): the candidates for an NSP random B."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, i: int) -> list[list[int]]: ...
+
+
+def document_instances(sentences: list[list[int]], other_documents: Documents,
                        cfg: InstanceConfig, rng: Uniforms) -> list[Instance]:
     """Instances of one tokenized document (a list of sentences of token ids).
 
@@ -233,7 +254,7 @@ def document_instances(sentences: list[list[int]], other_documents: list[list[li
 
 
 def _emit(current: list[list[int]], objective: Objective, target: int, i: int, sentences: list[list[int]],
-          other_documents: list[list[list[int]]], cfg: InstanceConfig, rng: Uniforms,
+          other_documents: Documents, cfg: InstanceConfig, rng: Uniforms,
           instances: list[Instance]) -> int:
     """Turn the accumulated sentences (``sentences[i + 1 - len(current):i + 1]``) into one instance; returns the
     (possibly rewound) sentence cursor."""
@@ -286,7 +307,8 @@ def default_max_predictions(max_seq_len: int, mask_prob: float = 0.15) -> int:
 
 
 def masking_budget(num_maskable: np.ndarray, cfg: MaskingConfig) -> np.ndarray:
-    """Tokens to mask per sample: round(15% of maskable), at least 1, at most max_predictions (and maskable)."""
+    """Tokens to mask per sample: round(15% of maskable), at least 1, at most max_predictions (None: no cap beyond
+    the rate) and maskable."""
     return np.minimum(np.clip(np.rint(num_maskable * cfg.mask_prob).astype(np.int64), 1, cfg.max_predictions),
                       num_maskable)
 
@@ -312,6 +334,8 @@ def mask_samples(tokens: np.ndarray, token_offset: np.ndarray, length: np.ndarra
     order). Spans of several tokens (unilm) keep at least one unmasked token between them, so each is a separate
     run; single tokens (bert) may sit side by side, a uniform choice of positions as BERT's.
     """
+    if cfg.span_length_probs is None:
+        raise ValueError("mask_samples needs the span lengths: MaskingConfig.resolved(recipe, max_seq_len)")
     num_samples = len(length)
     single = segment_a_length == length
     n = length - np.where(single, 2, 3)                       # maskable tokens per sample

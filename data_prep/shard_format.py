@@ -19,9 +19,10 @@ from __future__ import annotations
 import enum
 import json
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -110,11 +111,11 @@ class ShardArrays:
         return len(self.index)
 
     @staticmethod
-    def empty(dtype: np.dtype) -> "ShardArrays":
+    def empty(dtype: np.dtype) -> ShardArrays:
         return ShardArrays(np.zeros(0, INDEX_DTYPE), np.zeros(0, dtype), np.zeros(0, "<u2"), np.zeros(0, dtype))
 
     @staticmethod
-    def concatenate(parts: list["ShardArrays"], dtype: np.dtype) -> "ShardArrays":
+    def concatenate(parts: list[ShardArrays], dtype: np.dtype) -> ShardArrays:
         """Join parts in order, rebasing offsets; each part's offsets must start at 0."""
         parts = [p for p in parts if len(p)]
         if not parts:
@@ -130,7 +131,7 @@ class ShardArrays:
                            np.concatenate([p.masked_positions for p in parts]).astype("<u2", copy=False),
                            np.concatenate([p.masked_labels for p in parts]).astype(dtype, copy=False))
 
-    def select(self, start: int, stop: int) -> "ShardArrays":
+    def select(self, start: int, stop: int) -> ShardArrays:
         """Samples [start, stop) as a self-contained copy with offsets rebased to 0."""
         index = np.array(self.index[start:stop])
         if len(index) == 0:

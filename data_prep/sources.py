@@ -23,16 +23,8 @@ a Hugging Face dataset folder, or       ``datasets.load_dataset(name, config, sp
                                         ``train`` unless named (a folder's: ``FOLDER::validation``)
 =====================================  ===========================================================
 
-A directory is a Hugging Face dataset folder only when it has the marks of one (``is_dataset_folder``):
-``dataset_dict.json``, ``dataset_info.json``, ``state.json`` or ``*.arrow`` files (``save_to_disk``), a
-``README.md`` whose YAML header declares ``configs:`` (a hub snapshot), or data files that are all tables
-(``*.parquet``, ``*.csv``, ``*.tsv``; other files such as a LICENSE aside). Any other directory is read file
-by file; its files of other types are not read, and ``directory_files`` names them so the build can warn. Its
-files are split only when ``datasets`` would split them (``split_layout``: it chooses, from the names, which
-files belong to which split), so a held-out split is never pre-trained on unless asked for; the files left out
-are named as well.
-Hidden files and folders, ``*.md`` files and shard builds (a folder holding ``manifest.json`` or
-``shard-*.bin``, e.g. an ``--out`` inside the input directory) are never read.
+Directories are resolved to files in ``data_prep.inputs``; a Wikipedia dump is read by ``data_prep.wiki_dump``.
+
 
 ``read_documents`` streams ``str`` documents (raw; clean-up happens later) and ``Skipped`` records for input
 it cannot use — a JSON line that is not UTF-8 or not JSON, a record without a string ``text`` — so every skip
@@ -63,91 +55,36 @@ import io
 import itertools
 import json
 import lzma
-import os
-import re
 import zlib
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import Any, BinaryIO, cast
 
-from data_prep.shard_format import MANIFEST_NAME, SHARD_GLOB
-from data_prep.wikitext import iter_pages, link_namespaces, wikitext_to_text
+from data_prep.inputs import (
+    SUPPORTED,
+    WIKIEXTRACTOR,
+    check_input,
+    compression_suffix,
+    directory_files,
+    file_type,
+    folder_split,
+    is_dataset_input,
+    is_plain_folder,
+)
+from data_prep.records import RepairedText, Skipped, SourceError
+from data_prep.wiki_dump import document_text, read_wiki_dump
 
-FILE_SUFFIXES = (".xml", ".xml.bz2", ".jsonl", ".json", ".parquet", ".txt")
-_WIKIEXTRACTOR = re.compile(r"^wiki_\d+(\.bz2)?$")  # text/AA/wiki_00 (wiki_00.bz2 with --compress)
-WIKIEXTRACTOR = "wiki_NN"
-"""the file type of WikiExtractor's output files, which have no suffix"""
-COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
-"""what a .jsonl, .json or .txt file may be compressed with (gzip, bzip2, xz: the standard library; zstandard:
-pyarrow's codec, which ``datasets`` brings)"""
-_COMPRESSIBLE = (".jsonl", ".json", ".txt")
-SUPPORTED = (f"{', '.join(FILE_SUFFIXES)} ({', '.join(_COMPRESSIBLE)} also compressed: "
-             f"{', '.join(COMPRESSIONS)}), WikiExtractor's {WIKIEXTRACTOR}[.bz2]")
-"""every file type read here, for messages"""
-_DUMP_PIECE = re.compile(r"\.xml-p\d+p\d+\.bz2$")  # enwiki-20231101-pages-articles1.xml-p1p41242.bz2
 _BOM = b"\xef\xbb\xbf"
 _WIDE_BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"),  # before UTF-16 LE: FF FE 00 00
               (codecs.BOM_UTF16_LE, "UTF-16"), (codecs.BOM_UTF16_BE, "UTF-16"))
-DATASET_FOLDER_FILES = ("dataset_dict.json", "dataset_info.json", "state.json")
-"""files that ``Dataset.save_to_disk`` writes: a folder holding one is read with ``datasets``"""
-TABLE_SUFFIXES = (".parquet", ".csv", ".tsv")
-"""a folder whose data files are all tables is read with ``datasets``, which knows their splits"""
 TEXT_FIELD = "text"
 ROWS_PER_DOCUMENT = 1000
 """default --rows-per-document: ~70k characters of book sentences, ~30 samples of 512 tokens, so the one short
 sample at each document's end costs little padding (NSP's random next segments of such documents come from
-far away in the text, `data_prep.build.iter_chunks`)"""
+far away in the text, `data_prep.chunks.iter_chunks`)"""
 UNIT_BYTES = 1 << 28
 """a .jsonl file larger than this is read as several units (byte ranges), so several builders can share it"""
-
-
-class SourceError(ValueError):
-    """An ``--input`` that cannot be read at all; the message names it and says what to do."""
-
-
-@dataclass(frozen=True)
-class Skipped:
-    """A document that was dropped, with the reason counted in the manifest (``documents.skip_reasons``)."""
-
-    reason: str
-    where: str
-    chars: int = 0
-    """size of what was dropped (characters, or bytes of an undecodable line): skips are weighed by it"""
-
-
-class Wikitext(str):
-    """A Wikipedia page's raw wikitext and the dump it is from (whose site info names the wiki's namespaces, so
-    ``Kategorie:`` links are dropped on the German Wikipedia); ``document_text`` cleans it (in a worker process, not
-    the reader)."""
-
-    dump: str | None = None
-
-    @staticmethod
-    def of(text: str, dump: str | None) -> "Wikitext":
-        page = Wikitext(text)
-        page.dump = dump
-        return page
-
-
-class RepairedText(str):
-    """A document in which bytes that are not UTF-8 were replaced by U+FFFD: ``lines`` of its lines, the first at
-    ``where`` (counted in the manifest's ``documents.repaired_lines``)."""
-
-    lines: int
-    where: str
-
-    @staticmethod
-    def of(text: str, lines: int, where: str) -> "RepairedText":
-        repaired = RepairedText(text)
-        repaired.lines, repaired.where = lines, where
-        return repaired
-
-
-def document_text(record: str) -> str:
-    """Plain text of a record: Wikipedia markup stripped, anything else unchanged."""
-    if not isinstance(record, Wikitext):
-        return record
-    return wikitext_to_text(record, link_namespaces(record.dump)) if record.dump else wikitext_to_text(record)
 
 
 @dataclass(frozen=True)
@@ -191,37 +128,15 @@ class ReadOptions:
                              "(a sample pairs sentences)")
 
 
-def _suffix(path: Path) -> str:
-    """The file type (one of ``FILE_SUFFIXES``) a name says, whether or not compressed (``_compression``), or ""
-    when it names none."""
-    name = path.name.lower()
-    if _DUMP_PIECE.search(name):
-        return ".xml.bz2"
-    if _WIKIEXTRACTOR.match(name):
-        return WIKIEXTRACTOR
-    if found := next((s for s in sorted(FILE_SUFFIXES, key=len, reverse=True) if name.endswith(s)), ""):
-        return found
-    stem = name.removesuffix(_compression(path))
-    return next((s for s in _COMPRESSIBLE if stem != name and stem.endswith(s)), "")
-
-
-def _compression(path: Path) -> str:
-    """The compression suffix of a compressed .jsonl/.json/.txt file name (``COMPRESSIONS``), else ""."""
-    name = path.name.lower()
-    if name.endswith(".xml.bz2") or _DUMP_PIECE.search(name):
-        return ""  # a Wikipedia dump: its reader decompresses it
-    return next((c for c in COMPRESSIONS if name.endswith(c)), "")
-
-
 def _open_binary(path: Path) -> BinaryIO:
     """A file opened for reading bytes, decompressed as its name says."""
-    compression = _compression(path)
+    compression = compression_suffix(path)
     if compression == ".zst":
         import pyarrow  # optional: only .zst inputs need it
 
         return io.BufferedReader(pyarrow.input_stream(str(path), compression="zstd"))
-    opener = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}.get(compression, open)
-    return opener(path, "rb")
+    openers: dict[str, Callable[..., Any]] = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
+    return openers.get(compression, open)(path, "rb")
 
 
 def _decompressed(records: Iterator[str | Skipped], path: Path) -> Iterator[str | Skipped]:
@@ -229,168 +144,9 @@ def _decompressed(records: Iterator[str | Skipped], path: Path) -> Iterator[str 
     try:
         yield from records
     except (OSError, EOFError, zlib.error, lzma.LZMAError) as err:  # pyarrow's errors are OSErrors too
-        raise SourceError(f"--input {path}: not a readable {_compression(path)[1:]} file ({err}); the download may "
-                          "have been cut short: fetch it again, or check it with the matching tool "
+        raise SourceError(f"--input {path}: not a readable {compression_suffix(path)[1:]} file ({err}); the download "
+                          "may have been cut short: fetch it again, or check it with the matching tool "
                           "(gzip -t, bzip2 -t, xz -t, zstd -t)") from None
-
-
-def check_input(spec: str) -> None:
-    """Fail early for a path-like input that does not exist or has an unsupported suffix."""
-    path = Path(spec)
-    if path.is_dir():
-        return
-    if path.exists():
-        if not _suffix(path):
-            raise SourceError(f"--input {spec}: unsupported file type; use one of {SUPPORTED} "
-                              "(or a Wikipedia dump piece *.xml-p<first>p<last>.bz2), or a Hugging Face dataset name")
-        return
-    folder = Path(spec.split(":", 1)[0])
-    if ":" in spec and folder.is_dir():  # FOLDER[:config][:split]
-        if not is_dataset_folder(folder):
-            directory_files(*folder_split(spec))  # FOLDER::SPLIT of a folder whose file names name splits
-        return
-    if _suffix(path) or spec.endswith((*COMPRESSIONS, ".csv", ".tsv")) or spec.startswith((".", "/", "~")):
-        raise SourceError(f"--input {spec}: file not found")
-
-
-def _is_hf(spec: str) -> bool:
-    path = Path(spec)
-    return not path.exists() or (path.is_dir() and is_dataset_folder(path))
-
-
-def _visible_files(directory: Path) -> list[Path]:
-    """Files under a directory, sorted by path, without hidden files and folders (a build's ``.NAME.partial``
-    staging among them) and without shard builds (folders holding a manifest or shards: a build's own output)."""
-    found = []
-    for root, folders, files in os.walk(directory):
-        if MANIFEST_NAME in files or any(Path(f).match(SHARD_GLOB) for f in files):
-            folders[:] = []
-            continue
-        folders[:] = [f for f in folders if not f.startswith(".")]
-        found.extend(Path(root) / f for f in files if not f.startswith(".") and (Path(root) / f).is_file())
-    return sorted(found)
-
-
-def _declares_configs(readme: Path) -> bool:
-    """A hub dataset card: a README.md whose YAML header (between the first two ``---`` lines) has ``configs:``."""
-    if not readme.is_file():
-        return False
-    with open(readme, encoding="utf-8", errors="replace") as f:
-        if f.readline().strip() != "---":
-            return False
-        for line in itertools.islice(f, 10_000):
-            if line.strip() == "---":
-                return False
-            if line.startswith("configs:"):
-                return True
-    return False
-
-
-def is_dataset_folder(directory: Path) -> bool:
-    """Whether a directory is read with ``datasets`` (the marks are listed in the module docstring)."""
-    files = _visible_files(directory)
-    if any(p.name in DATASET_FOLDER_FILES or p.suffix == ".arrow" for p in files):
-        return True
-    if _declares_configs(directory / "README.md"):
-        return True
-    data = [p for p in files if _suffix(p) or p.suffix.lower() in TABLE_SUFFIXES]
-    return bool(data) and all(p.suffix.lower() in TABLE_SUFFIXES for p in data)
-
-
-ALL_FILES = "all"
-"""``FOLDER::all``: every file of a directory whose names name splits (the union ``datasets`` calls ``all``, plus
-the files whose names name none)"""
-
-
-def split_layout(files: list[Path], directory: Path) -> dict[str, list[Path]]:
-    """``files`` (of ``directory``) by split, as ``datasets`` assigns files to splits by their names and folders
-    (``train.jsonl``, ``data/validation-00000.jsonl``, ``test/part-1.txt``; ``datasets.data_files``): split ->
-    its files, in order. Empty when no name names a split: then the directory is not split. Worked out once per
-    directory and listing in a process (``datasets`` globs the whole tree once per pattern)."""
-    return _split_layout(str(directory), tuple(map(str, files)))
-
-
-@functools.lru_cache(maxsize=16)
-def _split_layout(directory_name: str, names: tuple[str, ...]) -> dict[str, list[Path]]:
-    import datasets.data_files as hf_files  # slow to import: only directory inputs need it
-
-    directory, files = Path(directory_name), [Path(name) for name in names]
-    keywords = [word for words in hf_files.SPLIT_KEYWORDS.values() for word in words]
-    if not any(word in str(p.relative_to(directory)) for p in files for word in keywords):
-        return {}  # no name holds a split's name: no need for datasets' globbing over the whole tree
-    try:
-        patterns = hf_files.get_data_patterns(str(directory))
-    except hf_files.EmptyDatasetError:
-        return {}
-    if patterns == hf_files.DEFAULT_PATTERNS_ALL:
-        return {}
-    found = hf_files.DataFilesDict.from_patterns(patterns, base_path=str(directory))
-    real = [(p, os.path.realpath(p)) for p in files]
-    layout = {}
-    for split, in_split in found.items():
-        in_split = {os.path.realpath(f) for f in in_split}
-        if chosen := [p for p, path in real if path in in_split]:
-            layout[str(split)] = chosen
-    return layout
-
-
-@dataclass(frozen=True)
-class DirectoryFiles:
-    """What an ordinary directory input reads, and what it leaves out, each in sorted path order."""
-
-    read: list[Path]
-    other_types: list[Path]
-    """files of types not read here (``*.md`` files, READMEs, are not listed)"""
-    split: str = ""
-    """the split read, when the names name splits (``split_layout``); "" when the directory is not split"""
-    other_splits: dict[str, list[Path]] = field(default_factory=dict)
-    """readable files left out: split -> files ("": files whose names name no split)"""
-
-
-def directory_files(directory: Path, split: str = "") -> DirectoryFiles:
-    """The files an ordinary directory input reads: every file of a type read here or, when the names name
-    splits, those of ``split`` (default ``train``). A split that is not there is a ``SourceError``."""
-    files = [p for p in _visible_files(directory) if not p.name.lower().endswith(".md")]
-    readable, other_types = [p for p in files if _suffix(p)], [p for p in files if not _suffix(p)]
-    if split == ALL_FILES:
-        return DirectoryFiles(readable, other_types)
-    splits = split_layout(readable, directory) if readable else {}
-    if not splits:
-        if split:
-            raise SourceError(f"--input {directory}::{split}: no file or folder name in {directory} names a split "
-                              "(train, validation, test, as Hugging Face datasets name them), so it has none; "
-                              "pass the folder alone")
-        return DirectoryFiles(readable, other_types)
-    split = split or "train"
-    if split not in splits:
-        named = ", ".join(f"{name} ({', '.join(str(p.relative_to(directory)) for p in found[:3])}"
-                          f"{', …' if len(found) > 3 else ''})" for name, found in splits.items())
-        raise SourceError(f"--input {directory}{'::' + split if split != 'train' else ''}: the file names here "
-                          f"name splits, as Hugging Face datasets reads them: {named}, and none is {split!r}; "
-                          f"name one as {directory}::SPLIT, or read every file as {directory}::{ALL_FILES}")
-    read, named = set(splits[split]), {p for found in splits.values() for p in found}
-    others = {name: [p for p in found if p not in read] for name, found in splits.items() if name != split}
-    others = {name: found for name, found in ({**others, "": [p for p in readable if p not in named]}).items()
-              if found}
-    return DirectoryFiles([p for p in readable if p in read], other_types, split, others)
-
-
-def folder_split(spec: str) -> tuple[Path, str]:
-    """(directory, split) of an ordinary directory input: ``FOLDER`` or ``FOLDER::SPLIT`` (no configs)."""
-    if Path(spec).is_dir():
-        return Path(spec), ""
-    folder, config, split = (spec.split(":") + ["", ""])[:3]
-    if config or not split:
-        raise SourceError(f"--input {spec}: {folder} is not a Hugging Face dataset folder, so it has no configs; "
-                          f"pass the folder alone, or name a split of its files as {folder}::SPLIT")
-    return Path(folder), split
-
-
-def is_plain_folder(spec: str) -> bool:
-    """Whether an input is an ordinary directory (read file by file), alone or as ``FOLDER::SPLIT``."""
-    folder = Path(spec) if Path(spec).is_dir() else Path(spec.split(":", 1)[0])
-    return folder.is_dir() and not is_dataset_folder(folder)
-
 
 def input_units(spec: str, unit_bytes: int = UNIT_BYTES) -> list[Unit]:
     """The units of one ``--input``: the file itself (or byte ranges of a large .jsonl), each file of a
@@ -403,7 +159,7 @@ def input_units(spec: str, unit_bytes: int = UNIT_BYTES) -> list[Unit]:
             raise SourceError(f"--input {spec}: no file in this directory is of a type read here{held}; supported: "
                               f"{SUPPORTED} (hidden files, *.md and shard builds are never read)")
         return [unit for p in listed.read for unit in _file_units(p, unit_bytes)]
-    if not _is_hf(spec):
+    if not is_dataset_input(spec):
         return _file_units(Path(spec), unit_bytes)
     num_shards = _load_hf(spec).num_shards
     return [Unit(spec, shard, num_shards) for shard in range(num_shards)]
@@ -411,7 +167,7 @@ def input_units(spec: str, unit_bytes: int = UNIT_BYTES) -> list[Unit]:
 
 def _file_units(path: Path, unit_bytes: int) -> list[Unit]:
     size = path.stat().st_size
-    if _suffix(path) != ".jsonl" or _compression(path) or size <= unit_bytes:
+    if file_type(path) != ".jsonl" or compression_suffix(path) or size <= unit_bytes:
         return [Unit(str(path))]
     starts = range(0, size, unit_bytes)
     return [Unit(str(path), start=start, stop=min(start + unit_bytes, size)) for start in starts]
@@ -430,7 +186,7 @@ def read_unit(unit: Unit, options: ReadOptions = ReadOptions()) -> Iterator[str 
         records = _read_hf(unit, options.text_field)
     else:
         path = Path(unit.spec)
-        suffix = _suffix(path)
+        suffix = file_type(path)
         if options.rows_as_sentences and suffix in (".xml", ".xml.bz2", WIKIEXTRACTOR):
             raise SourceError(f"--input {unit.spec}: --rows-as-sentences does not apply to Wikipedia articles (a dump "
                               "or WikiExtractor's output: its records are whole articles); name only the "
@@ -440,14 +196,14 @@ def read_unit(unit: Unit, options: ReadOptions = ReadOptions()) -> Iterator[str 
         elif suffix == ".txt":
             records = _read_txt(path, options.txt_documents)
         elif suffix in (".xml", ".xml.bz2"):
-            records = _read_wiki(path)
+            records = read_wiki_dump(path)
         elif suffix == ".jsonl":
             records = _read_jsonl(path, options.text_field, unit.start, unit.stop)
         elif suffix == WIKIEXTRACTOR:
             records = _read_wikiextractor(path, options.text_field)
         else:
             records = {".json": _read_json, ".parquet": _read_parquet}[suffix](path, options.text_field)
-        if _compression(path):
+        if compression_suffix(path):
             records = _decompressed(records, path)
     return group_rows(records, options.rows_per_document) if options.rows_as_sentences else records
 
@@ -505,20 +261,6 @@ def json_type(value: object) -> str:
         return "a boolean"
     return {int: "a number", float: "a number", str: "a string", list: "an array", dict: "an object"}.get(
         type(value), type(value).__name__)
-
-
-def _read_wiki(path: Path) -> Iterator[str | Skipped]:
-    try:
-        for title, namespace, redirect, wikitext in iter_pages(path):
-            if redirect:
-                yield Skipped("wiki_redirect", f"{path}: {title}")
-            elif namespace != 0:
-                yield Skipped("wiki_not_an_article", f"{path}: {title}")
-            else:
-                yield Wikitext.of(wikitext, str(path))
-    except (OSError, EOFError, SyntaxError) as err:  # ET.ParseError is a SyntaxError; bz2 raises OSError/EOFError
-        raise SourceError(f"--input {path}: not a readable Wikipedia XML dump ({err}); "
-                          "pass a complete pages-articles .xml or .xml.bz2 file") from None
 
 
 def _read_jsonl(path: Path, text_field: str, start: int = 0, stop: int = -1) -> Iterator[str | Skipped]:
@@ -636,7 +378,7 @@ def _txt_lines(path: Path) -> Iterator[tuple[int, bytes]]:
     (Windows Notepad's "Unicode") or a UTF-32 one is decoded as such."""
     number = 0
     with _open_binary(path) as f:
-        encoding = _wide_encoding(f.peek(4)[:4])
+        encoding = _wide_encoding(cast(io.BufferedReader, f).peek(4)[:4])  # every opener here buffers
         for raw in _utf8_lines(f, encoding) if encoding else f:  # f splits after b"\n" only
             if number == 0:
                 raw = raw.removeprefix(_BOM)

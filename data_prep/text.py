@@ -78,7 +78,7 @@ def _boundary(abbreviations: list[str], initial: str, starter: str) -> re.Patter
 _BOUNDARY = _boundary(_ABBREVIATIONS, _UPPER, f"{_UPPER}{_CASELESS}0-9")
 _BOUNDARY_UNCASED = _boundary(sorted({a.lower() for a in _ABBREVIATIONS}), r"^\W\d_", r"^\W_")
 _LINE_END = re.compile(rf"[.!?\u2026{_TERMINATORS}][{_TERMINATOR_CLOSERS}]*$")
-_LONG_PIECE = re.compile(r"\S.{0,%d}(?=\s|$)|\S{%d}" % (MAX_SENTENCE_CHARS - 2, MAX_SENTENCE_CHARS))
+_LONG_PIECE = re.compile(rf"\S.{{0,{MAX_SENTENCE_CHARS - 2}}}(?=\s|$)|\S{{{MAX_SENTENCE_CHARS}}}")
 
 
 def replace_control_characters(text: str, replacement: str = "") -> str:

@@ -20,9 +20,9 @@ import functools
 import hashlib
 import json
 import shutil
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
 
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
@@ -195,8 +195,11 @@ class VocabSource:
         """The validated vocabulary: the vocab.txt, or the tokenizer.json's vocabulary. A tokenizer that adds
         tokens the vocabulary lacks (``tokenizer.add_tokens``) is refused: this encoder reads only the WordPiece
         vocabulary and would split them into word pieces, never using their embedding rows."""
-        vocab = load_vocab(self.vocab_file) if self.vocab_file is not None else \
-            vocab_from_text(self.vocab_text, self.description)
+        if self.vocab_file is not None:
+            vocab = load_vocab(self.vocab_file)
+        else:
+            assert self.vocab_text is not None  # a source has a vocab.txt or the vocabulary of its tokenizer.json
+            vocab = vocab_from_text(self.vocab_text, self.description)
         extra = sorted({(i, token, origin) for i, token, origin in self.added_tokens
                         if not (0 <= i < vocab.size and vocab.tokens[i] == token)})
         if extra:
@@ -357,7 +360,7 @@ def write_tokenizer_config(out: Path, uncased: bool, model_max_length: int | Non
     """``tokenizer_config.json`` and ``special_tokens_map.json`` in ``out``: the casing and the special tokens of
     the vocab.txt there, as ``transformers`` and ``resolve_vocab_source`` read them."""
     special = {f"{name}_token": token for name, token in SPECIAL_TOKENS.items()}
-    config = {"tokenizer_class": "BertTokenizer", "do_lower_case": uncased, "strip_accents": None,
+    config: dict[str, object] = {"tokenizer_class": "BertTokenizer", "do_lower_case": uncased, "strip_accents": None,
               "tokenize_chinese_chars": True, "do_basic_tokenize": True, **special}
     if model_max_length is not None:
         config["model_max_length"] = model_max_length

@@ -24,8 +24,8 @@ import functools
 import html
 import re
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from data_prep.text import ends_a_sentence
 
@@ -118,7 +118,8 @@ def wikitext_to_text(wikitext: str, hidden_links: frozenset[str] | tuple[str, ..
     text = _EXTERNAL_LINK.sub(lambda m: m.group(1) or "", text)
     text = html.unescape(_ANY_TAG.sub("", _LINE_BREAK.sub(" ", text)))  # tags first: "&lt;div&gt;" is shown text
     text = _MAGIC_WORD.sub("", _BOLD_ITALIC.sub("", text))
-    paragraphs, current = [], []
+    paragraphs: list[str] = []
+    current: list[str] = []
     for line in text.split("\n"):
         if not line.strip() or _NON_PROSE_LINE.match(line):
             if current:

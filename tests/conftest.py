@@ -143,7 +143,8 @@ def small_corpus(samples_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 @pytest.fixture(scope="session")
 def vocab_file(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A cased 4,000-entry WordPiece vocab.txt trained on ``small_corpus`` ([PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4)."""
+    """A cased 4,000-entry WordPiece vocab.txt trained on ``small_corpus``
+    ([PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4)."""
     from data_prep.build import training_documents
     from data_prep.vocab import train_vocab
 
@@ -153,7 +154,8 @@ def vocab_file(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 def _build_shards(recipe: str, corpus: Path, vocab: Path, out: Path) -> Path:
-    from data_prep.build import BuildConfig, build
+    from data_prep.build import build
+    from data_prep.config import BuildConfig
     from data_prep.instances import InstanceConfig
     from data_prep.vocab import load_vocab
 

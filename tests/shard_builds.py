@@ -1,4 +1,5 @@
-"""Running the shard builder in-process from tests: its manifest on success, its error message on refusal."""
+"""Running the shard builder in-process from tests: its manifest on success, its error message on refusal, and what
+it logged (its warnings and notes, which the command line shows on stderr)."""
 from __future__ import annotations
 
 import json
@@ -21,3 +22,10 @@ def build_error(*args: object) -> str:
     with pytest.raises(SystemExit) as info:
         build.main([str(a) for a in args] + ["--quiet"])
     return str(info.value.code)
+
+
+def logged(caplog: pytest.LogCaptureFixture) -> str:
+    """The messages logged since the last call (as ``capsys.readouterr`` gives what was printed since the last)."""
+    text = "\n".join(record.getMessage() for record in caplog.records)
+    caplog.clear()
+    return text

@@ -25,7 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from data_prep.build import BuildConfig, build, iter_chunks
+from data_prep.build import build
+from data_prep.chunks import iter_chunks
+from data_prep.config import BuildConfig
 from data_prep.instances import InstanceConfig
 from data_prep.sources import ReadOptions, Unit, read_documents
 from data_prep.text import clean_document, split_sentences

@@ -8,11 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_prep import build
+from data_prep import build, report
+from data_prep.chunks import _middle, iter_chunks
 from data_prep.inspect import shard_statistics
 from data_prep.shard_format import Objective, ShardDataset
+from data_prep.sources import ReadOptions, Unit
 from data_prep.vocab import load_encoder, load_vocab
-from shard_builds import build_error, run_build
+from shard_builds import build_error, logged, run_build
 
 
 def directory_bytes(directory: Path) -> dict[str, bytes]:
@@ -102,7 +104,8 @@ def test_objective_proportions_and_nsp(unilm_shards, bert_shards):
     unilm = ShardDataset(unilm_shards)
     counts = unilm.manifest["objective_counts"]
     total = sum(counts.values())
-    for key, expected in {"bidirectional": 1 / 3, "seq2seq": 1 / 3, "left_to_right": 1 / 6, "right_to_left": 1 / 6}.items():
+    mix = {"bidirectional": 1 / 3, "seq2seq": 1 / 3, "left_to_right": 1 / 6, "right_to_left": 1 / 6}
+    for key, expected in mix.items():
         assert counts[key] / total == pytest.approx(expected, abs=0.03), key
     for sample in unilm:
         single = sample.objective in (Objective.LEFT_TO_RIGHT, Objective.RIGHT_TO_LEFT)
@@ -255,11 +258,14 @@ def test_bad_settings_are_clear_errors(samples_dir, vocab_file, tmp_path, extra,
 
 def test_bad_vocab_and_inputs_are_clear_errors(samples_dir, tmp_path):
     (tmp_path / "vocab.txt").write_text("[PAD]\n[UNK]\nthe\n")
-    error = build_error("--input", samples_dir / "news/lee.txt", "--vocab", tmp_path / "vocab.txt", "--out", tmp_path / "o")
+    error = build_error("--input", samples_dir / "news/lee.txt", "--vocab", tmp_path / "vocab.txt",
+                        "--out", tmp_path / "o")
     assert "vocab.txt: missing special token(s) ['[CLS]', '[SEP]', '[MASK]']" in error
-    error = build_error("--input", samples_dir / "news/lee.txt", "--vocab", tmp_path / "none.txt", "--out", tmp_path / "o")
+    error = build_error("--input", samples_dir / "news/lee.txt", "--vocab", tmp_path / "none.txt",
+                        "--out", tmp_path / "o")
     assert "none.txt: file not found" in error
-    error = build_error("--input", tmp_path / "absent.jsonl", "--vocab", tmp_path / "vocab.txt", "--out", tmp_path / "o")
+    error = build_error("--input", tmp_path / "absent.jsonl", "--vocab", tmp_path / "vocab.txt",
+                        "--out", tmp_path / "o")
     assert "absent.jsonl: file not found" in error
     (tmp_path / "blank.txt").write_text(" \n\n\t\n")
     error = build_error("--input", tmp_path / "blank.txt", "--vocab", samples_dir / "minilm", "--out", tmp_path / "o")
@@ -296,12 +302,12 @@ def test_a_trained_vocab_states_its_casing_and_is_not_replaced_unasked(tmp_path)
     assert json.loads((vocab.parent / "tokenizer_config.json").read_text())["do_lower_case"] is True
 
 
-def test_the_default_cap_follows_the_mask_probability(samples_dir, vocab_file, tmp_path, capsys):
+def test_the_default_cap_follows_the_mask_probability(samples_dir, vocab_file, tmp_path, caplog):
     manifest = run_build("--input", samples_dir / "news/lee.txt", "--vocab", vocab_file, "--recipe", "bert",
                          "--mask-prob", 0.3, "--out", tmp_path / "o")
     assert manifest["masking"]["max_predictions"] == round(0.3 * 128)
     assert shard_statistics(ShardDataset(tmp_path / "o"))["masked_fraction"] == pytest.approx(0.3, abs=0.01)
-    assert "caps masking" not in capsys.readouterr().err
+    assert "caps masking" not in logged(caplog)
 
 
 def test_bert_text_format_keeps_each_line_a_sentence(samples_dir, tmp_path):
@@ -342,7 +348,8 @@ def test_a_txt_document_is_a_blank_line_block_a_line_or_a_file(samples_dir, voca
                      for p in articles)
     assert blocks["documents"]["read"] == paragraphs > 3 * len(articles)
     assert whole["documents"]["read"] == len(articles) and whole["reading"]["txt_documents"] == "file"
-    padding = {name: 1 - m["num_tokens"] / (m["num_samples"] * 256) for name, m in (("blocks", blocks), ("whole", whole))}
+    padding = {name: 1 - m["num_tokens"] / (m["num_samples"] * 256)
+               for name, m in (("blocks", blocks), ("whole", whole))}
     assert padding["whole"] < padding["blocks"] - 0.2, padding  # whole articles fill their samples
     (tmp_path / "per_line.txt").write_text("".join(" ".join(p.read_text(encoding="utf-8", errors="replace").split())
                                                    + "\n" for p in articles), encoding="utf-8")
@@ -408,7 +415,7 @@ def test_documents_alone_in_their_chunk_get_random_next_segments(samples_dir, vo
     single = run_build(*common[:1], tmp_path / "single.jsonl", *common[2:], "--out", tmp_path / "single")
     nsp = single["nsp_counts"]
     assert nsp["random_next"] / (nsp["random_next"] + nsp["true_next"]) == pytest.approx(0.5, abs=0.04)
-    assert build.random_next_warning({"nsp_counts": {"random_next": 10, "true_next": 990}}).startswith(
+    assert report.random_next_warning({"nsp_counts": {"random_next": 10, "true_next": 990}}).startswith(
         "[build] warning: only 1.0% of the 1000 NSP pairs have a random next segment")
 
 
@@ -470,23 +477,23 @@ def test_far_donors_come_from_far_in_the_unit_else_elsewhere(tmp_path):
     rows.write_text("".join(f"Row {i:05d} of the text.\n" for i in range(3000)))  # 24 characters a row
     other = tmp_path / "other.txt"
     other.write_text("".join(f"Other {i:05d} of the text.\n" for i in range(3000)))
-    options = build.ReadOptions(rows_as_sentences=True, rows_per_document=10)
-    plain = list(build.iter_chunks(0, build.Unit(str(rows)), options, 2400, donors=False))
+    options = ReadOptions(rows_as_sentences=True, rows_per_document=10)
+    plain = list(iter_chunks(0, Unit(str(rows)), options, 2400, donors=False))
     starts = dict(zip([c.records[0][0] for c in plain],
                       np.cumsum([0] + [sum(len(r) for r, _ in c.records) for c in plain[:-1]])))
     where = {record: starts[c.records[0][0]] for c in plain for record, _ in c.records}
-    chunks = list(build.iter_chunks(0, build.Unit(str(rows)), options, 2400))
+    chunks = list(iter_chunks(0, Unit(str(rows)), options, 2400))
     assert [c.records for c in chunks] == [c.records for c in plain] and len(chunks) > 20
     for chunk in chunks:  # every donor piece is a document of a chunk at least 4 chunks (9,600 characters) away
         assert chunk.donor  # (a whole chunk here: smaller than the budget)
         assert all(abs(where[text] - where[chunk.records[0][0]]) >= 4 * 2400 for text in chunk.donor)
-    short = list(build.iter_chunks(0, build.Unit(str(rows)), options, 24_000,
-                                   elsewhere=(build.Unit(str(other)), options)))
+    short = list(iter_chunks(0, Unit(str(rows)), options, 24_000,
+                             elsewhere=(Unit(str(other)), options)))
     assert len(short) == 3  # shorter than 4 chunks: the other unit's documents, in order, on from its start
     given = [text for chunk in short for text in chunk.donor]
     assert given[0].startswith("Other 00000") and all(t.startswith("Other") for t in given)
     assert len(set(given)) == len(given)
-    alone = list(build.iter_chunks(0, build.Unit(str(rows)), options, 24_000))
+    alone = list(iter_chunks(0, Unit(str(rows)), options, 24_000))
     assert alone[0].donor[0] in {r for r, _ in alone[-1].records}  # nowhere else: the unit's farthest chunk
     assert alone[-1].donor[0] in {r for r, _ in alone[0].records}
 
@@ -495,37 +502,39 @@ def test_donor_pieces_of_wikipedia_pages_are_whole_paragraphs(samples_dir):
     """The middle of a long page that goes with another chunk as NSP donor text is cut at paragraph breaks: cut
     anywhere, its raw wikitext began or ended inside templates and links, which cleaning then left as text."""
     import re
-    from data_prep.sources import Unit, document_text, read_unit
+
+    from data_prep.sources import read_unit
     from data_prep.text import clean_document
+    from data_prep.wiki_dump import document_text
 
     pages = [r for r in read_unit(Unit(str(samples_dir / "wiki/enwiki-excerpt.xml.bz2"))) if isinstance(r, str)
              and len(r) > 40_000]
     markup = re.compile(r"\{\{|\}\}|\[\[|\]\]|\|\s*\w+\s*=|^\s*\||<ref|cite ", re.M)
-    pieces = [build._middle(page, budget) for page in pages for budget in (20_000, 30_000)]
+    pieces = [_middle(page, budget) for page in pages for budget in (20_000, 30_000)]
     assert len(pieces) > 50 and all(len(p) <= b for p, b in zip(pieces, [20_000, 30_000] * len(pages)))
     assert sum(len(piece) for piece in pieces) > 0.8 * 25_000 * len(pieces)
     assert [m.group(0) for piece in pieces for m in markup.finditer(clean_document(document_text(piece)))] == []
 
 
-def test_unk_share_is_recorded_and_a_wrong_casing_is_warned_about(samples_dir, minilm_dir, tmp_path, capsys):
+def test_unk_share_is_recorded_and_a_wrong_casing_is_warned_about(samples_dir, minilm_dir, tmp_path, caplog):
     shutil.copy(minilm_dir / "vocab.txt", tmp_path / "vocab.txt")  # an uncased vocab, alone
     args = ["--input", samples_dir / "news/lee.txt", "--vocab", tmp_path / "vocab.txt"]
     manifest = run_build(*args, "--cased", "--out", tmp_path / "cased")
     pieces = manifest["wordpieces"]
     assert pieces["unk"] / pieces["total"] > 0.1  # every capitalised word
-    err = capsys.readouterr().err
+    err = logged(caplog)
     assert f"of the word pieces are [UNK]: vocab {tmp_path / 'vocab.txt'} (cased) does not cover this text" in err
     assert "pass --uncased if the vocab is uncased" in err
     stats = shard_statistics(ShardDataset(tmp_path / "cased"))  # a masked [UNK] is text, not a structure token
     assert stats["special_tokens_masked"] == 0 and stats["masked_fraction"] == pytest.approx(0.15, abs=0.01)
-    stated = build.unk_warning(manifest | {"wordpieces": pieces}, "m", casing_from="m/tokenizer_config.json")
+    stated = report.unk_warning(manifest | {"wordpieces": pieces}, "m", casing_from="m/tokenizer_config.json")
     assert "(cased, as m/tokenizer_config.json states) does not cover" in stated and "pass --" not in stated
     manifest = run_build(*args, "--out", tmp_path / "uncased")
     assert manifest["wordpieces"]["unk"] / manifest["wordpieces"]["total"] < 0.005
-    assert "[UNK]" not in capsys.readouterr().err
+    assert "[UNK]" not in logged(caplog)
 
 
-def test_one_bad_byte_costs_a_character_not_the_book(samples_dir, vocab_file, tmp_path, capsys):
+def test_one_bad_byte_costs_a_character_not_the_book(samples_dir, vocab_file, tmp_path, caplog):
     from data_prep.text import clean_document, split_sentences
 
     text = json.loads(open(samples_dir / "books.jsonl").readline())["text"]
@@ -542,10 +551,10 @@ def test_one_bad_byte_costs_a_character_not_the_book(samples_dir, vocab_file, tm
     assert bad["num_tokens"] == pytest.approx(clean["num_tokens"], abs=3)
     assert bad["documents"]["repaired_lines"] == 1
     assert bad["documents"]["repair_examples"] == [f"{tmp_path / 'bad' / 'book.txt'}:{line}"]
-    assert f"1 line(s) of text inputs held bytes that are not UTF-8" in capsys.readouterr().err
+    assert "1 line(s) of text inputs held bytes that are not UTF-8" in logged(caplog)
 
 
-def test_the_skip_warning_weighs_characters(samples_dir, vocab_file, tmp_path, capsys):
+def test_the_skip_warning_weighs_characters(samples_dir, vocab_file, tmp_path, caplog):
     news = (samples_dir / "news/lee.txt").read_text().split("\n\n")[:60]
     book = json.loads(open(samples_dir / "books.jsonl").readline())["text"]
     with open(tmp_path / "mixed.jsonl", "wb") as f:
@@ -556,13 +565,13 @@ def test_the_skip_warning_weighs_characters(samples_dir, vocab_file, tmp_path, c
     documents = manifest["documents"]
     assert documents["skipped"] == 1 and documents["skip_characters"]["invalid_utf8"] > len(book)
     assert documents["characters"] > sum(map(len, news)) + len(book)
-    err = capsys.readouterr().err
+    err = logged(caplog)
     assert "warning: 1 of 61 documents (" in err and "of the characters read) were skipped" in err
     old = {k: v for k, v in documents.items() if k in ("read", "skipped", "skip_reasons", "skip_examples")}
-    assert build.skip_warning({**manifest, "documents": old}) is None  # a manifest without character counts
+    assert report.skip_warning({**manifest, "documents": old}) is None  # a manifest without character counts
 
 
-def test_inputs_reached_twice_are_read_once(samples_dir, vocab_file, tmp_path, capsys, monkeypatch):
+def test_inputs_reached_twice_are_read_once(samples_dir, vocab_file, tmp_path, caplog, monkeypatch):
     (tmp_path / "news").mkdir()
     for part in range(2):
         (tmp_path / "news" / f"part{part}.txt").write_text(
@@ -574,7 +583,7 @@ def test_inputs_reached_twice_are_read_once(samples_dir, vocab_file, tmp_path, c
     assert twice["documents"]["read"] == once["documents"]["read"] == 60
     shards = [directory_bytes(tmp_path / name)["shard-00000.bin"] for name in ("once", "twice")]
     assert shards[0] == shards[1]
-    err = capsys.readouterr().err
+    err = logged(caplog)
     assert "--input news/part0.txt: 1 unit(s) come also from --input news and are read once, from there" in err
     assert "--input ./news/part0.txt: 1 unit(s) come also from --input news" in err
 

@@ -14,12 +14,13 @@ import pyarrow.csv
 import pyarrow.parquet as pq
 import pytest
 
-from data_prep import build
+from data_prep import build, chunks
+from data_prep.config import BuildConfig
 from data_prep.inspect import shard_statistics
 from data_prep.shard_format import ShardDataset
-from data_prep.sources import read_documents
+from data_prep.sources import ReadOptions, read_documents
 from data_prep.text import clean_document, split_sentences
-from shard_builds import build_error, run_build
+from shard_builds import build_error, logged, run_build
 
 
 def directory_bytes(directory: Path) -> dict[str, bytes | None]:
@@ -56,14 +57,14 @@ def test_sentence_rows_yield_the_tokens_of_whole_texts(books, vocab_file, tmp_pa
     assert not (tmp_path / "no_flag").exists()
 
 
-def test_skipped_documents_warn_and_the_flag_applies_to_named_inputs(books, vocab_file, tmp_path, capsys):
+def test_skipped_documents_warn_and_the_flag_applies_to_named_inputs(books, vocab_file, tmp_path, caplog):
     args = ["--input", books["whole"], books["rows"], "--vocab", vocab_file, "--max-seq-len", 128]
     manifest = run_build(*args, "--out", tmp_path / "mixed")
-    err = capsys.readouterr().err
+    err = logged(caplog)
     assert "[build] warning:" in err and "too_few_sentences" in err and "--rows-as-sentences" in err
     assert manifest["documents"]["skipped"] > 0.9 * manifest["documents"]["read"]
     manifest = run_build(*args, "--rows-as-sentences", books["rows"], "--out", tmp_path / "fixed")
-    assert "warning" not in capsys.readouterr().err
+    assert "warning" not in logged(caplog)
     assert manifest["reading"]["rows_as_sentences"] == [str(books["rows"])]
     assert manifest["documents"]["skipped"] == 0 and manifest["documents"]["read"] > 8
     assert "not among the --input sources" in build_error(*args, "--rows-as-sentences", tmp_path / "x.jsonl",
@@ -74,7 +75,7 @@ def test_rows_per_document_and_empty_rows_end_documents(tmp_path, vocab_file):
     lines = [f"Sentence number {i} of the running text." for i in range(30)]
     (tmp_path / "lines.txt").write_text("\n".join(lines[:20]) + "\n\n" + "\n".join(lines[20:]) + "\n")
     records = list(read_documents(str(tmp_path / "lines.txt"),
-                                  build.ReadOptions(rows_as_sentences=True, rows_per_document=8)))
+                                  ReadOptions(rows_as_sentences=True, rows_per_document=8)))
     assert [len(split_sentences(clean_document(r))) for r in records] == [8, 8, 4, 8, 2]
     assert records[0].split("\n\n") == lines[:8]
     manifest = run_build("--input", tmp_path / "lines.txt", "--rows-as-sentences", "--rows-per-document", 8,
@@ -85,7 +86,7 @@ def test_rows_per_document_and_empty_rows_end_documents(tmp_path, vocab_file):
         "--input", tmp_path / "lines.txt", "--rows-per-document", 1, "--vocab", vocab_file, "--out", tmp_path / "o")
 
 
-def test_text_field_picks_the_column_and_a_missing_one_names_those_there_are(books, vocab_file, tmp_path, capsys):
+def test_text_field_picks_the_column_and_a_missing_one_names_those_there_are(books, vocab_file, tmp_path, caplog):
     sentences = [json.loads(line)["text"] for line in itertools.islice(open(books["rows"]), 3000)]
     pq.write_table(pa.table({"id": list(range(len(sentences))), "sentence": sentences}), tmp_path / "rows.parquet")
     args = ["--input", tmp_path / "rows.parquet", "--vocab", vocab_file, "--rows-as-sentences"]
@@ -106,7 +107,7 @@ def test_text_field_picks_the_column_and_a_missing_one_names_those_there_are(boo
     assert same["num_samples"] == manifest["num_samples"]
 
 
-def test_max_predictions_follows_the_length_and_masks_15_percent_at_512(small_corpus, vocab_file, tmp_path, capsys):
+def test_max_predictions_follows_the_length_and_masks_15_percent_at_512(small_corpus, vocab_file, tmp_path, caplog):
     manifest = run_build("--input", small_corpus, "--vocab", vocab_file, "--max-seq-len", 512, "--out", tmp_path / "a")
     assert manifest["masking"]["max_predictions"] == 77
     stats = shard_statistics(ShardDataset(tmp_path / "a"))
@@ -116,10 +117,10 @@ def test_max_predictions_follows_the_length_and_masks_15_percent_at_512(small_co
         assert fraction == pytest.approx(0.15, abs=0.01)
     assert stats["max_predictions"] == 77 and stats["cap_bound"]["samples"] == 0
     assert np.mean([s.length for s in ShardDataset(tmp_path / "a")]) > 400  # long samples: a cap of 20 would bind
-    capsys.readouterr()
+    caplog.clear()
     run_build("--input", small_corpus, "--vocab", vocab_file, "--max-seq-len", 512, "--max-predictions", 20,
               "--out", tmp_path / "capped")
-    assert "--max-predictions 20 caps masking" in capsys.readouterr().err
+    assert "--max-predictions 20 caps masking" in logged(caplog)
     capped = shard_statistics(ShardDataset(tmp_path / "capped"))
     assert capped["masked_fraction"] < 0.07 and capped["cap_bound"]["fraction"] > 0.5
     assert json.loads((tmp_path / "capped" / "manifest.json").read_text())["masking"]["max_predictions"] == 20
@@ -173,13 +174,13 @@ def test_builders_read_disjoint_inputs_and_join_to_one_builders_bytes(samples_di
     assert one["documents"]["read"] > 150
 
     read: dict[int, list[str]] = {}
-    original = build.read_unit
+    original = chunks.read_unit
 
     def recording(unit, options):
         read.setdefault(builder, []).append(str(unit))
         return original(unit, options)
 
-    monkeypatch.setattr(build, "read_unit", recording)
+    monkeypatch.setattr(chunks, "read_unit", recording)
     for builder in (2, 0, 1):
         build.main([str(a) for a in common] + ["--num-builders", "3", "--builder-index", str(builder),
                                                 "--out", str(tmp_path / "split"), "--quiet"])
@@ -237,7 +238,8 @@ def test_non_utf8_bytes_are_counted_with_file_and_line_in_every_text_input(vocab
 
 
 def test_wikipedia_pages_leave_the_reader_raw_and_are_cleaned_in_the_worker(samples_dir):
-    from data_prep.sources import Unit, Wikitext, document_text, read_unit
+    from data_prep.sources import Unit, read_unit
+    from data_prep.wiki_dump import Wikitext, document_text
 
     dump = str(samples_dir / "wiki/enwiki-excerpt.xml.bz2")
     pages = [r for r in itertools.islice(read_unit(Unit(dump)), 60) if isinstance(r, str)]
@@ -259,7 +261,7 @@ def test_a_large_jsonl_is_split_into_byte_ranges_that_builders_share(samples_dir
             f.write(json.dumps({"text": text}).encode() + b"\n")
             if i in (3, 250):
                 f.write(b'{"text": "caf\xe9 au lait. Deux."}\n')  # lines 5 and 253
-    cfg = build.BuildConfig(inputs=(str(corpus),), vocab_path=str(vocab_file),
+    cfg = BuildConfig(inputs=(str(corpus),), vocab_path=str(vocab_file),
                             vocab_sha256=load_vocab(vocab_file).sha256, instances=InstanceConfig(max_seq_len=64),
                             chunk_chars=30_000, unit_bytes=40_000)
     whole = build.build(dataclasses.replace(cfg, unit_bytes=10**9), tmp_path / "whole", progress=False)
@@ -269,13 +271,13 @@ def test_a_large_jsonl_is_split_into_byte_ranges_that_builders_share(samples_dir
     assert one["num_tokens"] == pytest.approx(whole["num_tokens"], rel=0.02)
 
     read: dict[int, list[str]] = {}
-    original = build.read_unit
+    original = chunks.read_unit
 
     def recording(unit, options):
         read.setdefault(builder, []).append(str(unit))
         return original(unit, options)
 
-    monkeypatch.setattr(build, "read_unit", recording)
+    monkeypatch.setattr(chunks, "read_unit", recording)
     for builder in range(3):
         build.run_builder(cfg, tmp_path / "split", builder_index=builder, num_builders=3, progress=False)
     build.finalize(tmp_path / "split")

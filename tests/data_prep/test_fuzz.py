@@ -18,16 +18,18 @@ from xml.sax.saxutils import escape
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, event, example, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, event, example, given, settings, strategies as st
 
 from common.files import sha256_file
-from data_prep.build import BuildConfig, build
+from data_prep.build import build
+from data_prep.config import BuildConfig
 from data_prep.instances import InstanceConfig, MaskingConfig, masking_budget
+from data_prep.records import Skipped, SourceError
 from data_prep.shard_format import MANIFEST_NAME, Objective, ShardArrays, ShardDataset, ShardFile, write_shard
-from data_prep.sources import Skipped, SourceError, read_documents
+from data_prep.sources import read_documents
 from data_prep.vocab import load_vocab
 from data_prep.wikitext import wikitext_to_text
+
 
 def assert_valid_build(out: Path) -> dict:
     """Every shard verifies and every sample keeps the format's invariants (vectorised per shard); returns the manifest.

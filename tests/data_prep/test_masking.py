@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from data_prep.inspect import shard_statistics
 from data_prep.instances import MaskingConfig, mask_samples, masking_budget, random_draws_needed
@@ -60,7 +59,8 @@ def test_bert_masking_chooses_positions_uniformly_as_bert_does():
     every position equally often, and neighbours masked together as often as chance says (they were kept apart
     once, which BERT never does); the same budget as span masking."""
     cfg = MaskingConfig.for_recipe("bert", max_predictions=12)
-    assert cfg.span_length_probs == (1.0,) and MaskingConfig.for_recipe("unilm") == MaskingConfig()
+    assert cfg.span_length_probs == (1.0,)
+    assert MaskingConfig.for_recipe("unilm", max_predictions=12) == MaskingConfig().resolved("unilm", 80)
     n, samples = 40, 4000
     _, _, rows, num_masked, positions, _ = masked_layout([(n, 0)] * samples, 7, cfg)
     k = round(0.15 * n)
@@ -70,7 +70,7 @@ def test_bert_masking_chooses_positions_uniformly_as_bert_does():
     assert np.abs(frequency - k / n).max() < 0.03, frequency
     adjacent = (np.diff(per_sample, axis=1) == 1).sum(axis=1).mean()
     assert adjacent == pytest.approx(k * (k - 1) / n, abs=0.05)  # 0.75 neighbouring pairs per sample
-    _, _, _, _, unilm, _ = masked_layout([(n, 0)] * 200, 7, MaskingConfig(max_predictions=12))
+    _, _, _, _, unilm, _ = masked_layout([(n, 0)] * 200, 7, MaskingConfig.for_recipe("unilm", max_predictions=12))
     runs = np.diff(np.flatnonzero(np.diff(unilm.reshape(200, k) - 1, axis=1, prepend=-2, append=n + 2) != 1))
     assert len(unilm) == 200 * k and runs.max() <= 3  # UniLM's spans stay apart: every run is one span
 

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, subprocess_env
 from common import signals
-from data_prep import build
+from conftest import ROOT, subprocess_env
+from data_prep import build, output
 from data_prep.shard_format import ShardDataset
-from shard_builds import build_error, run_build
+from shard_builds import build_error, logged, run_build
 
-HOLD_LOCK = ("import sys, time; from pathlib import Path; from data_prep.build import OutputLock; "
+HOLD_LOCK = ("import sys, time; from pathlib import Path; from data_prep.output import OutputLock; "
              "lock = OutputLock.acquire(Path(sys.argv[1])); print('held', flush=True); time.sleep(600)")
 # data_prep.build, SIGKILLed at the moment named by argv[1] (what kill -9, the OOM killer or a reboot does there)
 KILLED_BUILD = """
@@ -32,7 +32,7 @@ def kill():
 real_fsync, real_rmtree, real_rename = os.fsync, shutil.rmtree, os.rename
 def fsync(fd):  # while the first final shard is written: between its temporary file and the rename
     name = os.readlink(f"/proc/self/fd/{fd}")
-    if moment == "finalize" and "/shard-" in name and ".tmp" in name:
+    if moment == "finalize" and "/.shard-" in name and ".partial-" in name:
         kill()
     real_fsync(fd)
 def rmtree(path, *a, **k):  # while the replaced build is deleted (--overwrite)
@@ -97,18 +97,18 @@ def lock_holder(tmp_path):
 
 
 def test_a_second_build_of_the_same_out_is_refused_naming_the_first(samples_dir, vocab_file, tmp_path, lock_holder,
-                                                                      capsys):
+                                                                      caplog):
     out = tmp_path / "shards"
     args = ["--input", samples_dir / "news/lee.txt", "--vocab", vocab_file, "--max-seq-len", 32, "--out", out]
     holder = lock_holder(out)
     error = build_error(*args)
     assert f"--out {out}: another build of it is running (pid {holder.pid} on {socket.gethostname()}" in error
     assert "wait for it to end or stop it, or choose another --out" in error
-    assert not out.exists() and not build.staging_dir(out).exists()  # the refused build touched nothing
+    assert not out.exists() and not output.staging_dir(out).exists()  # the refused build touched nothing
     holder.kill()  # kill -9: the kernel drops the lock; the record it left is reported, the next build runs
     holder.wait()
     manifest = run_build(*args)
-    assert f"the previous build (pid {holder.pid} on" in capsys.readouterr().err
+    assert f"the previous build (pid {holder.pid} on" in logged(caplog)
     assert ShardDataset(out).manifest == manifest
     assert (tmp_path / ".shards.lock").read_text() == ""  # a finished build leaves the lock file empty
 
@@ -121,7 +121,7 @@ def test_split_builders_share_the_lock_and_finalize_waits_for_them(samples_dir, 
     def builder(index: int) -> list[str]:
         return [str(a) for a in common] + ["--builder-index", str(index), "--out", str(out), "--quiet"]
 
-    with build.claim_output(out, builder_index=0, num_builders=2):  # builder 0 is running
+    with output.claim_output(out, builder_index=0, num_builders=2):  # builder 0 is running
         build.main(builder(1))  # builder 1 runs beside it
         assert f"--out {out}: builder 0 of it is already running (pid {os.getpid()}" in build_error(*builder(0)[:-1])
         error = build_error("--finalize", "--out", out)
@@ -142,19 +142,19 @@ def test_a_filesystem_without_locks_is_a_clear_error(samples_dir, vocab_file, tm
     assert "put --out on a filesystem with flock support" in error
 
 
-def test_what_a_killed_build_left_is_cleared_by_the_next(samples_dir, vocab_file, tmp_path, capsys):
+def test_what_a_killed_build_left_is_cleared_by_the_next(samples_dir, vocab_file, tmp_path, caplog):
     out = tmp_path / "shards"
     args = ["--input", samples_dir / "news/lee.txt", "--vocab", vocab_file, "--max-seq-len", 32, "--out", out]
     run_build(*args)
     killed_build("finalize", *args, "--overwrite", "--seed", 2)
-    assert [p.name for p in build.staging_dir(out).glob("shard-*.tmp*")]  # the temporary shard it was writing
+    assert [p.name for p in output.staging_dir(out).glob(".shard-*.partial-*")]  # the temporary shard it was writing
     killed_build("delete_previous", *args, "--overwrite", "--seed", 3)
     assert list(tmp_path.glob(".shards.previous-*"))  # the replaced build it was deleting
     assert json.loads((out / "manifest.json").read_text())["seed"] == 3
-    assert not [p.name for p in out.iterdir() if ".tmp" in p.name]  # no temporary file came along into place
+    assert not [p.name for p in out.iterdir() if ".partial-" in p.name]  # no temporary file came along into place
 
     manifest = run_build(*args, "--overwrite", "--seed", 4)
-    assert "ended without finishing (killed or crashed); clearing what it left" in capsys.readouterr().err
+    assert "ended without finishing (killed or crashed); clearing what it left" in logged(caplog)
     assert manifest["seed"] == 4
     assert sorted(p.name for p in tmp_path.iterdir()) == [".shards.lock", "shards"]
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "shard-00000.bin", "vocab.txt"]

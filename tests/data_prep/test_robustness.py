@@ -15,21 +15,32 @@ import shutil
 import struct
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pytest
 
 import data_prep
-from data_prep import inspect as inspect_cli
-from data_prep import shard_format
-from data_prep.build import BuildConfig, build
+from data_prep import inspect as inspect_cli, shard_format
+from data_prep.build import build
+from data_prep.config import BuildConfig
 from data_prep.instances import InstanceConfig
-from data_prep.shard_format import (FORMAT_VERSION, HEADER_BYTES, INDEX_DTYPE, MANIFEST_NAME, VOCAB_NAME,
-                                    ShardArrays, ShardDataset, ShardError, ShardFile, write_shard)
-from data_prep.sources import SourceError, read_documents
+from data_prep.records import SourceError
+from data_prep.shard_format import (
+    FORMAT_VERSION,
+    HEADER_BYTES,
+    INDEX_DTYPE,
+    MANIFEST_NAME,
+    VOCAB_NAME,
+    ShardArrays,
+    ShardDataset,
+    ShardError,
+    ShardFile,
+    write_shard,
+)
+from data_prep.sources import read_documents
 from data_prep.vocab import VocabError, load_vocab
 
 SHARD = "shard-00001.bin"  # the shard the faults hit (a build has at least two)

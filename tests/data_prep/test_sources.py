@@ -4,6 +4,7 @@ from __future__ import annotations
 import bz2
 import gzip
 import json
+import logging
 import lzma
 import shutil
 
@@ -11,8 +12,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from data_prep.sources import (ReadOptions, RepairedText, SourceError, Skipped, check_input, directory_files,
-                               input_units, is_dataset_folder, read_documents)
+from data_prep.inputs import check_input, directory_files, is_dataset_folder
+from data_prep.records import RepairedText, Skipped, SourceError
+from data_prep.sources import ReadOptions, input_units, read_documents
+from shard_builds import logged
 
 
 def _reasons(records) -> list[str]:
@@ -148,7 +151,8 @@ def test_unreachable_hf_name_is_a_clear_error(monkeypatch):
     # offline mode fails at once instead of waiting for network timeouts (the error path is the same)
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(SourceError, match="could not load Hugging Face dataset 'no-such/dataset-xyz'.*split 'validation'"):
+    with pytest.raises(SourceError,
+                       match="could not load Hugging Face dataset 'no-such/dataset-xyz'.*split 'validation'"):
         list(read_documents("no-such/dataset-xyz:default:validation"))
 
 
@@ -179,7 +183,8 @@ def test_wikipedia_dump_pieces_are_read_by_name_and_in_a_directory(samples_dir, 
     assert [str(r) if isinstance(r, str) else r.reason for r in read_documents(str(piece))] == \
         [str(r) if isinstance(r, str) else r.reason for r in expected]
     assert [u.spec for u in input_units(str(tmp_path / "pieces"))] == [str(piece)]  # the index is no dump
-    assert directory_files(tmp_path / "pieces").other_types[0].name.startswith("enwiki-20231101-pages-articles-multistream")
+    assert (directory_files(tmp_path / "pieces").other_types[0].name
+            .startswith("enwiki-20231101-pages-articles-multistream"))
 
 
 def test_a_directory_is_a_dataset_folder_only_by_the_marks_of_one(tmp_path):
@@ -236,7 +241,7 @@ def test_a_hub_snapshot_folder_reads_its_train_split_unless_told(tmp_path):
         check_input(f"{tmp_path / 'plain'}:default:train")
 
 
-def test_a_folder_of_split_named_files_reads_its_train_split_unless_told(tmp_path, capsys):
+def test_a_folder_of_split_named_files_reads_its_train_split_unless_told(tmp_path, caplog):
     from data_prep.build import _warn_left_out
 
     root = tmp_path / "snapshot"  # a hub dataset cloned without a dataset card: splits named by file names only
@@ -255,8 +260,9 @@ def test_a_folder_of_split_named_files_reads_its_train_split_unless_told(tmp_pat
     assert {name: [p.name for p in files] for name, files in listed.other_splits.items()} == {
         "validation": ["validation.jsonl"], "test": ["wiki-test-0.txt", "test.jsonl"],
         "": ["contest.txt", "notes.jsonl"]}
+    caplog.set_level(logging.INFO, logger="data_prep")  # a note, not a warning
     _warn_left_out(str(root))
-    warned = capsys.readouterr().err
+    warned = logged(caplog)
     assert "reading split train (1 file(s): train.jsonl)" in warned
     assert "no split named: contest.txt, notes.jsonl" in warned and "split test: extra/wiki-test-0.txt" in warned
     with pytest.raises(SourceError, match=r"validation \(validation.jsonl\), test .* and none is 'dev'"):

@@ -10,8 +10,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from data_prep.vocab import VocabError, load_vocab, resolve_casing, resolve_vocab_source, vocab_is_uncased, \
-    write_hf_tokenizer
+from data_prep.vocab import (
+    VocabError,
+    load_vocab,
+    resolve_casing,
+    resolve_vocab_source,
+    vocab_is_uncased,
+    write_hf_tokenizer,
+)
 from finetune.tokenizer import load_tokenizer
 from pretrain.setup_checks import check_init_vocabulary
 
@@ -34,7 +40,7 @@ def test_a_real_uncased_vocabulary_is_uncased_without_its_config(minilm_dir, voc
         tokenizer = load_tokenizer(path)
         assert tokenizer.lowercase and tokenizer.unk_id not in tokenizer.encode("Prime Minister Tony Blair")
     assert casing(vocab_file) is False and not load_tokenizer(vocab_file).lowercase
-    assert resolve_casing(resolve_vocab_source(bare / "vocab.txt"), False) is False  # a flag decides when nothing states
+    assert resolve_casing(resolve_vocab_source(bare / "vocab.txt"), False) is False  # a flag decides if nothing states
 
 
 def test_a_shard_directory_states_its_casing(minilm_dir, tmp_path):

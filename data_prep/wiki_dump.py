@@ -1,0 +1,50 @@
+"""Wikipedia XML dumps (``.xml``, ``.xml.bz2``, the ``…xml-p<first>p<last>.bz2`` pieces a dump comes in) as
+records: one raw ``Wikitext`` per article (namespace 0), a ``Skipped`` record per redirect or other page.
+
+The reader only parses the XML (``data_prep.wikitext.iter_pages``); ``document_text`` turns a page into prose later,
+in the worker that processes it, with the namespaces the dump's site info names.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+from data_prep.records import Skipped, SourceError
+from data_prep.wikitext import iter_pages, link_namespaces, wikitext_to_text
+
+
+class Wikitext(str):
+    """A Wikipedia page's raw wikitext and the dump it is from (whose site info names the wiki's namespaces, so
+    ``Kategorie:`` links are dropped on the German Wikipedia); ``document_text`` cleans it (in a worker process, not
+    the reader)."""
+
+    dump: str | None = None
+
+    @staticmethod
+    def of(text: str, dump: str | None) -> Wikitext:
+        page = Wikitext(text)
+        page.dump = dump
+        return page
+
+
+
+def document_text(record: str) -> str:
+    """Plain text of a record: Wikipedia markup stripped, anything else unchanged."""
+    if not isinstance(record, Wikitext):
+        return record
+    return wikitext_to_text(record, link_namespaces(record.dump)) if record.dump else wikitext_to_text(record)
+
+
+
+def read_wiki_dump(path: Path) -> Iterator[str | Skipped]:
+    try:
+        for title, namespace, redirect, wikitext in iter_pages(path):
+            if redirect:
+                yield Skipped("wiki_redirect", f"{path}: {title}")
+            elif namespace != 0:
+                yield Skipped("wiki_not_an_article", f"{path}: {title}")
+            else:
+                yield Wikitext.of(wikitext, str(path))
+    except (OSError, EOFError, SyntaxError) as err:  # ET.ParseError is a SyntaxError; bz2 raises OSError/EOFError
+        raise SourceError(f"--input {path}: not a readable Wikipedia XML dump ({err}); "
+                          "pass a complete pages-articles .xml or .xml.bz2 file") from None
