@@ -53,7 +53,13 @@ def _flat_partitions(optimizer: torch.optim.Optimizer) -> dict[int, torch.Tensor
     return {p.untyped_storage().data_ptr(): p for group in optimizer.param_groups for p in group["params"]}
 
 
+ADAMS = ("Adam", "AdamW", "FusedAdam", "DeepSpeedCPUAdam")
+"""The optimizer classes whose state these are (fine-tuning's Adamax keeps other moments)."""
+
+
 def _check_layout(engine: Any) -> None:
+    if type(engine.basic_optimizer).__name__ not in ADAMS:
+        raise MomentsUnavailable(f"optimizer {type(engine.basic_optimizer).__name__} keeps no Adam moments")
     if engine.zero_optimization_stage() == 3:
         raise MomentsUnavailable("ZeRO-3 partitions the optimizer state in a layout not mapped per parameter here")
     if engine.fp16_enabled() and engine.zero_optimization_stage() == 0:
