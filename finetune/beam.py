@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from pretrain.masks import SEQ2SEQ, build_segment_ids
+from pretrain.model import UniLMModel
 
 from .tokenizer import Tokenizer
 
@@ -74,7 +75,7 @@ class SpecialIds:
     """BERT's placeholder entries (`finetune.tokenizer.UNUSED`) no text is read as."""
 
     @classmethod
-    def of(cls, tokenizer: Tokenizer) -> "SpecialIds":
+    def of(cls, tokenizer: Tokenizer) -> SpecialIds:
         return cls(tokenizer.cls_id, tokenizer.sep_id, tokenizer.mask_id, tokenizer.pad_id, tokenizer.unk_id,
                    tokenizer.unused_ids)
 
@@ -91,7 +92,7 @@ class SpecialIds:
 class FullStepper:
     """Recomputes `[CLS] src [SEP] y1..yt [MASK]` for every row at every step (the reference)."""
 
-    def __init__(self, model: torch.nn.Module, sources: list[list[int]], special: SpecialIds, device: torch.device):
+    def __init__(self, model: UniLMModel, sources: list[list[int]], special: SpecialIds, device: torch.device):
         self.model, self.special, self.device = model, special, device
         self.sources = sources  # per row, packed [CLS] src [SEP]
         self.targets: list[list[int]] = [[] for _ in sources]
@@ -105,9 +106,9 @@ class FullStepper:
         return self._next_log_probs()
 
     def reorder(self, rows: torch.Tensor) -> None:
-        rows = rows.tolist()
-        self.sources = [self.sources[r] for r in rows]
-        self.targets = [list(self.targets[r]) for r in rows]
+        order = rows.tolist()
+        self.sources = [self.sources[r] for r in order]
+        self.targets = [list(self.targets[r]) for r in order]
 
     def _next_log_probs(self) -> torch.Tensor:
         sequences = [s + t + [self.special.mask_id] for s, t in zip(self.sources, self.targets)]
@@ -126,7 +127,7 @@ class FullStepper:
 class CachedStepper:
     """Keys/values of the source and of the generated tokens are cached; each step runs two positions."""
 
-    def __init__(self, model: torch.nn.Module, sources: list[list[int]], special: SpecialIds, device: torch.device):
+    def __init__(self, model: UniLMModel, sources: list[list[int]], special: SpecialIds, device: torch.device):
         self.model, self.special, self.device = model, special, device
         rows, source_width = len(sources), max(map(len, sources))
         self.source_length = torch.tensor([len(s) for s in sources], device=device)  # Long[N]
@@ -135,8 +136,9 @@ class CachedStepper:
             self.source_ids[row, : len(source)] = torch.tensor(source)
         self.source_ids = self.source_ids.to(device)
         self.generated = 0  # target tokens already in the cache or about to enter it
-        self.cache = None  # per layer (keys, values) Float[N, heads, Lk, head_size]
-        self.key_valid = None  # Bool[N, Lk]: False at source padding
+        self.cache: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
+        """Per layer (keys, values) Float[N, heads, Lk, head_size]; None before `start`."""
+        self.key_valid = torch.zeros(rows, 0, dtype=torch.bool, device=device)  # Bool[N, Lk]: False at source padding
 
     def _segments(self, positions: torch.Tensor) -> torch.Tensor:
         """Segment ids (source 4 / target 5) at Long[N, Lq] positions, from `pretrain.masks` itself."""
@@ -180,6 +182,7 @@ class CachedStepper:
 
     def reorder(self, rows: torch.Tensor) -> None:
         rows = rows.to(self.device)
+        assert self.cache is not None, "reorder after start"
         self.cache = tuple((keys[rows], values[rows]) for keys, values in self.cache)
         self.key_valid, self.source_length = self.key_valid[rows], self.source_length[rows]
 
@@ -234,14 +237,14 @@ class Hypothesis:
     """log_prob / length penalty: what beams are ranked by."""
 
 
-def generate(model: torch.nn.Module, sources: list[list[int]], special: SpecialIds,
+def generate(model: UniLMModel, sources: list[list[int]], special: SpecialIds,
              config: DecodeConfig) -> list[Hypothesis]:
     """Best hypothesis per source. `sources`: packed `[CLS] src [SEP]` id lists (one batch)."""
     return [hypotheses[0] for hypotheses in beam_search(model, sources, special, config)]
 
 
 @torch.no_grad()  # not inference_mode: run mid-training, ZeRO-3 may keep parameters it gathers here
-def beam_search(model: torch.nn.Module, sources: list[list[int]], special: SpecialIds, config: DecodeConfig,
+def beam_search(model: UniLMModel, sources: list[list[int]], special: SpecialIds, config: DecodeConfig,
                 n_best: int = 1) -> list[list[Hypothesis]]:
     """The `n_best` best hypotheses per source (`n_best` <= `config.beam_size`), best first (equal scores in the
     order they were found, so the first is `generate`'s). `sources`: packed `[CLS] src [SEP]` id lists (one batch).
@@ -279,8 +282,8 @@ def beam_search(model: torch.nn.Module, sources: list[list[int]], special: Speci
             block_repeated_ngrams(log_probs, hypotheses, config.no_repeat_ngram, config.no_repeat_ignore)
         vocab = log_probs.shape[1]
         total = (scores.view(-1, 1) + log_probs).view(batch_size, beams * vocab)
-        top_scores, top_index = total.topk(min(2 * beams, total.shape[1]), dim=1)
-        top_scores, top_index = top_scores.tolist(), top_index.tolist()  # [B, 2·beams] candidates, not [B, V]
+        top = total.topk(min(2 * beams, total.shape[1]), dim=1)
+        top_scores, top_index = top.values.tolist(), top.indices.tolist()  # [B, 2·beams] candidates, not [B, V]
         next_rows, next_tokens, next_scores = [], [], []
         for example in range(batch_size):
             alive = []

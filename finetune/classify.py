@@ -46,7 +46,7 @@ class LabelSpace:
 
     @classmethod
     def from_records(cls, records: list[dict], where: str, regression: bool | None = None,
-                     classes: tuple[str, ...] = ()) -> "LabelSpace":
+                     classes: tuple[str, ...] = ()) -> LabelSpace:
         """The label space of training records: multiple choice when they have `choices`; else regression when
         `regression` is true, or (None) when every label is a number and some is written as a float; else
         `classes` when given (a GLUE task's, in its order: a training subset without one still has it), or the
@@ -87,7 +87,7 @@ class LabelSpace:
                 "to fit them as scores")
 
     @classmethod
-    def of_model(cls, meta: dict) -> "LabelSpace":
+    def of_model(cls, meta: dict) -> LabelSpace:
         """The label space a fine-tuned classifier was trained on (from its `finetune.json`)."""
         return cls(classes=tuple(meta.get("labels") or ()), regression=bool(meta.get("regression")),
                    multiple_choice=bool(meta.get("multiple_choice")))

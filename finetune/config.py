@@ -8,13 +8,14 @@ only; the DeepSpeed JSON holds engine settings.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pretrain.accelerator import accelerator_name, native_bf16
 from common.config_loader import check_field_types, load_dataclass
 from common.paths import REPO_ROOT
+from pretrain.accelerator import accelerator_name, native_bf16
 
 TASKS = ("classify", "qa", "seq2seq")
 TASK_METRICS = {"classify": ("accuracy", "macro_f1", "mcc", "f1", "pearson", "spearman"),
@@ -207,7 +208,7 @@ class FinetuneConfig:
         return dataclasses.asdict(self)
 
 
-def load_config(yaml_path: str | Path | None, flags: dict[str, Any], overrides: list[str] = ()) -> FinetuneConfig:
+def load_config(yaml_path: str | Path | None, flags: dict[str, Any], overrides: Sequence[str] = ()) -> FinetuneConfig:
     """YAML values, then the CLI flags that were given (not None), then `key=value` overrides."""
     given = {k: v for k, v in flags.items() if v is not None}
     try:

@@ -293,7 +293,8 @@ def finish(args: argparse.Namespace, setup: Setup, decoded: Decoded, kept: int, 
     write_predictions(Path(args.output), records, decoded.predictions)
     if args.n_best > 1:
         write_n_best(Path(args.output), decoded.n_best)
-    setup.journal.remove()
+    if setup.journal:
+        setup.journal.remove()
     before = f"{len(records) - kept} decoded now, {kept} kept from before; " if kept else ""
     print(f"[decode] {len(records)} inputs in {seconds:.1f}s ({before}{decoded.truncated} sources truncated to "
           f"{setup.max_src_len} word pieces) → {args.output}"

@@ -32,18 +32,24 @@ import numpy as np
 import torch
 import torch.distributed as torch_dist
 
+from common.files import write_atomically
 from pretrain import checkpoint as ckpt
 from pretrain.accelerator import collective_device
 from pretrain.batch_plan import BatchPlan, plan_batch
 from pretrain.data import to_device
 from pretrain.distributed import NonFiniteLossError, gather_objects, init_distributed
-from pretrain.engine import (build_engine, engine_config, nonfinite_gradient_norm, optimizer_name, optimizer_step,
-                             read_engine_json, zero_stage)
-from common.files import write_atomically
+from pretrain.engine import (
+    build_engine,
+    engine_config,
+    nonfinite_gradient_norm,
+    optimizer_name,
+    optimizer_step,
+    read_engine_json,
+    zero_stage,
+)
 from pretrain.metrics import prepare_metrics_file
 from pretrain.progress import StepBar
-from pretrain.resume import (ResumePoint, find_resume_point, load_or_seed, lock_run_directory,
-                             report_changed_settings)
+from pretrain.resume import ResumePoint, find_resume_point, load_or_seed, lock_run_directory, report_changed_settings
 from pretrain.stopping import StopRequest
 
 from .config import FinetuneConfig
@@ -140,7 +146,7 @@ def _fit_locked(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer, rank
     started = time.perf_counter()
     plan = plan_batch(cfg.batch_size, cfg.micro_batch_size, world_size, BATCH_KEYS)
     steps_per_epoch, total_steps, warmup_steps = schedule(cfg, task.train_size)
-    identity = run_identity(cfg, dataclasses.asdict(task.module.backbone.cfg), tokenizer, task.meta)
+    identity = run_identity(cfg, dataclasses.asdict(task.backbone.cfg), tokenizer, task.meta)
     engine_json = read_engine_json(cfg.deepspeed_config_path)
     resume = find_resume_point(cfg.checkpoint_dir, "auto", identity, world_size, zero_stage(engine_json),
                                     report=log.info if rank == 0 else None,
@@ -188,6 +194,7 @@ def _fit_locked(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer, rank
                 record = {"step": progress.step, "epoch": epoch + 1, "loss": step_loss, "lr": lr}
                 metrics_file.write(json.dumps(record) + "\n")
                 metrics_file.flush()
+            if bar is not None:
                 bar.update(progress.step, step_loss, lr)
             epoch_done = ends_an_epoch(progress.step)
             exiting = (stop or progress.step == cfg.exit_at_step) and progress.step < total_steps
@@ -199,7 +206,7 @@ def _fit_locked(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer, rank
             if epoch_done:
                 end_epoch(cfg, engine, task, tokenizer, progress, epoch, total_steps, rank, out)
             if exiting:
-                if rank == 0:
+                if rank == 0 and progress.last_checkpoint is not None:  # saved just above
                     reason = "exit_at_step" if progress.step == cfg.exit_at_step else "time limit / SIGTERM / Ctrl-C"
                     log.info("[finetune] %s: saved %s at step %d; rerun the command to continue", reason,
                              progress.last_checkpoint.tag, progress.step)
@@ -208,6 +215,7 @@ def _fit_locked(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer, rank
         stop_requested.close()
         if metrics_file:
             metrics_file.close()
+        if bar is not None:
             bar.close()
     summary = {"task": cfg.task, "primary_metric": task.primary_metric, "best": progress.best,
                "epochs": progress.history, "steps": progress.step, "total_steps": total_steps,
@@ -226,7 +234,7 @@ def restore_progress(engine: Any, resume: ResumePoint | None, seed: int, rank: i
                      total_steps: int) -> Progress:
     """Load the resume point and continue its RNG streams, or seed per-rank dropout streams."""
     state = load_or_seed(engine, resume, seed, rank, world_size)
-    if state is None:
+    if state is None or resume is None:  # the state is the resume point's
         return Progress()
     if rank == 0:
         log.info("[finetune] resumed %s: step %d/%d", resume.tag, state["step"], total_steps)
@@ -308,7 +316,7 @@ def end_epoch(cfg: FinetuneConfig, engine: Any, task: TaskSetup, tokenizer: Toke
         progress.best = record
         weights = ckpt.gather_full_weights(engine.module, keep=rank == 0)  # collective under ZeRO
         if rank == 0:
-            save_finetuned(out, task.module.backbone, task.head, tokenizer, task=cfg.task,
+            save_finetuned(out, task.backbone, task.head, tokenizer, task=cfg.task,
                            extra_meta={"settings": cfg.to_dict(), "best": record, **task.meta}, weights=weights)
     if rank == 0:
         log.info("[finetune] epoch %d step %d/%d: %s%s", epoch + 1, progress.step, total_steps,

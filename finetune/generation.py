@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 from data_prep.text import split_sentences
 from pretrain.distributed import gather_objects
+from pretrain.model import UniLMModel
 
 from .beam import DecodeConfig, SpecialIds, beam_search
 from .journal import Decoded, PredictionJournal
@@ -32,7 +31,7 @@ def ignore_ids(tokenizer: Tokenizer, spec: str, where: str) -> frozenset[int]:
     if unknown:
         raise ValueError(f"{where}: {unknown} not in the vocabulary {tokenizer.vocab_path} (each must be one of its "
                          "word pieces, such as '.')")
-    return frozenset(ids.values())
+    return frozenset(i for i in ids.values() if i is not None)
 
 
 def pack_source(tokenizer: Tokenizer, text: str, max_src_len: int) -> tuple[list[int], bool]:
@@ -41,7 +40,7 @@ def pack_source(tokenizer: Tokenizer, text: str, max_src_len: int) -> tuple[list
     return [tokenizer.cls_id, *ids[:max_src_len], tokenizer.sep_id], len(ids) > max_src_len
 
 
-def decode_records(model: torch.nn.Module, tokenizer: Tokenizer, records: list[dict], config: DecodeConfig,
+def decode_records(model: UniLMModel, tokenizer: Tokenizer, records: list[dict], config: DecodeConfig,
                    max_src_len: int, batch_size: int = 8, progress: bool = False, spaced: bool = False,
                    journal: PredictionJournal | None = None, n_best: int = 1, rank: int = 0,
                    world_size: int = 1) -> Decoded:
@@ -76,7 +75,7 @@ def decode_records(model: torch.nn.Module, tokenizer: Tokenizer, records: list[d
         mine = decode_batch(model, tokenizer, records, round_starts[rank], batch_size, config, max_src_len, spaced,
                             n_best) if rank < len(round_starts) else None
         batches = gather_objects(mine)[: len(round_starts)] if world_size > 1 else [mine]
-        for batch in batches:
+        for batch in filter(None, batches):  # each a Decoded: a rank past the input's end has no batch
             if journal:
                 journal.add(batch)
             decoded.extend(batch)
@@ -85,7 +84,7 @@ def decode_records(model: torch.nn.Module, tokenizer: Tokenizer, records: list[d
     return decoded
 
 
-def decode_batch(model: torch.nn.Module, tokenizer: Tokenizer, records: list[dict], start: int, batch_size: int,
+def decode_batch(model: UniLMModel, tokenizer: Tokenizer, records: list[dict], start: int, batch_size: int,
                  config: DecodeConfig, max_src_len: int, spaced: bool, n_best: int) -> Decoded:
     """Records `start` to `start + batch_size - 1` decoded together (`decode_records`)."""
     sources, truncated = [], 0

@@ -93,7 +93,7 @@ def spearman(predictions: Sequence[float], labels: Sequence[float]) -> float:
     x, y = np.asarray(predictions, dtype=np.float64), np.asarray(labels, dtype=np.float64)
     if not (np.isfinite(x).all() and np.isfinite(y).all()):
         return math.nan
-    return pearson(_average_ranks(x), _average_ranks(y))
+    return pearson(_average_ranks(x).tolist(), _average_ranks(y).tolist())
 
 
 def classification_metrics(predictions: Sequence, labels: Sequence, positive=None) -> dict[str, float]:
@@ -196,7 +196,7 @@ def generation_metrics(predictions: Sequence[str], references: Sequence[str]) ->
         raise ValueError(f"generation_metrics needs equally long, non-empty lists "
                          f"({len(predictions)} predictions, {len(references)} references)")
     scorer = rouge_scorer.RougeScorer(list(ROUGE_TYPES), tokenizer=RougeWords())
-    totals = collections.Counter()
+    totals: collections.Counter[str] = collections.Counter()
     for prediction, reference in zip(predictions, references):
         for name, score in scorer.score(reference, prediction).items():
             totals[name] += score.fmeasure

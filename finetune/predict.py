@@ -44,7 +44,7 @@ from .tasks import check_positions
 def format_prediction(value: int | float, labels: classify.LabelSpace) -> str:
     if labels.regression:
         return f"{value:.4f}"
-    return str(value) if labels.multiple_choice else labels.classes[value]
+    return str(value) if labels.multiple_choice else labels.classes[int(value)]
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -132,7 +132,7 @@ class Window:
         """int32 [n, 2]: character span in the context of each of the window's context word pieces."""
         return self.pieces.offsets[self.context_start: self.context_stop]
 
-    def max_context(self, windows: list["Window"]) -> np.ndarray:
+    def max_context(self, windows: list[Window]) -> np.ndarray:
         """Bool per window context word piece: whether this window, of the question's `windows`, gives it the most
         context (BERT: the larger of min(pieces left, pieces right) + 0.01 · window length; the first on ties)."""
         def score(window: Window, positions: np.ndarray) -> np.ndarray:
@@ -323,7 +323,7 @@ def squad2_breakdown(predictions: list[Prediction], questions: list[Question],
     for metric, k in (("exact", 0), ("f1", 1)):
         # evaluate-v2.0.py: start from "" everywhere at threshold 0.0; switch on each question in margin order, an
         # unanswerable one costing 1 if it was answered; keep the first strict best
-        total = best_total = sum(not a for a in answerable)
+        total = best_total = float(sum(not a for a in answerable))
         best_threshold = 0.0
         for i in order:
             total += raw[i][k] if answerable[i] else -float(not unanswered[i] and bool(predictions[i].text))
@@ -333,7 +333,7 @@ def squad2_breakdown(predictions: list[Prediction], questions: list[Question],
         result[f"best_{metric}_threshold"] = best_threshold
         # every threshold, each question answering its span where null_margin <= t ("" below every margin); ties
         # switch together
-        total = sum(score[k] for score in null_scores)
+        total = float(sum(score[k] for score in null_scores))
         best_total = total
         best_threshold = min((m for m in margins if math.isfinite(m)), default=0.0) - 1.0
         for rank, i in enumerate(order):

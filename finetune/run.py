@@ -13,24 +13,22 @@ from pathlib import Path
 
 from deepspeed.accelerator import get_accelerator
 
-from pretrain import checkpoint as ckpt
 from common.config_loader import add_field_flags, given_fields, keys_help
+from pretrain import checkpoint as ckpt
 from pretrain.batch_plan import plan_batch
 from pretrain.console import configure_console
-from pretrain.distributed import (RunStopped, SetupError, close_distributed, init_distributed, on_every_rank,
-                                  say_once)
+from pretrain.distributed import RunStopped, SetupError, close_distributed, init_distributed, on_every_rank, say_once
 from pretrain.engine import read_engine_json
+from pretrain.model import build_model
+from pretrain.outputs import check_output
 from pretrain.resume import LOCK_FILE
 from pretrain.rng import seed_everything
-from pretrain.outputs import check_output
-from pretrain.model import build_model
 
 from .config import FinetuneConfig, load_config
 from .engine import BATCH_KEYS, LOG_FILE, fit, schedule
 from .model_io import load_init
 from .tasks import TaskSetup, build_task
 from .tokenizer import Tokenizer
-
 
 FLAG_KEYS = ("task", "train", "dev", "init", "out", "vocab", "from_scratch", "epochs", "max_steps", "batch_size",
              "micro_batch_size", "lr", "max_seq_len", "max_src_len", "max_tgt_len", "aux_lm_weight", "deepspeed_config",

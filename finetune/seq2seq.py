@@ -24,7 +24,6 @@ from pretrain.model import IGNORE_INDEX, UniLMModel
 
 from .tokenizer import X_SEP, Tokenizer
 
-
 HELD_OUT_MASKING = 1_000_000  # the "epoch" of a held-out set's fixed masking (no run has that many epochs)
 
 
@@ -177,7 +176,7 @@ def held_out_loss(model: UniLMModel, examples: list[Seq2SeqExample], tokenizer: 
 class Seq2SeqModel(torch.nn.Module):
     """The backbone alone (its tied MLM head predicts the masked targets); `forward(**batch)` → loss."""
 
-    def __init__(self, backbone: torch.nn.Module, label_smoothing: float = 0.1):
+    def __init__(self, backbone: UniLMModel, label_smoothing: float = 0.1):
         super().__init__()
         self.backbone, self.label_smoothing = backbone, label_smoothing
 

@@ -38,7 +38,7 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 def read_jsonl_numbered(path: str | Path) -> list[tuple[int, dict]]:
     """(line number, record) of every record of a JSONL file (blank lines hold none), as `read_jsonl` reads them."""
-    records = []
+    records: list[tuple[int, dict]] = []
     with open(path, "rb") as f:
         for line_number, raw in enumerate(f, 1):
             try:

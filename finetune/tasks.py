@@ -16,8 +16,8 @@ from . import classify, qa, seq2seq
 from .beam import DecodeConfig
 from .config import TASK_METRICS, FinetuneConfig
 from .generation import decode_records, ignore_ids, score_predictions
-from .task_files import read_seq2seq
 from .glue import read_records, record_format
+from .task_files import read_seq2seq
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -33,8 +33,9 @@ class TaskSetup:
     """Training items (examples, or QA windows) the epoch order runs over."""
     make_batch: Callable[[list[int], int], dict[str, torch.Tensor]]
     """(item indices, epoch) → a batch for `module`."""
-    evaluate: Callable[[torch.nn.Module], dict[str, float]]
-    """The dev metrics of `module` (higher is better for `primary_metric`)."""
+    evaluate: Callable[[Any], dict[str, float]]
+    """The dev metrics of `module`, given as the engine holds it (`engine.module`: `module` itself, of the task's
+    class); higher is better for `primary_metric`."""
     primary_metric: str
     meta: dict[str, Any] = field(default_factory=dict)
     """Saved into finetune.json: labels, counts of truncated inputs, ..."""
@@ -43,6 +44,13 @@ class TaskSetup:
     targets, the auxiliary LM's next tokens), so that a step's loss is the mean over its whole global batch
     (`finetune.engine.train_step`); None where the loss is a mean over examples, which micro-batches of equal size
     already weigh alike."""
+
+    @property
+    def backbone(self) -> UniLMModel:
+        """The encoder inside `module` (what is exported)."""
+        backbone = self.module.backbone
+        assert isinstance(backbone, UniLMModel), type(backbone)
+        return backbone
 
 
 def _limit(items: list, count: int | None) -> list:
@@ -141,7 +149,7 @@ def build_seq2seq(cfg: FinetuneConfig, backbone: UniLMModel, tokenizer: Tokenize
     def predicted_count(indices: list[int], epoch: int) -> int:
         return seq2seq.masked_count([train[i] for i in indices], cfg.mask_prob, [masking(epoch, i) for i in indices])
 
-    def evaluate(m: torch.nn.Module) -> dict[str, float]:
+    def evaluate(m: Any) -> dict[str, float]:
         predictions = decode_records(m.backbone, tokenizer, dev_records, decoding, cfg.max_src_len).predictions
         scores = score_predictions(tokenizer, predictions, [r["tgt"] for r in dev_records])
         return {**scores, "dev_loss": seq2seq.held_out_loss(m.backbone, dev, tokenizer, cfg.mask_prob, cfg.seed,

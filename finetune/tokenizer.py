@@ -24,8 +24,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenizers import Tokenizer as WordPieceEncoder
-from tokenizers import decoders
+from tokenizers import Tokenizer as WordPieceEncoder, decoders
 
 from data_prep.text import replace_control_characters
 from data_prep.vocab import SPECIAL_TOKENS, Vocab, encoder_of, resolve_casing, resolve_vocab_source
@@ -124,6 +123,6 @@ def load_tokenizer(model_dir: str | Path, lowercase: bool | None = None) -> Toke
         state = json.loads(encoder)
         state["model"]["vocab"][X_SEP] = state["model"]["vocab"].pop(entry)
         encoder = json.dumps(state)
-    encoder = WordPieceEncoder.from_str(encoder)
-    encoder.add_special_tokens(list(SPECIAL_TOKENS.values()) + ([X_SEP] if entry is not None else []))
-    return Tokenizer(vocab, encoder, lowercase, None if entry is None else vocab.tokens.index(entry))
+    wordpiece = WordPieceEncoder.from_str(encoder)
+    wordpiece.add_special_tokens(list(SPECIAL_TOKENS.values()) + ([X_SEP] if entry is not None else []))
+    return Tokenizer(vocab, wordpiece, lowercase, None if entry is None else vocab.tokens.index(entry))

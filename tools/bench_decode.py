@@ -38,8 +38,8 @@ import torch
 from finetune.beam import DecodeConfig, SpecialIds, generate
 from finetune.generation import decode_records, pack_source
 from finetune.model_io import load_finetuned
-from pretrain.distributed import close_distributed, init_distributed
 from finetune.task_files import convert_samples, read_jsonl
+from pretrain.distributed import close_distributed, init_distributed
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -5,8 +5,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, subprocess_env
 
+from conftest import ROOT, subprocess_env
 from finetune.config import FinetuneConfig, load_config
 
 REQUIRED = {"task": "classify", "train": "t.jsonl", "dev": "d.jsonl", "init": "m", "out": "o"}

@@ -7,9 +7,16 @@ import numpy as np
 import pytest
 import torch
 
+from finetune.seq2seq import (
+    Seq2SeqExample,
+    collate,
+    encode_examples,
+    masked_count,
+    pack_and_mask,
+    seq2seq_loss,
+    x_sep_note,
+)
 from finetune.task_files import bbc_articles, convert_samples, is_dev, read_jsonl
-from finetune.seq2seq import (Seq2SeqExample, collate, encode_examples, masked_count, pack_and_mask,
-                              seq2seq_loss, x_sep_note)
 from finetune.tokenizer import load_tokenizer
 from pretrain.hf import load_hf_bert
 
@@ -21,7 +28,8 @@ def test_converters_write_the_task_formats_with_disjoint_deterministic_splits(ta
     assert 0.05 < len(topic_dev) / (len(topic_train) + len(topic_dev)) < 0.15
     assert not {r["text"] for r in topic_train} & {r["text"] for r in topic_dev}
     # not in the articles' topic order: the first examples of a split (eval_max_examples) hold every class
-    assert {r["label"] for r in topic_dev[:40]} == {r["label"] for r in topic_train[:40]} == {r["label"] for r in topic_train}
+    every_class = {r["label"] for r in topic_train}
+    assert {r["label"] for r in topic_dev[:40]} == {r["label"] for r in topic_train[:40]} == every_class
     headline = read_jsonl(task_files / "bbc_headline.dev.jsonl")[0]
     assert set(headline) == {"src", "tgt"} and len(headline["tgt"]) < len(headline["src"])
     rotten = read_jsonl(task_files / "rotten.train.jsonl")

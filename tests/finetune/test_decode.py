@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from finetune.beam import (
-    CachedStepper, DecodeConfig, FullStepper, SpecialIds, block_repeated_ngrams, generate, length_penalty,
+    CachedStepper,
+    DecodeConfig,
+    FullStepper,
+    SpecialIds,
+    block_repeated_ngrams,
+    generate,
+    length_penalty,
 )
 from finetune.generation import ignore_ids
 from finetune.tokenizer import load_tokenizer
@@ -23,7 +29,7 @@ def tiny_random_model(seed: int = 0) -> torch.nn.Module:
     model = build_model(ModelConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4,
                                     intermediate_size=64, max_position_embeddings=96))
     with torch.no_grad():
-        for name, parameter in model.named_parameters():
+        for parameter in model.parameters():
             if parameter.dim() > 1:
                 parameter.normal_(0.0, 0.3)
     return model.eval()

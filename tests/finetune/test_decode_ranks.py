@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, subprocess_env
 
+from conftest import ROOT, subprocess_env
 from finetune import decode, generation
 from finetune.beam import DecodeConfig, SpecialIds, beam_search, generate
 from finetune.task_files import read_jsonl, write_jsonl

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import GPU_ENV, ROOT, subprocess_env
 
+from conftest import GPU_ENV, ROOT, subprocess_env
 from finetune.beam import DecodeConfig, SpecialIds, beam_search, generate
 from finetune.decode import DTYPES
 from finetune.generation import pack_source

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from finetune import decode, run
-from finetune.generation import score_predictions
 from finetune.config import FinetuneConfig
+from finetune.generation import score_predictions
 from finetune.seq2seq import encode_examples
 from finetune.task_files import read_jsonl, read_seq2seq
 from finetune.tokenizer import load_tokenizer

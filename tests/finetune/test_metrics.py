@@ -8,8 +8,18 @@ import pytest
 
 from finetune.generation import score_predictions
 from finetune.metrics import (
-    accuracy, binary_f1, classification_metrics, generation_metrics, macro_f1, matthews_corrcoef, normalize_answer,
-    pearson, spearman, squad_exact_match, squad_f1, squad_metrics,
+    accuracy,
+    binary_f1,
+    classification_metrics,
+    generation_metrics,
+    macro_f1,
+    matthews_corrcoef,
+    normalize_answer,
+    pearson,
+    spearman,
+    squad_exact_match,
+    squad_f1,
+    squad_metrics,
 )
 from finetune.tokenizer import load_tokenizer
 
@@ -110,7 +120,8 @@ def test_rouge_lsum_is_summary_level_rouge_l_over_sentences(minilm_dir):
     tokenizer = load_tokenizer(minilm_dir)
     swapped = "The men were charged with fraud on Monday. Police arrested two men in London."
     scores = score_predictions(tokenizer, [swapped], [reference])
-    assert scores["rougeLsum"] == pytest.approx(100) and scores["rougeL"] < 60 and scores["rouge1"] == pytest.approx(100)
+    assert scores["rougeLsum"] == pytest.approx(100) and scores["rougeL"] < 60
+    assert scores["rouge1"] == pytest.approx(100)
     # an uncased model's output has no capitals, nor have lowercased tokenised references (CNN/DM's common
     # releases), short as they are: their sentences are split all the same
     lowercase = tokenizer.decode(tokenizer.encode(swapped))

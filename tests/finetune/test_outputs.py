@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from finetune import decode, generation, predict, run
-from finetune.task_files import read_jsonl, write_jsonl
 from finetune.model_io import load_finetuned, save_finetuned
+from finetune.task_files import read_jsonl, write_jsonl
 from finetune.tokenizer import load_tokenizer
 from pretrain import checkpoint as ckpt
 from pretrain.hf import load_hf_bert
