@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -365,8 +365,8 @@ class UniLMModel(nn.Module):
         if isinstance(objective, int):
             objective = torch.full_like(length, objective)
         max_len = input_ids.shape[1]
-        return self.encode(input_ids, build_segment_ids(objective, len_a, length, max_len),
-                           build_attention_mask(objective, len_a, length, max_len))
+        return cast(torch.Tensor, self.encode(input_ids, build_segment_ids(objective, len_a, length, max_len),
+                                              build_attention_mask(objective, len_a, length, max_len)))
 
     def mlm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float[..., H] → Float[..., vocab] through the tied MLM head."""
@@ -463,7 +463,8 @@ class UniLMModel(nn.Module):
 
         segment_ids, attention_mask = self._segments_and_mask(objective, len_a, length, input_ids.shape[1],
                                                               position_ids, token_sample)
-        hidden = self.encode(input_ids, segment_ids, attention_mask, position_ids if packed else None)
+        hidden = cast(torch.Tensor, self.encode(input_ids, segment_ids, attention_mask,
+                                                position_ids if packed else None))
         first_tokens = hidden.flatten(0, 1)[sample_starts] if packed else hidden[:, 0]  # Float[B or S, H]
 
         predicting, labels, slots = self._prediction_targets(hidden, input_ids, objective, length, masked_positions,
@@ -486,7 +487,7 @@ class UniLMModel(nn.Module):
                            ) -> tuple[torch.Tensor, torch.Tensor]:
         """Input preparation: segment ids Long[B, L] and attention mask Bool[B, L, L] from each sample's
         (objective, len_a, length) — or, for packed rows, from each token's sample and position (Long[R, L])."""
-        if token_sample is None:
+        if token_sample is None or position_ids is None:
             return (build_segment_ids(objective, len_a, length, max_len),
                     build_attention_mask(objective, len_a, length, max_len))
         return (build_packed_segment_ids(token_sample, position_ids, objective, len_a),
@@ -504,6 +505,7 @@ class UniLMModel(nn.Module):
         if self.cfg.causal_lm:
             labels = causal_lm_labels(input_ids, length)  # t predicts token t + 1
             return hidden[:, :-1], labels, torch.full_like(labels.flatten(), _CAUSAL_LM_SLOT)
+        assert masked_positions is not None and masked_labels is not None  # forward checked them
         if packed:
             predicting = hidden.flatten(0, 1)[masked_positions]
         else:
@@ -536,9 +538,10 @@ def torch_layer_norms(module: nn.Module) -> None:
     traceable op); the two compute the same normalisation."""
     for name, child in module.named_children():
         if LayerNorm is not nn.LayerNorm and type(child) is LayerNorm:
-            plain = nn.LayerNorm(child.normalized_shape, eps=child.eps, elementwise_affine=child.elementwise_affine,
+            fused = cast(nn.LayerNorm, child)  # apex's class has torch's attributes
+            plain = nn.LayerNorm(fused.normalized_shape, eps=fused.eps, elementwise_affine=fused.elementwise_affine,
                                  device="meta")
-            plain.weight, plain.bias = child.weight, child.bias
+            plain.weight, plain.bias = fused.weight, fused.bias
             setattr(module, name, plain)
         else:
             torch_layer_norms(child)
