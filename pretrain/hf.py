@@ -20,6 +20,9 @@ attention the model trains with:
       import (2 → 6)   an `is_decoder` config builds a `causal_lm` model; HF type 0 → every row
                        (`SEGMENT_ROWS_FROM_HF_DECODER`; the model reads row 2). A type 1 that differs from type 0
                        has no place in it and is dropped with a warning.
+    UniLM format (`save_hf_bert(all_segments=True)`, `python -m pretrain.export --format unilm`): all 6 rows as
+    token types 0..5 (`type_vocab_size: 6`), with s2s-ft's `source_type_id: 4` / `target_type_id: 5`
+    (`UNILM_SEQ2SEQ_CONFIG`); `BertForMaskedLM` then runs a seq2seq input as ours given the 3-D seq2seq mask.
     A checkpoint that already has 6 types loads as is, either kind; one with a single type (type_vocab_size 1)
     gives its row to all six.
 
@@ -55,6 +58,8 @@ from pretrain.masks import (
     SEGMENT_BIDIRECTIONAL_A,
     SEGMENT_BIDIRECTIONAL_B,
     SEGMENT_LEFT_TO_RIGHT,
+    SEGMENT_SEQ2SEQ_SOURCE,
+    SEGMENT_SEQ2SEQ_TARGET,
 )
 from pretrain.model import IGNORE_INDEX, ModelConfig, UniLMModel, build_model
 from pretrain.weight_files import read_state_dict
@@ -452,9 +457,15 @@ def hf_config(cfg: ModelConfig, architecture: str | None = None) -> dict:
     }
 
 
+# The fields microsoft/unilm's s2s-ft reads beside BERT's (s2s-ft/s2s_ft/config.py, BertForSeq2SeqConfig and its
+# from_exist_config: the token types of source and target), with our seq2seq segment ids (`pretrain.masks`).
+UNILM_SEQ2SEQ_CONFIG = {"type_vocab_size": NUM_SEGMENT_TYPES, "source_type_id": SEGMENT_SEQ2SEQ_SOURCE,
+                        "target_type_id": SEGMENT_SEQ2SEQ_TARGET}
+
+
 def save_hf_bert(model: UniLMModel, path: str | Path, architecture: str | None = None,
                  state: dict[str, torch.Tensor] | None = None, task_head: dict[str, torch.Tensor] | None = None,
-                 task_config: dict | None = None, quiet: bool = False) -> Path:
+                 task_config: dict | None = None, quiet: bool = False, all_segments: bool = False) -> Path:
     """Write `config.json` + `model.safetensors` for one HF class to `path`; returns it.
 
     `architecture` is the class that will load it with no missing and no unexpected weights, by default the
@@ -470,7 +481,8 @@ def save_hf_bert(model: UniLMModel, path: str | Path, architecture: str | None =
     A fine-tuned model of a masked-LM backbone may be written as one of `HF_TASK_ARCHITECTURES` instead: its
     backbone's tensors that class holds, plus `task_head` (HF names, e.g. `classifier.weight`) and `task_config`
     (`num_labels`, `id2label`, ...) in its config. `quiet`: no warning about the dropped segment rows (the caller
-    keeps them).
+    keeps them). `all_segments`: the UniLM format, all 6 segment rows as token types 0..5 and
+    `UNILM_SEQ2SEQ_CONFIG` in the config (module docstring); nothing is dropped.
     """
     architecture = architecture or hf_architectures(model.cfg)[0]
     if architecture in HF_TASK_ARCHITECTURES:
@@ -489,20 +501,23 @@ def save_hf_bert(model: UniLMModel, path: str | Path, architecture: str | None =
         # the decoder weight is the token embedding (HF re-ties it on load); heads the class lacks are left out
         if hf_name is None or not hf_name.startswith(kept):
             continue
-        if name == "embeddings.segment.weight":
+        if name == "embeddings.segment.weight" and not all_segments:
             tensor = tensor[list(segment_rows)]
         if architecture == "BertModel":
             hf_name = hf_name.removeprefix("bert.")
         tensors[hf_name] = tensor.detach().cpu().contiguous()
     tensors.update({name: tensor.detach().cpu().contiguous() for name, tensor in (task_head or {}).items()})
-    if not quiet and model.cfg.causal_lm:
+    if quiet or all_segments:
+        pass
+    elif model.cfg.causal_lm:
         log.warning("causal LM: exported segment row 2 (left-to-right, the one it embeds every token with) as "
                        "HF token types 0 and 1; dropped rows 0, 1, 3-5, which its training never updates")
-    elif not quiet:
+    else:
         log.warning("HF BERT has 2 token types: exported segment rows 0/1 (bidirectional A/B); dropped rows "
                        "2-5 (left-to-right, right-to-left, seq2seq source/target)")
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
-    config = dict(hf_config(model.cfg, architecture), **(task_config or {}))
+    config = dict(hf_config(model.cfg, architecture), **(UNILM_SEQ2SEQ_CONFIG if all_segments else {}),
+                  **(task_config or {}))
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return directory
 

@@ -1,0 +1,157 @@
+"""`python -m pretrain.export --format unilm`: all six segment rows as token types 0..5, s2s-ft's source/target type
+ids in config.json; transformers' `BertForMaskedLM` then gives our seq2seq logits under the 3-D seq2seq mask, and
+the greedy decoding recipe of docs/finetuning.md decodes as `finetune.beam` does."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from data_prep.shard_format import ShardDataset
+from finetune.beam import DecodeConfig, SpecialIds, generate
+from finetune.generation import pack_source
+from finetune.tokenizer import load_tokenizer
+from pretrain import checkpoint as ckpt
+from pretrain.export import main as export_main
+from pretrain.hf import load_hf_bert
+from pretrain.masks import SEQ2SEQ, build_attention_mask, build_segment_ids
+from pretrain.model import build_model, preset
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+
+def hf_attention_mask(allowed: torch.Tensor) -> torch.Tensor:
+    """Our Bool[B, L, L] mask (True = the query may attend to the key) as BERT's `attention_mask`: transformers 4
+    expands a 3-D 0/1 mask itself; transformers 5 takes only a 4-D mask, as prepared: additive, Float[B, 1, L, L]."""
+    if int(transformers.__version__.split(".")[0]) < 5:
+        return allowed.long()
+    return torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min).unsqueeze(1)
+
+
+def greedy_decode(model, tokenizer, source: str, max_tgt_len: int, min_tgt_len: int = 1) -> list[int]:
+    """docs/finetuning.md's recipe: greedy seq2seq decoding with plain transformers on a `--format unilm` export.
+    Each step runs `[CLS] source [SEP] y1 .. yt [MASK]` under the seq2seq mask (every token sees the source, a
+    target token also sees the target up to itself), token types 4 (source) and 5 (target), and puts the argmax at
+    the [MASK] slot in its place; [SEP] ends the target. Special tokens and [unused*] are never generated."""
+    source_ids = [tokenizer.cls_token_id, *tokenizer.encode(source, add_special_tokens=False),
+                  tokenizer.sep_token_id]
+    banned = [tokenizer.convert_tokens_to_ids(token) for token in tokenizer.all_special_tokens
+              if token != tokenizer.sep_token]
+    banned += [i for token, i in tokenizer.get_vocab().items() if token.startswith("[unused")]
+    target: list[int] = []
+    while len(target) < max_tgt_len:
+        input_ids = torch.tensor([source_ids + target + [tokenizer.mask_token_id]])
+        length, source_length = input_ids.shape[1], len(source_ids)
+        query, key = torch.arange(length).view(-1, 1), torch.arange(length).view(1, -1)
+        attention_mask = hf_attention_mask(((key < source_length) | (key <= query)).unsqueeze(0))
+        token_type_ids = torch.tensor([[4] * source_length + [5] * (length - source_length)])
+        with torch.no_grad():
+            logits = model(input_ids=input_ids, token_type_ids=token_type_ids,
+                           attention_mask=attention_mask).logits[0, -1]
+        logits[banned] = float("-inf")
+        if len(target) < min_tgt_len:
+            logits[tokenizer.sep_token_id] = float("-inf")
+        next_id = int(logits.argmax())
+        if next_id == tokenizer.sep_token_id:
+            break
+        target.append(next_id)
+    return target
+
+
+def tiny_unilm(seed: int, vocab_size: int):
+    """A tiny random masked-LM model in eval mode, its six segment rows made clearly different."""
+    torch.manual_seed(seed)
+    model = build_model(dataclasses.replace(preset("tiny"), vocab_size=vocab_size, layer_norm_eps=1e-5)).eval()
+    with torch.no_grad():
+        model.embeddings.segment.weight.mul_(torch.arange(1, 7).unsqueeze(1))
+    return model
+
+
+def fake_checkpoint(directory: Path, model, shards: Path) -> Path:
+    """A checkpoint as the trainer writes one: weights, model config, run config, vocab hash."""
+    tag = directory / "global_step1"
+    tag.mkdir(parents=True)
+    ckpt.write_weights(tag, model.state_dict())
+    ckpt.write_marker(tag, {"model_config": dataclasses.asdict(model.cfg),
+                            "run_config": {"data": {"shards": str(shards)}},
+                            "vocab_hash": ShardDataset(shards).manifest["vocab"]["sha256"]})
+    ckpt.update_latest(directory, "global_step1")
+    return directory
+
+
+@pytest.fixture(scope="module")
+def unilm_export(unilm_shards: Path, tmp_path_factory: pytest.TempPathFactory):
+    """(our model, the directory `--format unilm` wrote from its checkpoint)."""
+    tmp = tmp_path_factory.mktemp("unilm_export")
+    model = tiny_unilm(3, ShardDataset(unilm_shards).manifest["vocab"]["size"])
+    export_main([str(fake_checkpoint(tmp / "checkpoints", model, unilm_shards)), str(tmp / "hf"), "--format", "unilm"])
+    return model, tmp / "hf"
+
+
+def test_the_unilm_export_loads_as_a_bert_masked_lm_with_all_six_segment_rows(unilm_export):
+    model, out = unilm_export
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "bert" and config["architectures"] == ["BertForMaskedLM"]
+    assert (config["type_vocab_size"], config["source_type_id"], config["target_type_id"]) == (6, 4, 5)
+    hf_model, info = transformers.BertForMaskedLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert hf_model.config.type_vocab_size == 6 and hf_model.config.layer_norm_eps == 1e-5
+    exported = hf_model.bert.embeddings.token_type_embeddings.weight
+    assert exported.dtype == torch.float32 and torch.equal(exported, model.embeddings.segment.weight)
+    assert transformers.AutoModelForMaskedLM.from_pretrained(out).config.source_type_id == 4
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert len(tokenizer) == model.cfg.vocab_size and tokenizer.mask_token == "[MASK]"
+    assert (out / "vocab.txt").is_file() and (out / "tokenizer_config.json").is_file()
+    back = load_hf_bert(out)  # and imports back: six rows as they are; BertForMaskedLM has no pooler, no NSP head
+    assert back.cfg == model.cfg
+    assert all(torch.equal(back.state_dict()[name], tensor) for name, tensor in model.state_dict().items()
+               if not name.startswith(("pooler.", "nsp_head."))), "a tensor changed on the way out and back"
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_bert_masked_lm_gives_our_seq2seq_logits_under_the_seq2seq_mask(unilm_export, attention):
+    model, out = unilm_export
+    hf_model = transformers.BertForMaskedLM.from_pretrained(out, attn_implementation=attention).eval()
+    torch.manual_seed(0)
+    max_len = 20
+    input_ids = torch.randint(5, model.cfg.vocab_size, (2, max_len))
+    len_a, length = torch.tensor([8, 5]), torch.tensor([20, 13])
+    input_ids[1, 13:] = 0
+    objective = torch.full((2,), SEQ2SEQ)
+    token_type_ids = build_segment_ids(objective, len_a, length, max_len)
+    assert token_type_ids[0].tolist() == [4] * 8 + [5] * 12
+    attention_mask = hf_attention_mask(build_attention_mask(objective, len_a, length, max_len))
+    with torch.no_grad():
+        ours = model.mlm_logits(model.encode_objective(input_ids, SEQ2SEQ, len_a, length))
+        theirs = hf_model(input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=attention_mask).logits
+    real = torch.arange(max_len) < length.unsqueeze(1)
+    torch.testing.assert_close(ours[real], theirs[real], atol=1e-5, rtol=0)
+
+
+def test_the_greedy_recipe_decodes_as_our_greedy_search(unilm_export):
+    model, out = unilm_export
+    hf_model = transformers.BertForMaskedLM.from_pretrained(out).eval()
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    ours_tokenizer = load_tokenizer(out)
+    config = DecodeConfig(beam_size=1, max_tgt_len=12, min_tgt_len=1, no_repeat_ngram=0)
+    for source in ("The river runs through the old town.", "She wrote two letters before the war ended."):
+        packed, cut = pack_source(ours_tokenizer, source, max_src_len=40)
+        assert not cut
+        ours = generate(model, [packed], SpecialIds.of(ours_tokenizer), config)[0].tokens
+        theirs = greedy_decode(hf_model, hf_tokenizer, source, max_tgt_len=12)
+        assert theirs == ours and len(set(ours)) > 1, (source, theirs, ours)
+
+
+def test_a_causal_lm_is_refused_in_the_unilm_format(gpt_shards: Path, tmp_path, capsys):
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(preset("tiny"), vocab_size=ShardDataset(gpt_shards).manifest["vocab"]["size"],
+                              causal_lm=True)
+    checkpoints = fake_checkpoint(tmp_path / "checkpoints", build_model(cfg), gpt_shards)
+    with pytest.raises(SystemExit) as exit_info:
+        export_main([str(checkpoints), str(tmp_path / "hf"), "--format", "unilm"])
+    assert exit_info.value.code == 2 and "--format unilm: this checkpoint is a causal LM" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()
