@@ -24,42 +24,35 @@ transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
 
-def hf_attention_mask(allowed: torch.Tensor) -> torch.Tensor:
-    """Our Bool[B, L, L] mask (True = the query may attend to the key) as BERT's `attention_mask`: transformers 4
-    expands a 3-D 0/1 mask itself; transformers 5 takes only a 4-D mask, as prepared: additive, Float[B, 1, L, L]."""
+# docs/finetuning.md's recipe, as it is written there: greedy seq2seq decoding with plain transformers on a
+# `--format unilm` export.
+def hf_attention_mask(allowed):  # Bool[B, L, L], True: the query may attend to the key
     if int(transformers.__version__.split(".")[0]) < 5:
         return allowed.long()
     return torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min).unsqueeze(1)
 
 
-def greedy_decode(model, tokenizer, source: str, max_tgt_len: int, min_tgt_len: int = 1) -> list[int]:
-    """docs/finetuning.md's recipe: greedy seq2seq decoding with plain transformers on a `--format unilm` export.
-    Each step runs `[CLS] source [SEP] y1 .. yt [MASK]` under the seq2seq mask (every token sees the source, a
-    target token also sees the target up to itself), token types 4 (source) and 5 (target), and puts the argmax at
-    the [MASK] slot in its place; [SEP] ends the target. Special tokens and [unused*] are never generated."""
-    source_ids = [tokenizer.cls_token_id, *tokenizer.encode(source, add_special_tokens=False),
-                  tokenizer.sep_token_id]
-    banned = [tokenizer.convert_tokens_to_ids(token) for token in tokenizer.all_special_tokens
-              if token != tokenizer.sep_token]
-    banned += [i for token, i in tokenizer.get_vocab().items() if token.startswith("[unused")]
-    target: list[int] = []
+def greedy_decode(model, tokenizer, source, max_tgt_len=128, min_tgt_len=1):
+    source_ids = [tokenizer.cls_token_id, *tokenizer.encode(source, add_special_tokens=False), tokenizer.sep_token_id]
+    banned = [tokenizer.convert_tokens_to_ids(t) for t in tokenizer.all_special_tokens if t != tokenizer.sep_token]
+    banned += [i for t, i in tokenizer.get_vocab().items() if t.startswith("[unused")]
+    target = []
     while len(target) < max_tgt_len:
         input_ids = torch.tensor([source_ids + target + [tokenizer.mask_token_id]])
-        length, source_length = input_ids.shape[1], len(source_ids)
+        length, n_source = input_ids.shape[1], len(source_ids)
         query, key = torch.arange(length).view(-1, 1), torch.arange(length).view(1, -1)
-        attention_mask = hf_attention_mask(((key < source_length) | (key <= query)).unsqueeze(0))
-        token_type_ids = torch.tensor([[4] * source_length + [5] * (length - source_length)])
+        mask = hf_attention_mask(((key < n_source) | (key <= query)).unsqueeze(0))
+        token_types = torch.tensor([[4] * n_source + [5] * (length - n_source)])  # source_type_id, target_type_id
         with torch.no_grad():
-            logits = model(input_ids=input_ids, token_type_ids=token_type_ids,
-                           attention_mask=attention_mask).logits[0, -1]
-        logits[banned] = float("-inf")
+            logits = model(input_ids=input_ids, token_type_ids=token_types, attention_mask=mask).logits[0, -1]
+        logits[banned] = float("-inf")  # as finetune.beam: [CLS] [MASK] [PAD] [UNK] [unused*] never generated
         if len(target) < min_tgt_len:
             logits[tokenizer.sep_token_id] = float("-inf")
         next_id = int(logits.argmax())
         if next_id == tokenizer.sep_token_id:
             break
         target.append(next_id)
-    return target
+    return target  # word-piece ids
 
 
 def tiny_unilm(seed: int, vocab_size: int):
