@@ -149,7 +149,9 @@ def checkpoint_tokenizer(checkpoint: Path, vocab: str | Path | None) -> Tokenize
             raise ValueError(f"--init {checkpoint}: cannot find the vocabulary of the shards it was trained on "
                              f"({error}); give --vocab SHARDS/vocab.txt") from None
         shard_vocab, uncased = None, None
-    tokenizer = load_tokenizer(vocab or shard_vocab, lowercase=uncased)
+    vocab_file = vocab or shard_vocab
+    assert vocab_file is not None  # a missing shard vocabulary without --vocab is refused above
+    tokenizer = load_tokenizer(vocab_file, lowercase=uncased)
     recorded = meta.get("vocab_hash")
     if recorded is not None and tokenizer.vocab.sha256 != recorded:
         raise ValueError(f"--vocab {vocab}: not the vocabulary {directory / tag} was trained with (sha256 "
@@ -194,7 +196,8 @@ def save_finetuned(out_dir: str | Path, model: UniLMModel, head: torch.nn.Module
         # beside the HF file: all six segment rows, the heads its class has no place for, the task head
         tensors = {SEGMENT_WEIGHT: backbone[SEGMENT_WEIGHT]}
         tensors.update({k: v for k, v in backbone.items()
-                        if (to_hf_name(k) or "").startswith(("bert.", "cls.")) and not to_hf_name(k).startswith(kept)})
+                        if (to_hf_name(k) or "").startswith(("bert.", "cls."))
+                        and not (to_hf_name(k) or "").startswith(kept)})
         tensors.update(head_weights)
         save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, staging / EXTRA_FILE)
         write_hf_tokenizer(tokenizer.vocab, tokenizer.lowercase, staging, model.cfg.max_position_embeddings)

@@ -151,9 +151,10 @@ def compiler_failure(device: torch.device) -> str | None:
         torch.compile(probe, dynamic=False)(probe_input)
         synchronize(device)
     except Exception as error:  # noqa: BLE001 -- any failure of the compiler stack is the answer
-        while error.__cause__ is not None:
-            error = error.__cause__
-        return error_summary(error)
+        cause: BaseException = error
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        return error_summary(cause)
     return None
 
 

@@ -143,10 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plan = plan_batch(args.global_batch, args.micro_batch or (pairs[0][0] if pairs else 1), args.world_size)
     except InfeasibleBatchError as error:
+        message = str(error)
         if args.micro_batch is None:  # the reason is the ranks, not a micro-batch the user did not give
-            error = f"global batch {args.global_batch} does not split over {args.world_size} data-parallel ranks." \
-                    + "\n" + str(error).split("\n", 1)[1]
-        print(error, file=sys.stderr)
+            message = f"global batch {args.global_batch} does not split over {args.world_size} data-parallel " \
+                      "ranks.\n" + message.split("\n", 1)[1]
+        print(message, file=sys.stderr)
         return 1
     if args.micro_batch is not None:
         print(f"global batch {plan.global_batch_size} = micro {plan.micro_batch_size} × accumulation "

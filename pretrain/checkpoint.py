@@ -88,8 +88,17 @@ def tag_for_step(step: int) -> str:
 
 
 def step_of_tag(tag: str) -> int | None:
+    """The N of a ``global_stepN`` tag; None for any other name."""
     match = _TAG.match(tag)
     return int(match.group(1)) if match else None
+
+
+def tag_step(tag: str) -> int:
+    """The step of a name already known to be a tag (listed by `all_tags`, or read by `read_latest`)."""
+    step = step_of_tag(tag)
+    if step is None:
+        raise CheckpointPathError(f"{tag!r} is not a checkpoint tag (global_stepN)")
+    return step
 
 
 def code_version() -> str:
@@ -216,8 +225,9 @@ def resolve_tag_dir(path: str | Path) -> tuple[Path, str]:
     """(checkpoints directory, tag) for a checkpoints directory (its ``latest``) or one tag directory, refusing
     a ``latest`` or a tag that is not a ``global_stepN`` entry of the checkpoints directory itself."""
     path = Path(path)
-    if (path / LATEST).is_file():
-        directory, tag = path, read_latest(path)
+    latest = read_latest(path) if (path / LATEST).is_file() else None
+    if latest is not None:
+        directory, tag = path, latest
     else:
         directory, tag = path.parent, path.name
         if step_of_tag(tag) is None:
@@ -233,7 +243,7 @@ def all_tags(checkpoint_dir: Path) -> list[str]:
     if not checkpoint_dir.is_dir():
         return []
     return sorted((p.name for p in checkpoint_dir.iterdir() if p.is_dir() and step_of_tag(p.name) is not None),
-                  key=step_of_tag)
+                  key=tag_step)
 
 
 def complete_tags(checkpoint_dir: Path, hashes: bool = True) -> list[str]:
@@ -265,7 +275,7 @@ def prune(checkpoint_dir: Path, keep_last: int, just_written: str | None = None)
         return []
     kept_before = 0
     doomed = []
-    for tag in reversed([t for t in tags if step_of_tag(t) < step_of_tag(anchor)]):
+    for tag in reversed([t for t in tags if tag_step(t) < tag_step(anchor)]):
         if kept_before < keep_last - 1 and read_marker(checkpoint_dir / tag) is not None:
             kept_before += 1
         else:
@@ -273,7 +283,7 @@ def prune(checkpoint_dir: Path, keep_last: int, just_written: str | None = None)
     for tag in doomed:
         shutil.rmtree(checkpoint_dir / tag, ignore_errors=True)
         shutil.rmtree(checkpoint_dir / f"{tag}_universal", ignore_errors=True)
-    return sorted(doomed, key=step_of_tag)
+    return sorted(doomed, key=tag_step)
 
 
 # --- model weights outside DeepSpeed's pickles ---------------------------------------------------------------
@@ -292,12 +302,12 @@ def gather_full_weights(module: torch.nn.Module, keep: bool = True) -> dict[str,
     state: dict[str, torch.Tensor] = {}
     for name, parameter in module.named_parameters(remove_duplicate=False):
         if id(parameter) not in full:
-            master = safe_get_full_fp32_param(parameter) if parameter.requires_grad else None
-            if master is None:
-                master = parameter.detach()
+            gathered = safe_get_full_fp32_param(parameter) if parameter.requires_grad else None
+            master = parameter.detach() if gathered is None else gathered
             full[id(parameter)] = master.detach().float().cpu().clone() if keep else None
-        if keep:
-            state[name] = full[id(parameter)]
+        kept = full[id(parameter)]
+        if kept is not None:
+            state[name] = kept
     if keep:
         for name, buffer in module.named_buffers():
             state[name] = buffer.detach().cpu().clone()

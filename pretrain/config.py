@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -255,7 +256,7 @@ def config_from_dict(values: dict[str, Any]) -> RunConfig:
     return load_dataclass(RunConfig, None, values=values, replaced_keys=REPLACED_KEYS)
 
 
-def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
     """Read a run YAML, apply dotted overrides, validate."""
     return load_dataclass(RunConfig, path, overrides, replaced_keys=REPLACED_KEYS)
 

@@ -207,7 +207,8 @@ def engine_config(engine_json: dict[str, Any], plan: BatchPlan, grad_clip: float
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """AdamW groups: weight decay on matrices and embeddings, none on biases and LayerNorm weights (1-D)."""
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for parameter in model.parameters():
         if parameter.requires_grad:
             (no_decay if parameter.ndim < 2 else decay).append(parameter)
@@ -344,7 +345,7 @@ def build_engine(model: torch.nn.Module, config: dict[str, Any], weight_decay: f
         deepspeed_logger.removeFilter(_scheduler_not_started)
     saved = resumed.meta.get("optimizer_class") if resumed is not None else None
     built = optimizer_name(engine.basic_optimizer)
-    if saved is not None and not takes_over(saved, built, resumed.universal):
+    if resumed is not None and saved is not None and not takes_over(saved, built, resumed.universal):
         converted = " (converted to DeepSpeed's universal checkpoint: another world size or ZeRO stage)" \
             if resumed.universal else ""
         raise SetupError(f"{resumed.directory / resumed.tag} was stepped by {saved}, whose state{converted} {built}, "

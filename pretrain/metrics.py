@@ -61,9 +61,9 @@ def prepare_metrics_file(path: Path, resumed_step: int | None,
                f"train.resume=never); kept as {kept.name}")
         return
     records = read_metrics(path, report)
-    kept = [r for r in records if r.get("step", 0) <= resumed_step]
-    text = "".join(json.dumps(r) + "\n" for r in kept)
-    if len(kept) == len(records) and path.read_text(errors="replace") == text:
+    kept_records = [r for r in records if r.get("step", 0) <= resumed_step]
+    text = "".join(json.dumps(r) + "\n" for r in kept_records)
+    if len(kept_records) == len(records) and path.read_text(errors="replace") == text:
         return
     write_atomically(path, lambda tmp: tmp.write_text(text))
 

@@ -117,7 +117,7 @@ def gather_moments(engine: Any, keep: bool = True) -> dict[str, torch.Tensor] | 
                 hp, lp = mapping.hp_fragment_address, mapping.lp_fragment_address
                 full.narrow(0, lp.start, lp.numel).copy_(state[key].narrow(0, hp.start, hp.numel))
             if hasattr(parameter, "_hp_mapping"):
-                torch_dist.all_reduce(full, group=parameter._dp_group)  # each element is held by one rank
+                torch_dist.all_reduce(full, group=parameter._dp_group)  # type: ignore[attr-defined]  # each element is held by one rank
             if keep:
                 moments[f"{key}/{name}"] = full.reshape(parameter.shape).cpu().clone()
     if keep:

@@ -108,13 +108,14 @@ def read_hostfile(path: str | Path) -> dict[str, int]:
         if not line:
             continue
         parts = line.split()
-        if len(parts) != 2 or not _SLOTS.match(parts[1]):
+        slots = _SLOTS.match(parts[1]) if len(parts) == 2 else None
+        if slots is None:
             raise ValueError(f"{path}:{number}: expected 'HOST slots=N' (N ≥ 1), got {line!r}")
         if not valid_host(parts[0]):
             raise ValueError(f"{path}:{number}: {parts[0]!r} is not a host name or IP address")
         if parts[0] in hosts:
             raise ValueError(f"{path}:{number}: host {parts[0]!r} listed twice")
-        hosts[parts[0]] = int(_SLOTS.match(parts[1]).group(1))
+        hosts[parts[0]] = int(slots.group(1))
     if not hosts:
         raise ValueError(f"{path}: no hosts")
     return hosts

@@ -25,8 +25,20 @@ from typing import Any
 import torch.distributed as torch_dist
 
 from common import locks
-from pretrain.checkpoint import (LATEST, CheckpointMismatchError, CheckpointPathError, Saved, all_tags, complete_tags,
-                                 read_latest, read_marker, resolve_tag_dir, step_of_tag, update_latest, verify_tag)
+from pretrain.checkpoint import (
+    LATEST,
+    CheckpointMismatchError,
+    CheckpointPathError,
+    Saved,
+    all_tags,
+    complete_tags,
+    read_latest,
+    read_marker,
+    resolve_tag_dir,
+    tag_step,
+    update_latest,
+    verify_tag,
+)
 from pretrain.convert import to_universal
 from pretrain.distributed import RunStopped, first_error, gather_objects
 from pretrain.model import RETIRED_FIELDS
@@ -55,11 +67,11 @@ def choose_resume_tag(checkpoint_dir: Path, report: Any = None) -> str | None:
     latest_meta = valid(latest) if latest in tags else None
     if latest is not None and latest not in tags:
         say(f"[resume] {checkpoint_dir / LATEST} names {latest}, which does not exist")
-    if latest_meta is not None:
+    if latest is not None and latest_meta is not None:
         chosen = latest
         # a save whose marker was written but whose `latest` update a crash cut off continues latest's history
         for tag in reversed(tags):
-            if step_of_tag(tag) <= step_of_tag(latest):
+            if tag_step(tag) <= tag_step(latest):
                 break
             meta = valid(tag)
             parent = meta.get("parent_save_id", latest_meta.get("save_id")) if meta is not None else None
@@ -69,7 +81,7 @@ def choose_resume_tag(checkpoint_dir: Path, report: Any = None) -> str | None:
     else:
         chosen = next((tag for tag in reversed(tags) if valid(tag) is not None), None)
     if chosen is not None:
-        abandoned = [t for t in tags if step_of_tag(t) > step_of_tag(chosen) and t not in skipped
+        abandoned = [t for t in tags if tag_step(t) > tag_step(chosen) and t not in skipped
                      and read_marker(checkpoint_dir / t, hashes=False) is not None]
         if abandoned:
             say(f"[resume] not resuming {', '.join(abandoned)} in {checkpoint_dir}: newer than {chosen} but not "
@@ -204,7 +216,9 @@ def changed_settings(saved: dict[str, Any], current: dict[str, Any], prefix: str
 def report_changed_settings(resume: ResumePoint | None, current: dict[str, Any], report: Any) -> None:
     """Say which settings differ from those the resumed checkpoint was saved under: the run continues with the
     new ones (the learning-rate schedule, say, from this step on)."""
-    saved = (resume.meta.get("run_config") if resume is not None else None) or {}
+    if resume is None:
+        return
+    saved = resume.meta.get("run_config") or {}
     changes = changed_settings(saved, current) if saved else []
     if changes:
         report(f"[resume] settings changed since {resume.tag}, the run continues with the new ones from step "
@@ -320,24 +334,24 @@ def find_resume_point(checkpoint_dir: Path, resume: str, identity: dict[str, Any
                     "shared directory, at the same path, on every node")
         check_compatible(meta, identity, str(directory / tag), restart)
         check_stage_change(meta["zero_stage"], zero_stage, directory / tag)
-    except (ValueError, OSError) as error:
-        refusal = error
+    except (ValueError, OSError) as problem_found:
+        refusal = problem_found
     refusal = first_error(refusal)
     if refusal is not None:
         raise refusal
     load_tag = tag
     if (meta["world_size"] != world_size or meta["zero_stage"] != zero_stage) and meta["zero_stage"] > 0:
-        error = None
+        failure = None
         if torch_dist.get_rank() == 0:
             log.info(f"[resume] {tag}: world size {meta['world_size']} -> {world_size}, ZeRO stage "
                      f"{meta['zero_stage']} -> {zero_stage}: converting to a universal checkpoint")
             try:
                 to_universal(directory, tag, meta.get("save_id"))
             except (OSError, subprocess.CalledProcessError) as exc:
-                error = f"converting {directory / tag} to a universal checkpoint failed on rank 0: {exc}"
-        error = first_error(error)  # the others wait for the conversion here
-        if error is not None:
-            raise RuntimeError(error)
+                failure = f"converting {directory / tag} to a universal checkpoint failed on rank 0: {exc}"
+        failure = first_error(failure)  # the others wait for the conversion here
+        if failure is not None:
+            raise RuntimeError(failure)
         load_tag = f"{tag}_universal"
     return ResumePoint(directory=directory, tag=tag, load_tag=load_tag, meta=meta)
 

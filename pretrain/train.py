@@ -21,8 +21,7 @@ if __package__ in (None, ""):  # `deepspeed pretrain/train.py` runs this file as
 from common.config_loader import config_error, keys_help  # noqa: E402
 from pretrain.config import RunConfig, load_config  # noqa: E402
 from pretrain.console import configure_console  # noqa: E402
-from pretrain.distributed import (RunStopped, SetupError, close_distributed, init_distributed,  # noqa: E402
-                                  on_every_rank, say_once)
+from pretrain.distributed import RunStopped, SetupError, close_distributed, init_distributed, on_every_rank, say_once  # noqa: E402
 from pretrain.trainer import train  # noqa: E402
 
 

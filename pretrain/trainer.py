@@ -33,15 +33,35 @@ from pretrain.batch_plan import BatchPlan, plan_batch
 from pretrain.config import RunConfig
 from pretrain.data import PretrainLoader, SampleOrder, collate, sample_objectives, to_device
 from pretrain.distributed import NonFiniteLossError, SetupError, init_distributed, on_every_rank
-from pretrain.engine import (build_engine, engine_config, measured_gradient_norm, nonfinite_gradient_norm,
-                             optimizer_name, precision, read_engine_json, step_gradient_norm, zero_stage)
+from pretrain.engine import (
+    build_engine,
+    engine_config,
+    measured_gradient_norm,
+    nonfinite_gradient_norm,
+    optimizer_name,
+    precision,
+    read_engine_json,
+    step_gradient_norm,
+    zero_stage,
+)
 from pretrain.metrics import Metrics, StepSums, Throughput, measured_peak_tflops, write_monitor
 from pretrain.model import ModelConfig, UniLMModel, build_model
-from pretrain.resume import (LOCK_FILE, ResumePoint, find_resume_point, load_or_seed, lock_run_directory,
-                             report_changed_settings)
+from pretrain.resume import (
+    LOCK_FILE,
+    ResumePoint,
+    find_resume_point,
+    load_or_seed,
+    lock_run_directory,
+    report_changed_settings,
+)
 from pretrain.rng import seed_everything
-from pretrain.setup_checks import (check_shared_out_dir, compiler_works, fast_path_settings, model_for_shards,
-                                   verify_shards)
+from pretrain.setup_checks import (
+    check_shared_out_dir,
+    compiler_works,
+    fast_path_settings,
+    model_for_shards,
+    verify_shards,
+)
 from pretrain.stopping import StopRequest
 from pretrain.warm_start import init_optimizer, load_initial_model
 
@@ -175,7 +195,7 @@ def _train_locked(cfg: RunConfig, rank: int, world_size: int, started: float) ->
     """``train`` once this process group holds the run lock of ``cfg.out_dir``: its steps, in order."""
     setup = check_setup(cfg, rank, world_size)
     engine = build_training_engine(cfg, setup.model, setup.deepspeed_config, setup.fast_paths, setup.resume)
-    if cfg.train.init_optimizer and setup.resume is None:  # a resumed run has its own optimizer state
+    if cfg.train.init_optimizer and cfg.model.init_from and setup.resume is None:  # a resumed run has its own
         take_over_optimizer(engine, cfg.model.init_from, rank)
     throughput = Throughput(setup.model_cfg, world_size, cfg.train.peak_tflops or measured_peak_tflops(engine, rank))
     progress = restore_progress(engine, setup.resume, cfg.train.seed, rank, world_size)
@@ -273,7 +293,7 @@ def restore_progress(engine: Any, resume: ResumePoint | None, seed: int, rank: i
                      world_size: int) -> Progress:
     """Load the resume point into ``engine`` and continue its RNG streams, or seed per-rank dropout streams."""
     state = load_or_seed(engine, resume, seed, rank, world_size)
-    if state is None:
+    if state is None or resume is None:
         return Progress()
     if rank == 0:
         log.info(f"[resume] {resume.tag}: step {state['step']}, consumed_samples {state['consumed_samples']}")
@@ -441,6 +461,7 @@ class EvalSet:
 
     def __init__(self, cfg: RunConfig, plan: BatchPlan, rank: int, world_size: int, pad_id: int,
                  max_len: int) -> None:
+        assert cfg.data.eval_shards is not None  # an evaluator exists only for a run with held-out shards
         self.dataset = ShardDataset(cfg.data.eval_shards)
         order = SampleOrder(sample_objectives(self.dataset), cfg.train.seed)
         count = len(order) if cfg.train.eval_samples is None else min(cfg.train.eval_samples, len(order))

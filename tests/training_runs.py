@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from conftest import ROOT, subprocess_env
@@ -54,7 +53,8 @@ def preempt(command: list[str], out_dir: Path, steps: int) -> subprocess.Complet
     ``steps`` steps, as a cluster scheduler's preemption does, and wait for it to end."""
     process = subprocess.Popen(command, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
-    logged: Callable[[], int] = lambda: len(metrics(out_dir)) if (out_dir / "metrics.jsonl").exists() else 0
+    def logged() -> int:
+        return len(metrics(out_dir)) if (out_dir / "metrics.jsonl").exists() else 0
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and process.poll() is None and logged() < steps:
         time.sleep(0.1)

@@ -10,12 +10,12 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, subprocess_env
 from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
-from training_runs import TESTS, launch
 
+from conftest import ROOT, subprocess_env
 from pretrain import accelerator
 from pretrain.accelerator import apply_deepspeed_arch_list, deepspeed_arch_list
+from training_runs import TESTS, launch
 
 
 def deepspeed_gencode_flags(arch_list: str, monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -194,8 +194,8 @@ def test_bf16_counts_as_native_from_compute_capability_8_and_on_the_local_ranks_
 
 
 def test_on_the_cpu_accelerator_binding_is_a_no_op_and_collectives_use_cpu_tensors(one_rank_group) -> None:
-    from pretrain.model import REPORTED_OBJECTIVES, PretrainOutput
     from pretrain.metrics import StepSums
+    from pretrain.model import REPORTED_OBJECTIVES, PretrainOutput
 
     assert accelerator.bind_local_device() == torch.device("cpu")
     assert accelerator.default_device() == torch.device("cpu")
@@ -205,7 +205,8 @@ def test_on_the_cpu_accelerator_binding_is_a_no_op_and_collectives_use_cpu_tenso
     for loss, lengths in ((2.5, [10, 15]), (3.5, [5, 10])):
         objective_sums, objective_counts = torch.zeros(len(REPORTED_OBJECTIVES)), torch.zeros(len(REPORTED_OBJECTIVES))
         objective_sums[seq2seq], objective_counts[seq2seq] = 1.5, 1.0
-        sums.add({"length": torch.tensor(lengths)}, PretrainOutput(torch.tensor(loss), objective_sums, objective_counts))
+        sums.add({"length": torch.tensor(lengths)},
+                 PretrainOutput(torch.tensor(loss), objective_sums, objective_counts))
     stats = sums.reduce(stop=False)
     assert stats == {"loss": 3.0, "set_loss": 1.5, "tokens": 40, "squared_lengths": 450.0, "predictions": 2.0,
                      "stop": False, "objectives": {"seq2seq": 1.5}, "local_loss": 6.0}

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from common import files
-from pretrain import checkpoint as ckpt
-from pretrain import rng
+from pretrain import checkpoint as ckpt, rng
 from pretrain.resume import ResumePoint, changed_settings, check_compatible, report_changed_settings
 
 

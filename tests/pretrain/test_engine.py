@@ -9,13 +9,14 @@ import os
 import random
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from pretrain import accelerator, distributed, engine, rng
 from common.paths import REPO_ROOT
+from pretrain import accelerator, distributed, engine, rng
 from pretrain.distributed import SetupError, first_slurm_host, launched_rank, slurm_task_environment
 
 
@@ -318,8 +319,9 @@ def test_a_build_log_is_summarised_by_its_first_line_and_the_line_naming_the_cau
     log = ("Error building extension 'fused_adam': [1/3] /usr/local/cuda/bin/nvcc -c fused_adam_frontend.cpp -o f.o\n"
            "FAILED: f.o\n/usr/local/cuda/bin/nvcc -c fused_adam_frontend.cpp -o f.o\n"
            "nvcc fatal   : Unsupported gpu architecture 'compute_90a'\nninja: build stopped: subcommand failed.\n")
-    assert accelerator.error_summary(RuntimeError(log)) == \
-        "RuntimeError: Error building extension 'fused_adam' (nvcc fatal   : Unsupported gpu architecture 'compute_90a')"
+    assert accelerator.error_summary(RuntimeError(log)) == (
+        "RuntimeError: Error building extension 'fused_adam' "
+        "(nvcc fatal   : Unsupported gpu architecture 'compute_90a')")
     assert accelerator.error_summary(RuntimeError("CUDA_HOME does not exist, unable to compile CUDA op(s)")) == \
         "RuntimeError: CUDA_HOME does not exist, unable to compile CUDA op(s)"
 
@@ -441,9 +443,9 @@ def test_which_adam_goes_on_from_which_checkpoint_as_saved_and_universally_conve
     a conversion gives it), `build_engine` either builds the optimizer that goes on or refuses before loading."""
     from pretrain.batch_plan import plan_batch
     from pretrain.convert import to_universal
-    from pretrain.resume import ResumePoint
     from pretrain.data import synthetic_batch
     from pretrain.model import build_model, preset
+    from pretrain.resume import ResumePoint
 
     monkeypatch.setenv("LOCAL_RANK", "0")
     failure = accelerator.op_failure(FUSED)

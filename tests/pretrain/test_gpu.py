@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from conftest import GPU_ENV, ROOT, subprocess_env
 from training_runs import check, launch, losses, metrics
 

@@ -11,12 +11,17 @@ import torch.nn.functional as F
 from torch import nn
 
 import pretrain.model as model_module
-from pretrain.masks import (
-    BIDIRECTIONAL, LEFT_TO_RIGHT, RIGHT_TO_LEFT, SEQ2SEQ, build_attention_mask, build_segment_ids,
-)
 from data_prep.shard_format import Sample, ShardDataset
 from pretrain.data import collate
 from pretrain.kernels import CPU_LINEAR_VARIABLE, cpu_linear_backend
+from pretrain.masks import (
+    BIDIRECTIONAL,
+    LEFT_TO_RIGHT,
+    RIGHT_TO_LEFT,
+    SEQ2SEQ,
+    build_attention_mask,
+    build_segment_ids,
+)
 from pretrain.model import IGNORE_INDEX, PretrainOutput, build_model, preset, training_flops
 
 OBJECTIVES = (BIDIRECTIONAL, LEFT_TO_RIGHT, RIGHT_TO_LEFT, SEQ2SEQ)
@@ -566,9 +571,9 @@ def fast_path_errors(device: str, dtype: torch.dtype) -> dict[str, tuple[float, 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fast_paths_in_half_precision_on_cuda_are_as_accurate_as_eager(dtype):
-    """Compiled blocks + chunked loss + packed rows against fp32 are at most 1.5x as far off as the eager model in the same dtype
-    (+2e-3: the compiler keeps some fused intermediates in fp32 where eager rounds them, or the reverse); and eager
-    itself within 25 % of fp32's math-kernel attention everywhere (half-precision rounding is far below that; an
-    attention kernel fault that eager and fast share is not)."""
+    """Compiled blocks + chunked loss + packed rows against fp32 are at most 1.5x as far off as the eager model in
+    the same dtype (+2e-3: the compiler keeps some fused intermediates in fp32 where eager rounds them, or the
+    reverse); and eager itself within 25 % of fp32's math-kernel attention everywhere (half-precision rounding is
+    far below that; an attention kernel fault that eager and fast share is not)."""
     for key, (fast, eager) in fast_path_errors("cuda", dtype).items():
         assert fast <= 1.5 * eager + 2e-3 and eager < 0.25, (key, fast, eager)

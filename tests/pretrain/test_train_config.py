@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.batch_plan import plan_batch
 from common.paths import REPO_ROOT
+from pretrain.batch_plan import plan_batch
 from pretrain.config import load_config
 from pretrain.engine import parameter_groups, read_engine_json
 from pretrain.trainer import build_deepspeed_config
@@ -117,7 +117,8 @@ def test_preflight_checks_lengths_and_held_out_shards_against_the_model(unilm_sh
     other = tmp_path / "other"
     run_build("--input", REPO_ROOT / "data/samples/news/lee.txt", "--vocab", REPO_ROOT / "data/samples/minilm",
               "--max-seq-len", longest, "--out", other)
-    assert main(common + [f"data.eval_shards={other}", "train.eval_interval=2", "model.overrides.vocab_size=30522"]) == 1
+    assert main(common + [f"data.eval_shards={other}", "train.eval_interval=2",
+                          "model.overrides.vocab_size=30522"]) == 1
     assert "were built with another vocabulary than data.shards" in capsys.readouterr().err
 
 

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, subprocess_env
 
+from conftest import ROOT, subprocess_env
 from pretrain import checkpoint as ckpt
 from pretrain.model import ModelConfig, build_model
-from pretrain.resume import RunLock, RunLockedError, choose_resume_tag, find_resume_point, lock_run_directory
+from pretrain.resume import RunLock, RunLockedError, choose_resume_tag, lock_run_directory
 
 TINY = dict(vocab_size=120, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32,
             max_position_embeddings=64)

@@ -12,9 +12,9 @@ from safetensors.torch import load_file
 
 from conftest import ROOT, subprocess_env
 from finetune.model_io import load_init
-from pretrain.rng import seed_everything
 from pretrain.config import load_config, resolve_model_config
 from pretrain.hf import load_hf_bert
+from pretrain.rng import seed_everything
 from tools import ablation
 
 
@@ -52,7 +52,8 @@ def test_the_three_arms_start_from_identical_bert_weights(samples_dir: Path, min
     # and they are the real BERT's tensors (HF token type 1 → our segment rows 1 and 5)
     original = load_file(minilm_dir / "model.safetensors")
     assert torch.equal(starts["bert"]["layers.3.ffn_in.weight"], original["encoder.layer.3.intermediate.dense.weight"])
-    assert torch.equal(starts["bert+unilm"]["embeddings.segment.weight"][5], original["embeddings.token_type_embeddings.weight"][1])
+    assert torch.equal(starts["bert+unilm"]["embeddings.segment.weight"][5],
+                       original["embeddings.token_type_embeddings.weight"][1])
     assert torch.equal(starts["bert+mlm"]["embeddings.token.weight"], original["embeddings.word_embeddings.weight"])
 
 
@@ -87,7 +88,8 @@ def test_results_records_follow_the_published_schema() -> None:
 
 
 @pytest.mark.slow
-def test_the_driver_runs_every_stage_on_a_few_steps_and_skips_them_on_a_rerun(samples_dir: Path, tmp_path: Path) -> None:
+def test_the_driver_runs_every_stage_on_a_few_steps_and_skips_them_on_a_rerun(samples_dir: Path,
+                                                                              tmp_path: Path) -> None:
     import subprocess
     import sys
 
