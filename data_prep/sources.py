@@ -37,9 +37,11 @@ with the input as a whole (missing file, unknown suffix, a parquet file or datas
 ``SourceError`` naming the input and the fix. ``--text-field NAME`` picks another column than ``text``.
 
 Work is split into units (``input_units``): one per local file, one per ``unit_bytes`` byte range of a large
-uncompressed ``.jsonl`` file (a range holds the lines that start in it), one per shard of a Hugging Face dataset
-(``IterableDataset.shard``), so several builders read disjoint parts of the inputs. Wikipedia pages come out
-as raw ``Wikitext``; ``document_text`` turns them into prose in the worker that processes them.
+uncompressed ``.jsonl`` file (a range holds the lines that start in it), of a large Wikipedia dump (the pages that
+begin in it: ``data_prep.wiki_units``) or of a large parquet file (the row groups that begin in it:
+``data_prep.parquet_units``), one per shard of a Hugging Face dataset (``IterableDataset.shard``), so several
+builders read disjoint parts of the inputs. Wikipedia pages come out as raw ``Wikitext``; ``document_text`` turns
+them into prose in the worker that processes them.
 
 Sentence-per-row corpora (BookCorpus on the hub is one sentence per row) use ``group_rows``: consecutive rows
 become the sentences of one document of at most ``rows_per_document`` rows; an empty row ends a document early.
@@ -72,8 +74,10 @@ from data_prep.inputs import (
     is_dataset_input,
     is_plain_folder,
 )
+from data_prep.parquet_units import parquet_units, row_groups_in
 from data_prep.records import RepairedText, Skipped, SourceError
 from data_prep.wiki_dump import document_text, read_wiki_dump
+from data_prep.wiki_units import dump_units
 
 _BOM = b"\xef\xbb\xbf"
 _WIDE_BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"),  # before UTF-16 LE: FF FE 00 00
@@ -84,7 +88,8 @@ ROWS_PER_DOCUMENT = 1000
 sample at each document's end costs little padding (NSP's random next segments of such documents come from
 far away in the text, `data_prep.chunks.iter_chunks`)"""
 UNIT_BYTES = 1 << 28
-"""a .jsonl file larger than this is read as several units (byte ranges), so several builders can share it"""
+"""a .jsonl file, Wikipedia dump or parquet file larger than this is read as several units (byte ranges), so
+several builders can share it"""
 
 
 @dataclass(frozen=True)
@@ -95,7 +100,8 @@ class Unit:
     shard: int = 0
     num_shards: int = 1
     start: int = 0
-    """byte range [start, stop) of a file: the lines that start in it (stop -1: to the end)"""
+    """byte range [start, stop) of a file: the lines, dump pages or parquet row groups that start in it (stop -1: to
+    the end)"""
     stop: int = -1
 
     def __str__(self) -> str:
@@ -167,6 +173,10 @@ def input_units(spec: str, unit_bytes: int = UNIT_BYTES) -> list[Unit]:
 
 def _file_units(path: Path, unit_bytes: int) -> list[Unit]:
     size = path.stat().st_size
+    if file_type(path) in (".xml", ".xml.bz2"):
+        return [Unit(str(path), start=start, stop=stop) for start, stop in _dump_units(path, unit_bytes)]
+    if file_type(path) == ".parquet":
+        return [Unit(str(path), start=start, stop=stop) for start, stop in _parquet_units(path, unit_bytes)]
     if file_type(path) != ".jsonl" or compression_suffix(path) or size <= unit_bytes:
         return [Unit(str(path))]
     starts = range(0, size, unit_bytes)
@@ -196,13 +206,15 @@ def read_unit(unit: Unit, options: ReadOptions = ReadOptions()) -> Iterator[str 
         elif suffix == ".txt":
             records = _read_txt(path, options.txt_documents)
         elif suffix in (".xml", ".xml.bz2"):
-            records = read_wiki_dump(path)
+            records = read_wiki_dump(path, unit.start, unit.stop)
         elif suffix == ".jsonl":
             records = _read_jsonl(path, options.text_field, unit.start, unit.stop)
         elif suffix == WIKIEXTRACTOR:
             records = _read_wikiextractor(path, options.text_field)
+        elif suffix == ".parquet":
+            records = _read_parquet(path, options.text_field, unit.start, unit.stop)
         else:
-            records = {".json": _read_json, ".parquet": _read_parquet}[suffix](path, options.text_field)
+            records = _read_json(path, options.text_field)
         if compression_suffix(path):
             records = _decompressed(records, path)
     return group_rows(records, options.rows_per_document) if options.rows_as_sentences else records
@@ -341,7 +353,23 @@ def _read_json(path: Path, text_field: str) -> Iterator[str | Skipped]:
             yield text_of(record, f"{path}[{number}]", len(json.dumps(record, ensure_ascii=False)))
 
 
-def _read_parquet(path: Path, text_field: str) -> Iterator[str | Skipped]:
+def _dump_units(path: Path, unit_bytes: int) -> list[tuple[int, int]]:
+    try:
+        return dump_units(path, unit_bytes)
+    except (OSError, EOFError, ValueError) as err:  # a multistream index that is damaged or names no streams
+        raise SourceError(f"--input {path}: its multistream index is not readable ({err}); fetch it again, or "
+                          "move it away to read the dump by its bzip2 blocks") from None
+
+
+def _parquet_units(path: Path, unit_bytes: int) -> list[tuple[int, int]]:
+    try:
+        return parquet_units(path, unit_bytes)
+    except Exception as err:  # pyarrow raises several unrelated types for a damaged file
+        raise SourceError(f"--input {path}: not a readable parquet file ({err})") from None
+
+
+def _read_parquet(path: Path, text_field: str, start: int = 0, stop: int = -1) -> Iterator[str | Skipped]:
+    """The rows of the row groups that begin in bytes [start, stop) (``data_prep.parquet_units``)."""
     import pyarrow.parquet as pq  # optional: only parquet inputs need it
 
     try:
@@ -352,8 +380,10 @@ def _read_parquet(path: Path, text_field: str) -> Iterator[str | Skipped]:
     if text_field not in columns:
         raise SourceError(f"--input {path}: no '{text_field}' column (columns: {columns}); "
                           "pass --text-field NAME for the column that holds the text")
-    row = 0
-    for batch in parquet.iter_batches(columns=[text_field], batch_size=1024):
+    groups, row = row_groups_in(path, start, stop)
+    if not groups:
+        return
+    for batch in parquet.iter_batches(columns=[text_field], batch_size=1024, row_groups=groups):
         for text in batch.column(0).to_pylist():
             yield text if isinstance(text, str) else Skipped(
                 "text_not_a_string", f"{path} row {row} ('{text_field}' is {json_type(text)}, not a string)")

@@ -1,8 +1,9 @@
 """Wikipedia XML dumps (``.xml``, ``.xml.bz2``, the ``…xml-p<first>p<last>.bz2`` pieces a dump comes in) as
 records: one raw ``Wikitext`` per article (namespace 0), a ``Skipped`` record per redirect or other page.
 
-The reader only parses the XML (``data_prep.wikitext.iter_pages``); ``document_text`` turns a page into prose later,
-in the worker that processes it, with the namespaces the dump's site info names.
+The reader only parses the XML of a byte range of the dump (``data_prep.wiki_units.read_pages``, in reader
+processes); ``document_text`` turns a page into prose later, in the worker that processes it, with the namespaces
+the dump's site info names.
 """
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from data_prep.records import Skipped, SourceError
-from data_prep.wikitext import iter_pages, link_namespaces, wikitext_to_text
+from data_prep.wiki_units import read_pages
+from data_prep.wikitext import link_namespaces, wikitext_to_text
 
 
 class Wikitext(str):
@@ -36,15 +38,17 @@ def document_text(record: str) -> str:
 
 
 
-def read_wiki_dump(path: Path) -> Iterator[str | Skipped]:
+def read_wiki_dump(path: Path, start: int = 0, stop: int = -1) -> Iterator[str | Skipped]:
+    """The pages that bytes ``[start, stop)`` of a dump own (``data_prep.wiki_units``; stop -1: to the end)."""
     try:
-        for title, namespace, redirect, wikitext in iter_pages(path):
+        for title, namespace, redirect, wikitext in read_pages(path, start, stop):
             if redirect:
                 yield Skipped("wiki_redirect", f"{path}: {title}")
             elif namespace != 0:
                 yield Skipped("wiki_not_an_article", f"{path}: {title}")
             else:
                 yield Wikitext.of(wikitext, str(path))
-    except (OSError, EOFError, SyntaxError) as err:  # ET.ParseError is a SyntaxError; bz2 raises OSError/EOFError
+    # ET.ParseError is a SyntaxError; bz2 raises OSError or EOFError; an index that names no streams, ValueError
+    except (OSError, EOFError, SyntaxError, ValueError) as err:
         raise SourceError(f"--input {path}: not a readable Wikipedia XML dump ({err}); "
                           "pass a complete pages-articles .xml or .xml.bz2 file") from None
