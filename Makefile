@@ -98,10 +98,10 @@ lint: $(STAMP)  ## ruff over the whole project, mypy over common, data_prep, pre
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
-test: system-deps sample-corpus  ## run the whole test suite (installs the Debian packages its launcher tests use)
+test: system-deps sample-corpus lint  ## lint, types, then the whole test suite (installs the Debian packages its launcher tests use)
 	$(PY) -m pytest -q tests
 
-test-fast: sample-corpus  ## the test suite without the multi-process / multi-minute tests (-m "not slow")
+test-fast: sample-corpus lint  ## lint, types, then the test suite without the multi-process / multi-minute tests (-m "not slow")
 	$(PY) -m pytest -q -m "not slow" tests
 
 bench: sample-corpus  ## every benchmark in one run: one table of ratios + the machine -> bench_out/results.json
