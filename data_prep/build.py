@@ -232,7 +232,7 @@ def training_documents(inputs: Sequence[str], cfg: BuildConfig | None = None) ->
 FLAG_KEYS = {"": ("seed", "dupe_factor", "samples_per_shard", "chunk_chars", "text_field", "rows_per_document",
                   "txt_documents"),
              "instances.": ("recipe", "max_seq_len", "short_seq_prob"),
-             "masking.": ("mask_prob", "max_predictions")}
+             "masking.": ("mask_prob", "max_predictions", "whole_word_mask")}
 """the config keys with a flag of their own, by section (``--max-seq-len`` sets ``instances.max_seq_len``);
 ``--objective-mix`` sets ``instances.objective_mix``, ``--set KEY=VALUE`` any key"""
 SECTIONS = {"": BuildSettings, "instances.": InstanceConfig, "masking.": MaskingConfig}
@@ -250,6 +250,8 @@ FLAG_HELP = {
     "mask_prob": "share of tokens masked (default 0.15)",
     "max_predictions": "cap on masked tokens per sample (default round(--mask-prob x --max-seq-len): 19 at 128, 77 "
                        "at 512 with 0.15)",
+    "whole_word_mask": "mask whole words: all word pieces of each word a span touches, one replacement per word "
+                       "(default off)",
     "dupe_factor": "differently-masked copies of each instance (BERT: 10; see docs/shard_format.md)",
     "seed": "seeds every random choice of the build (default 1)",
     "samples_per_shard": "upper bound per shard file (default 65536)",

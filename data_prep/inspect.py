@@ -3,9 +3,11 @@
 ``--json`` prints one JSON object (``num_samples``, ``objective_counts``, ``masked_fraction`` = masked /
 maskable tokens over all samples, ``masked_fraction_by_objective``, ``max_predictions`` and ``cap_bound``
 (samples whose masking the ``max_predictions`` cap cut below ``mask_prob``: count and fraction),
-``replacement`` fractions, ``span_lengths``, ``documents``, ``padding_fraction`` …);
-``--dump N`` prints the first N samples as JSON lines with tokens as strings; ``--verify`` checks every
-shard against the manifest sha256. All statistics are computed shard by shard on the memory-mapped arrays.
+``replacement`` fractions, ``span_lengths``, ``documents``, ``padding_fraction``, ``whole_word_mask`` and
+``word_breaks``: continuation pieces masked apart from their word, none under whole-word masking …);
+``--dump N`` prints the first N samples as JSON lines with tokens as strings (and each one's ``word_breaks``);
+``--verify`` checks every shard against the manifest sha256, and that a whole-word build breaks no word.
+All statistics are computed shard by shard on the memory-mapped arrays.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from data_prep.shard_format import VOCAB_NAME, Objective, ShardArrays, ShardDataset, ShardError
+from data_prep.whole_words import continuation_table, word_breaks
 
 
 def shard_statistics(ds: ShardDataset) -> dict[str, Any]:
@@ -34,6 +37,7 @@ def shard_statistics(ds: ShardDataset) -> dict[str, Any]:
     masked_by_objective: collections.Counter = collections.Counter()
     maskable_by_objective: collections.Counter = collections.Counter()
     masking = ds.manifest.get("masking")
+    continuation = _continuations(ds)
     for shard in ds.shards:
         a: ShardArrays = shard.arrays
         index = np.asarray(a.index)
@@ -56,6 +60,9 @@ def shard_statistics(ds: ShardDataset) -> dict[str, Any]:
             continue
         positions = np.asarray(a.masked_positions).astype(np.int64)
         labels = np.asarray(a.masked_labels).astype(np.int64)
+        totals["word_breaks"] += int(word_breaks(a.tokens, index["token_offset"], index["length"],
+                                                 index["segment_a_length"], num_masked, positions, labels,
+                                                 continuation).sum())
         shown = np.asarray(a.tokens)[np.repeat(index["token_offset"].astype(np.int64), num_masked) + positions]
         totals["mask"] += int((shown == special["mask"]).sum())
         totals["keep"] += int((shown == labels).sum())
@@ -90,7 +97,14 @@ def shard_statistics(ds: ShardDataset) -> dict[str, Any]:
         "special_tokens_masked": totals["special_masked"],
         "documents": {k: ds.manifest["documents"][k] for k in ("read", "skipped", "skip_reasons")},
         "padding_fraction": 1 - totals["tokens"] / max(num_samples * max_len, 1),
+        "whole_word_mask": bool(masking and masking.get("whole_word_mask", False)),
+        "word_breaks": totals["word_breaks"],
     }
+
+
+def _continuations(ds: ShardDataset) -> np.ndarray:
+    vocab = (ds.directory / VOCAB_NAME).read_text(encoding="utf-8").split("\n")
+    return continuation_table(tuple(vocab))
 
 
 def _sum_by(keys: np.ndarray, values: np.ndarray) -> dict[int, int]:
@@ -103,14 +117,19 @@ def _sum_by(keys: np.ndarray, values: np.ndarray) -> dict[int, int]:
 def dump_samples(ds: ShardDataset, count: int) -> Iterator[dict[str, Any]]:
     """The first ``count`` samples with token strings (masking applied) and original tokens at masked positions."""
     vocab = (ds.directory / VOCAB_NAME).read_text(encoding="utf-8").split("\n")
+    continuation = continuation_table(tuple(vocab))
     for i in range(min(count, len(ds))):
         sample = ds[i]
+        breaks = word_breaks(sample.input_ids, np.zeros(1, np.int64), np.array([sample.length]),
+                             np.array([sample.segment_a_length]), np.array([len(sample.masked_positions)]),
+                             sample.masked_positions.astype(np.int64), sample.masked_labels.astype(np.int64),
+                             continuation)
         yield {"index": i, "objective": Objective(sample.objective).key,
                "tokens": [vocab[t] for t in sample.input_ids.tolist()],
                "segment_a_length": sample.segment_a_length, "length": sample.length,
                "masked_positions": sample.masked_positions.tolist(),
                "masked_labels": [vocab[t] for t in sample.masked_labels.tolist()],
-               "is_random_next": sample.is_random_next}
+               "is_random_next": sample.is_random_next, "word_breaks": int(breaks[0])}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -126,6 +145,10 @@ def main(argv: list[str] | None = None) -> None:
         ds = ShardDataset(args.directory)
         if args.verify:
             ds.verify()
+            masking = ds.manifest.get("masking") or {}
+            if masking.get("whole_word_mask") and (breaks := shard_statistics(ds)["word_breaks"]):
+                raise ShardError(f"{args.directory}: a whole-word build with {breaks} piece(s) masked apart from "
+                                 "their word")
             print(f"[inspect] verified {len(ds.shards)} shard(s) in {args.directory}", file=sys.stderr)
         if args.dump:
             for record in dump_samples(ds, args.dump):

@@ -57,6 +57,10 @@ class MaskingConfig:
     """fraction of masked tokens shown as [MASK]"""
     replace_random: float = 0.1
     """fraction shown as a random token (the rest stay unchanged)"""
+    whole_word_mask: bool = False
+    """mask whole words: a masked span covers every word piece of each word it touches (a piece and its ``##``
+    continuations; each CJK character is a word), spans count words, one replacement per word
+    (`data_prep.whole_words`)"""
 
     def __post_init__(self) -> None:
         if not 0 < self.mask_prob < 1:  # NaN fails too

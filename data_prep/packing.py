@@ -19,6 +19,7 @@ from data_prep.report import DocumentStats
 from data_prep.shard_format import INDEX_DTYPE, Objective, ShardArrays, token_dtype, write_shard
 from data_prep.text import clean_document, split_sentences
 from data_prep.vocab import Vocab, VocabError, load_encoder, load_vocab
+from data_prep.whole_words import continuation_table, mask_whole_words
 from data_prep.wiki_dump import document_text
 
 ENCODE_BATCH = 4096
@@ -116,6 +117,11 @@ def process_chunk(cfg: BuildConfig, chunk: Chunk, out_path: Path) -> tuple[Docum
     return stats, len(arrays)
 
 
+@functools.lru_cache(maxsize=4)
+def _continuations(tokens: tuple[str, ...]) -> np.ndarray:
+    return continuation_table(tokens)
+
+
 def _pack(cfg: BuildConfig, vocab: Vocab, random_ids: np.ndarray, unit: int, doc_indices: list[int],
           per_document: list[list[Instance]]) -> ShardArrays:
     """Lay out ``[CLS] A [SEP] (B [SEP])`` back to back, mask each dupe copy (vectorised) and pack shard arrays."""
@@ -145,7 +151,13 @@ def _pack(cfg: BuildConfig, vocab: Vocab, random_ids: np.ndarray, unit: int, doc
     copies = []
     for copy in range(cfg.dupe_factor):
         tokens = base.copy()
-        if cfg.instances.masked:
+        if cfg.instances.masked and cfg.masking.whole_word_mask:
+            per_sample = [rng for doc, samples in zip(doc_indices, samples_per_doc)  # a document's generator
+                          for rng in [np.random.default_rng([cfg.seed, unit, doc, copy + 1])] * samples]
+            num_masked, positions, labels = mask_whole_words(tokens, offset, length, len_a, per_sample, cfg.masking,
+                                                             special["mask"], random_ids,
+                                                             _continuations(vocab.tokens))
+        elif cfg.instances.masked:
             maskable = length - np.where(len_a == length, 2, 3)
             need = np.add.reduceat(3 * masking_budget(maskable, cfg.masking) + maskable,
                                    np.cumsum([0] + samples_per_doc[:-1]))

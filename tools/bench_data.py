@@ -7,6 +7,8 @@ read once, and
              offset-free variant the builder calls, so the cost on top of the builder's own tokenization shows;
   build    — the full ``data_prep.build`` pipeline from a JSONL of the same documents (read, clean, split,
              encode, instances, masking, packing, writing shards + manifest) with 1 and with 2 workers;
+  whole    — the same 1-worker build with whole-word masking (``--whole-word-mask``), beside the default one:
+             the ratio of their speeds is the cost of masking whole words (goal: within 10 %);
   wiki     — the build straight from the Wikipedia dump (``.xml.bz2``: decompression and XML parsing in the
              main process, markup clean-up and everything after it in the workers) with 1 and with 2 workers,
              measured side by side, so the 1 → 2 worker ratio shows what the workers take over.
@@ -28,7 +30,7 @@ from pathlib import Path
 from data_prep.build import build
 from data_prep.chunks import iter_chunks
 from data_prep.config import BuildConfig
-from data_prep.instances import InstanceConfig
+from data_prep.instances import InstanceConfig, MaskingConfig
 from data_prep.sources import ReadOptions, Unit, read_documents
 from data_prep.text import clean_document, split_sentences
 from data_prep.vocab import load_encoder, load_vocab, train_vocab
@@ -84,6 +86,10 @@ def measure(inputs: list[str] = DEFAULT_INPUTS, vocab: Path | None = None, recip
         runs = {"raw": raw, "raw_fast": raw_fast,
                 "build_1": lambda: build(cfg, work / "shards1", workers=1, overwrite=True, progress=False),
                 "build_2": lambda: build(cfg, work / "shards2", workers=2, overwrite=True, progress=False)}
+        whole_cfg = dataclasses.replace(cfg, masking=MaskingConfig(whole_word_mask=True))
+        if whole_cfg.instances.masked:
+            runs["build_whole_word"] = lambda: build(whole_cfg, work / "whole", workers=1, overwrite=True,
+                                                     progress=False)
         wiki_cfg = dataclasses.replace(cfg, inputs=(wiki_dump,), chunk_chars=chunk_chars // 4) if wiki_dump else None
         if wiki_cfg:  # smaller chunks: the excerpt is a few MB, and two workers need several chunks to share
             runs["wiki_1"] = lambda: build(wiki_cfg, work / "wiki1", workers=1, overwrite=True, progress=False)
@@ -111,7 +117,9 @@ def measure(inputs: list[str] = DEFAULT_INPUTS, vocab: Path | None = None, recip
             "ratio_build_vs_raw": times["raw"] / times["build_1"],
             "ratio_build_vs_raw_cpu": cpu["raw"] / cpu["build_1"],
             "ratio_build_vs_raw_fast": times["raw_fast"] / times["build_1"],
-            "speedup_2_workers": times["build_1"] / times["build_2"]}
+            "speedup_2_workers": times["build_1"] / times["build_2"],
+            "ratio_whole_word_vs_default": times["build_1"] / times.get("build_whole_word", float("nan")),
+            "ratio_whole_word_vs_default_cpu": cpu["build_1"] / cpu.get("build_whole_word", float("nan"))}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -145,6 +153,10 @@ def main(argv: list[str] | None = None) -> None:
           f"{times['raw_fast'] / times['build_1']:.2f} (CPU time {cpu['raw_fast'] / cpu['build_1']:.2f})")
     print(f"[bench-data] speed-up 1 -> 2 workers: {build2_rate / build_rate:.2f}x  (identical bytes: {same}; "
           f"{os.cpu_count()} CPUs)")
+    if "build_whole_word" in times:
+        print(f"[bench-data] whole-word masking vs default build (1 worker): speed ratio "
+              f"{result['ratio_whole_word_vs_default']:.2f} (CPU time {result['ratio_whole_word_vs_default_cpu']:.2f}; "
+              f"goal >= 0.90: {'met' if result['ratio_whole_word_vs_default'] >= 0.9 else 'NOT met'})")
     if "wiki_tokens" in result:
         rates = result["wiki_tokens_per_s"]
         print(f"[bench-data] Wikipedia dump {result['wiki_dump']} ({result['wiki_dump_bytes'] / 1e6:.1f} MB, "
