@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from data_prep import build
+from data_prep import build, wiki_units
 from data_prep.records import Skipped
 from data_prep.sources import Unit, input_units, read_unit
 from data_prep.wiki_dump import Wikitext
@@ -58,12 +58,14 @@ def test_a_dump_is_one_unit_per_range_and_the_ranges_read_every_page_once_in_ord
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("which", ["excerpt", "multistream"])
-def test_dump_units_build_the_same_shards_for_any_workers_or_builders(which, dump, multistream, vocab_file,
-                                                                        tmp_path):
+@pytest.mark.parametrize("which, unit_bytes", [("excerpt", UNIT_BYTES), ("multistream", UNIT_BYTES),
+                                               ("excerpt", 1_100_000)])  # its first range read by reader processes
+def test_dump_units_build_the_same_shards_for_any_workers_or_builders(which, unit_bytes, dump, multistream,
+                                                                        vocab_file, tmp_path):
+    assert 1_100_000 >= wiki_units.PARALLEL_MIN_BYTES
     path = dump if which == "excerpt" else multistream
     common = ["--input", path, "--vocab", vocab_file, "--max-seq-len", 64, "--seed", 3, "--dupe-factor", 1,
-              "--chunk-chars", 300_000, "--samples-per-shard", 2000, "--set", f"unit_bytes={UNIT_BYTES}"]
+              "--chunk-chars", 300_000, "--samples-per-shard", 2000, "--set", f"unit_bytes={unit_bytes}"]
     one = run_build(*common, "--workers", 1, "--out", tmp_path / "one")
     run_build(*common, "--workers", 2, "--out", tmp_path / "two")
     for index in (1, 0):  # builders may finish in any order
