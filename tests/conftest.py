@@ -7,11 +7,35 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from tools.torch_extensions import default_extensions_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = Path(os.environ.get("UNILM_SAMPLES", ROOT / "data" / "samples"))
+TEST_SEED = int(os.environ.get("TEST_SEED", "20261206"))
+"""Where every test's random draws start (Python's, numpy's and torch's global generators, hypothesis's examples);
+``TEST_SEED=N make test`` replays another seed. The session header reports it."""
+
+settings.register_profile("seeded", settings(derandomize=True))
+settings.load_profile("seeded")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"random seed: TEST_SEED={TEST_SEED} (each test starts Python's, numpy's and torch's generators from it)"
+
+
+@pytest.fixture(autouse=True)
+def seeded_generators() -> None:
+    """Each test starts its global generators from `TEST_SEED`, whatever ran before it: its draws are replayable."""
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(TEST_SEED)
+    np.random.seed(TEST_SEED % 2**32)
+    torch.manual_seed(TEST_SEED)
 
 # Set by a launcher, or by an in-process 1-rank DeepSpeed run of an earlier test (pretrain.trainer.init_distributed):
 # a child process that inherited them would think a launcher started it and reuse a port this process holds.

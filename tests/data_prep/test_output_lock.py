@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -209,13 +208,12 @@ def test_a_command_stops_once_and_its_cleanup_is_not_cut_short_by_a_second_signa
     try:
         with signals.stop_once():
             try:
-                os.kill(os.getpid(), first)
-                time.sleep(5)  # the handler raises here
+                signal.raise_signal(first)  # runs the handler, which raises, before it returns
+                pytest.fail(f"{signal.Signals(first).name} did not stop the block")
             except KeyboardInterrupt as stop:
                 stops.append(type(stop))
                 for again in (first, second, first):
-                    os.kill(os.getpid(), again)
-                time.sleep(0.2)
+                    signal.raise_signal(again)  # handled (ignored) before it returns
                 cleaned_up = True
         assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == \
             (signal.default_int_handler, before[1])
@@ -231,10 +229,8 @@ def test_a_command_that_ignores_ctrl_c_keeps_ignoring_it():
     before = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         with pytest.raises(signals.Terminated), signals.stop_once():
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(0.2)  # not interrupted
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(5)
+            signal.raise_signal(signal.SIGINT)  # ignored: handled before it returns
+            signal.raise_signal(signal.SIGTERM)  # raises Terminated before it returns
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, before)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import GPU_ENV, subprocess_env
+from conftest import GPU_ENV, TEST_SEED, subprocess_env
 from pretrain import checkpoint as ckpt
 from training_runs import check, launch, losses, metrics, train_command
 
@@ -92,7 +92,7 @@ def test_kills_at_random_moments_of_saves_resume_from_the_newest_complete_one(
         common: list[str], reference: Path, tmp_path: Path) -> None:
     """SIGKILL from outside at a random moment after a save's directory appears (no hook), twice; a save every
     step. Wherever the kills land, the restart resumes from the newest complete checkpoint and matches."""
-    seed = int(os.environ.get("TEST_SEED", "20261206"))  # TEST_SEED=N replays a failure's kill moments
+    seed = TEST_SEED  # TEST_SEED=N replays a failure's kill moments
     rng = random.Random(seed)
     overrides = common + [f"out_dir={tmp_path}", "train.save_interval=1"]
     checkpoints = tmp_path / "checkpoints"
