@@ -7,6 +7,7 @@ the dump's site info names.
 """
 from __future__ import annotations
 
+import bz2
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,9 +39,25 @@ def document_text(record: str) -> str:
 
 
 
+HEAD_BYTES = 1 << 16
+"""How far into a dump its ``<mediawiki`` root element must begin (after the XML declaration)."""
+
+
+def check_dump_head(path: Path) -> None:
+    """Refuse a file whose first (decompressed) bytes hold no ``<mediawiki`` root: an empty or foreign file owns no
+    page in any byte range, so without this check it would be read as a dump without articles."""
+    with (bz2.open(path, "rb") if path.suffix == ".bz2" else open(path, "rb")) as f:
+        head = f.read(HEAD_BYTES)
+    if b"<mediawiki" not in head:
+        raise ValueError(f"no <mediawiki> root element in its first {HEAD_BYTES} bytes")
+
+
 def read_wiki_dump(path: Path, start: int = 0, stop: int = -1) -> Iterator[str | Skipped]:
-    """The pages that bytes ``[start, stop)`` of a dump own (``data_prep.wiki_units``; stop -1: to the end)."""
+    """The pages that bytes ``[start, stop)`` of a dump own (``data_prep.wiki_units``; stop -1: to the end). The
+    unit at the start of the file also checks that it is a dump (`check_dump_head`)."""
     try:
+        if start == 0:
+            check_dump_head(path)
         for title, namespace, redirect, wikitext in read_pages(path, start, stop):
             if redirect:
                 yield Skipped("wiki_redirect", f"{path}: {title}")
