@@ -294,7 +294,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=1, help="processes on this machine (output is identical; default 1)")
     p.add_argument("--num-builders", type=int, default=1,
                    help="split the work across K machines: each reads only its units (files, 256 MiB ranges of "
-                        ".jsonl files, dataset shards)")
+                        ".jsonl files, Wikipedia dumps and parquet files, dataset shards)")
     p.add_argument("--builder-index", type=int, default=0, help="this machine's share, 0..K-1")
     p.add_argument("--finalize", action="store_true", help="after all builders: write shards + manifest in --out")
     p.add_argument("--out", type=Path, help="output directory (assembled beside it, renamed into place when done)")
