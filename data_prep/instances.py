@@ -384,10 +384,18 @@ def mask_samples(tokens: np.ndarray, token_offset: np.ndarray, length: np.ndarra
     content_a = np.where(single, n, segment_a_length - 2)[sample_of_masked]
     positions = 1 + maskable_index + (maskable_index >= content_a)  # skip [CLS] and the middle [SEP]
     absolute = token_offset[sample_of_masked] + positions
+    return k, positions, replace_masked(tokens, absolute, u_replace, u_token, cfg, mask_id, random_ids)
+
+
+def replace_masked(tokens: np.ndarray, absolute: np.ndarray, u_replace: np.ndarray, u_token: np.ndarray,
+                   cfg: MaskingConfig, mask_id: int, random_ids: np.ndarray) -> np.ndarray:
+    """BERT's 80/10/10 at the masked indices ``absolute`` of ``tokens`` (in place): [MASK] where ``u_replace`` <
+    ``replace_mask``, a random id picked by ``u_token`` where it falls in the next ``replace_random``, else the
+    token kept. Returns the original ids there (the labels), Long[len(absolute)]."""
     labels = tokens[absolute].astype(np.int64)
     shown = labels.copy()
     shown[u_replace < cfg.replace_mask] = mask_id
     use_random = (u_replace >= cfg.replace_mask) & (u_replace < cfg.replace_mask + cfg.replace_random)
     shown[use_random] = random_ids[(u_token[use_random] * len(random_ids)).astype(np.int64)]
     tokens[absolute] = shown
-    return k, positions, labels
+    return labels

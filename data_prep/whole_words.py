@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from data_prep.instances import MaskingConfig, masking_budget
+from data_prep.instances import MaskingConfig, masking_budget, replace_masked
 
 CONTINUATION = "##"
 
@@ -82,16 +82,10 @@ def mask_whole_words(tokens: np.ndarray, token_offset: np.ndarray, length: np.nd
     sample_of = np.repeat(sample_of_word, piece_count)
     num_masked = np.bincount(sample_of, minlength=num_samples).astype(np.int64)
     positions = absolute - offset[sample_of]
-    labels = tokens[absolute].astype(np.int64)
     u_replace = np.repeat(uniforms[block_start[sample_of_word] + 2 * words[sample_of_word]
-                                   + (picked - first_word[sample_of_word])], piece_count)
+                                   + (picked - first_word[sample_of_word])], piece_count)  # one draw per word
     u_token = uniforms[block_start[sample_of] + 3 * words[sample_of] + positions]
-    shown = labels.copy()
-    shown[u_replace < cfg.replace_mask] = mask_id
-    use_random = (u_replace >= cfg.replace_mask) & (u_replace < cfg.replace_mask + cfg.replace_random)
-    shown[use_random] = random_ids[(u_token[use_random] * len(random_ids)).astype(np.int64)]
-    tokens[absolute] = shown
-    return num_masked, positions, labels
+    return num_masked, positions, replace_masked(tokens, absolute, u_replace, u_token, cfg, mask_id, random_ids)
 
 
 def _draw(rngs: list[np.random.Generator], block: np.ndarray) -> np.ndarray:
