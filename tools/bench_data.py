@@ -11,7 +11,13 @@ read once, and
              the ratio of their speeds is the cost of masking whole words (goal: within 10 %);
   wiki     — the build straight from the Wikipedia dump (``.xml.bz2``: decompression and XML parsing in the
              main process, markup clean-up and everything after it in the workers) with 1 and with 2 workers,
-             measured side by side, so the 1 → 2 worker ratio shows what the workers take over.
+             measured side by side, so the 1 → 2 worker ratio shows what the workers take over;
+  dump     — the excerpt's pages repeated ``--dump-copies`` times into one bigger dump, read side by side:
+             CPU seconds per MB of compressed dump of the main process reading it through ``read_pages`` (its
+             reader processes counted apart), of the main process of a 2-worker build of it, and of a worker's
+             per-chunk work (``process_chunk``, timed here); their quotient is the number of workers one main
+             process can feed (goal ≥ 64), and the worker's tokens/s against raw ``encode_batch`` of the same
+             sentences, by CPU time, is the dump build's ratio (goal ≥ 0.8; the worker also strips the markup).
 Tokens/s counts the same corpus tokens for both, so ratio = raw time / build time (target ≥ 0.8). Each
 measurement is repeated (interleaved) and the fastest run kept, because the machine may be shared; the
 ratio is also given by CPU time of the process, which other load barely disturbs. Tokenizer threads are
@@ -20,20 +26,25 @@ off (``TOKENIZERS_PARALLELISM=false``) so 1 worker compares with 1 core; the 2-w
 from __future__ import annotations
 
 import argparse
+import bz2
 import dataclasses
 import json
 import os
+import resource
 import tempfile
 import time
 from pathlib import Path
 
-from data_prep.build import build
+from data_prep.build import build, build_units
 from data_prep.chunks import iter_chunks
 from data_prep.config import BuildConfig
 from data_prep.instances import InstanceConfig, MaskingConfig
+from data_prep.packing import process_chunk, uses_nsp
 from data_prep.sources import ReadOptions, Unit, read_documents
 from data_prep.text import clean_document, split_sentences
 from data_prep.vocab import load_encoder, load_vocab, train_vocab
+from data_prep.wiki_dump import document_text
+from data_prep.wiki_units import read_pages
 
 DEFAULT_INPUTS = ["data/samples/wiki/enwiki-excerpt.xml.bz2", "data/samples/books.jsonl", "data/samples/news/lee.txt"]
 
@@ -45,9 +56,69 @@ def _timed(function) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
+def repeated_dump(excerpt: Path, copies: int, out: Path) -> Path:
+    """A single-stream ``.xml.bz2`` dump of the excerpt's pages ``copies`` times over (its site info once), so the
+    reader has several pieces to share out."""
+    with bz2.open(excerpt, "rb") as f:
+        xml = f.read()
+    first, last = xml.index(b"<page>"), xml.rindex(b"</page>") + len(b"</page>")
+    with bz2.open(out, "wb") as f:
+        f.write(xml[:first] + xml[first:last] * copies + xml[last:])
+    return out
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def measure_dump(dump: Path, cfg: BuildConfig, work: Path, repeat: int = 1) -> dict:
+    """CPU seconds per MB of compressed dump: the main process reading it through ``read_pages`` (its readers
+    apart), the main process of a 2-worker build of it (reading, chunking, handing chunks out, finalizing), and the
+    per-chunk work of a worker (``process_chunk``: clean-up, splitting, encoding, masking, packing), timed in this
+    process; hence how many workers one main process feeds. Also the worker's tokens/s against raw
+    ``Tokenizer.encode_batch`` of the same sentences (by CPU time). Fastest of ``repeat`` runs of each."""
+    megabytes = dump.stat().st_size / 1e6
+    cfg = dataclasses.replace(cfg, inputs=(str(dump),))
+    units = build_units(cfg)
+    chunks = [chunk for index, (unit, options) in enumerate(units)
+              for chunk in iter_chunks(index, unit, options, cfg.chunk_chars,
+                                       units[(index + 1) % len(units)] if len(units) > 1 else None, uses_nsp(cfg))]
+    batches = [[s for record, _where in chunk.records if isinstance(record, str)
+                for s in split_sentences(clean_document(document_text(record)))] for chunk in chunks]
+    tokenizer = load_encoder(cfg.vocab_path, cfg.vocab_sha256, cfg.uncased)
+    cpu = {name: float("inf") for name in ("read_main", "read_readers", "build_main", "worker", "raw")}
+    tokens = raw_tokens = 0
+    for _ in range(repeat):
+        children, start = _children_cpu(), time.process_time()
+        pages = sum(1 for _page in read_pages(dump))
+        cpu["read_main"] = min(cpu["read_main"], time.process_time() - start)
+        cpu["read_readers"] = min(cpu["read_readers"], _children_cpu() - children)
+        cpu["build_main"] = min(cpu["build_main"], _timed(
+            lambda: build(cfg, work / "dump2", workers=2, overwrite=True, progress=False))[1])
+        start, tokens = time.process_time(), 0
+        for chunk in chunks:
+            tokens += process_chunk(cfg, chunk, work / "part.bin")[0].wordpieces
+        cpu["worker"] = min(cpu["worker"], time.process_time() - start)
+        start = time.process_time()
+        raw_tokens = sum(len(e.ids) for batch in batches
+                         for e in tokenizer.encode_batch(batch, add_special_tokens=False))
+        cpu["raw"] = min(cpu["raw"], time.process_time() - start)
+    per_mb = {name: seconds / megabytes for name, seconds in cpu.items()}
+    worker_rate, raw_rate = tokens / cpu["worker"], raw_tokens / cpu["raw"]
+    return {"dump_bytes": dump.stat().st_size, "pages": pages, "chunks": len(chunks), "tokens": tokens,
+            "repeat": repeat, "cpu_s": cpu,
+            "main_read_cpu_s_per_mb": per_mb["read_main"], "readers_cpu_s_per_mb": per_mb["read_readers"],
+            "main_build_cpu_s_per_mb": per_mb["build_main"], "worker_cpu_s_per_mb": per_mb["worker"],
+            "workers_fed_by_read": per_mb["worker"] / per_mb["read_main"],
+            "workers_fed": per_mb["worker"] / per_mb["build_main"], "workers_fed_goal": 64.0,
+            "worker_tokens_per_s": worker_rate, "raw_tokens_per_s": raw_rate,
+            "ratio_worker_vs_raw": worker_rate / raw_rate, "ratio_worker_vs_raw_goal": 0.8}
+
+
 def measure(inputs: list[str] = DEFAULT_INPUTS, vocab: Path | None = None, recipe: str = "unilm",
             max_seq_len: int = 128, chunk_chars: int = 500_000, repeat: int = 3,
-            wiki_dump: str | None = DEFAULT_INPUTS[0]) -> dict:
+            wiki_dump: str | None = DEFAULT_INPUTS[0], dump_copies: int = 4) -> dict:
     """Time raw tokenization and the shard build on the same corpus; returns the measurements (``main`` prints
     them, ``tools.bench_all`` tabulates them)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # before the first encode: one thread, like one worker
@@ -110,6 +181,9 @@ def measure(inputs: list[str] = DEFAULT_INPUTS, vocab: Path | None = None, recip
                     "wiki_speedup_2_workers": times["wiki_1"] / times["wiki_2"],
                     "wiki_identical_bytes_1_vs_2_workers": (work / "wiki1/shard-00000.bin").read_bytes()
                     == (work / "wiki2/shard-00000.bin").read_bytes()}
+            if dump_copies > 0:
+                dump = repeated_dump(Path(wiki_dump), dump_copies, work / "dump.xml.bz2")
+                wiki["dump"] = measure_dump(dump, cfg, work, repeat)
     return {"inputs": list(inputs), "num_tokens": num_tokens, "recipe": recipe, "max_seq_len": max_seq_len,
             "repeat": repeat, "wall_s": times, "cpu_s": cpu, "identical_bytes_1_vs_2_workers": same, **wiki,
             "tokens_per_s": {name: num_tokens / seconds for name, seconds in times.items()
@@ -130,8 +204,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-seq-len", type=int, default=128)
     p.add_argument("--chunk-chars", type=int, default=500_000)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--dump-copies", type=int, default=4,
+                   help="the Wikipedia excerpt's pages this many times over, for the dump reading costs (0: skip)")
     args = p.parse_args(argv)
-    result = measure(args.input, args.vocab, args.recipe, args.max_seq_len, args.chunk_chars, args.repeat)
+    result = measure(args.input, args.vocab, args.recipe, args.max_seq_len, args.chunk_chars, args.repeat,
+                     dump_copies=args.dump_copies)
     times, cpu, num_tokens, same = result["wall_s"], result["cpu_s"], result["num_tokens"], \
         result["identical_bytes_1_vs_2_workers"]
 
@@ -163,6 +240,13 @@ def main(argv: list[str] | None = None) -> None:
               f"{result['wiki_articles']} pages, {result['wiki_tokens']:,} tokens): 1 worker {rates['wiki_1']:,.0f} "
               f"tokens/s, 2 workers {rates['wiki_2']:,.0f} tokens/s: {result['wiki_speedup_2_workers']:.2f}x "
               f"(identical bytes: {result['wiki_identical_bytes_1_vs_2_workers']})")
+    if "dump" in result:
+        d = result["dump"]
+        print(f"[bench-data] dump ({d['dump_bytes'] / 1e6:.1f} MB) CPU s/MB: main reading "
+              f"{d['main_read_cpu_s_per_mb']:.4f} (readers {d['readers_cpu_s_per_mb']:.2f}), main of a 2-worker "
+              f"build {d['main_build_cpu_s_per_mb']:.4f}, worker {d['worker_cpu_s_per_mb']:.2f}: one main feeds "
+              f"{d['workers_fed']:.0f} workers (by reading alone {d['workers_fed_by_read']:.0f}; goal >= 64); "
+              f"worker/raw tokens/s {d['ratio_worker_vs_raw']:.2f} (goal >= 0.80)")
 
 
 if __name__ == "__main__":
