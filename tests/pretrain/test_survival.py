@@ -23,6 +23,7 @@ import pytest
 
 from conftest import GPU_ENV, TEST_SEED, subprocess_env
 from pretrain import checkpoint as ckpt
+from pretrain.moments import MOMENTS
 from training_runs import check, launch, losses, metrics, train_command
 
 FAULT_ENV = "UNILM_TEST_FAULT"  # read by tests/fault_injection.py
@@ -66,7 +67,7 @@ def test_kills_during_checkpoint_writes_resume_from_the_newest_complete_one(
         ("save_begin@4", None, set()),                                      # before DeepSpeed wrote anything
         (f"after:{MODEL_FILE}@4", "global_step2", {MODEL_FILE}),            # between model and optimizer files
         (f"after:{OPTIM_FILE}@4", "global_step2", {MODEL_FILE, OPTIM_FILE}),  # all files, not yet fsync'ed
-        ("before_marker@4", "global_step2", {MODEL_FILE, OPTIM_FILE, ckpt.WEIGHTS}),  # fsync'ed, no marker
+        ("before_marker@4", "global_step2", {MODEL_FILE, OPTIM_FILE, ckpt.WEIGHTS, MOMENTS}),  # fsync'ed, no marker
         ("before_latest@6", "global_step2", None),                          # step 6 complete, `latest` still 4
     ]
     for fault, resumed_from, left in crashes:

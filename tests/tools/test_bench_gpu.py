@@ -24,7 +24,8 @@ def test_model_step_measurement_runs_every_variant_on_the_cpu() -> None:
     peak = result["peak_tflops"]["bf16"]
     for row in result["rows"].values():
         assert row["step_s"] > 0 and abs(row["samples_per_s"] - 4 / row["step_s"]) < 1e-9
-        assert abs(row["mfu"] - row["tflops"] / peak) < 1e-12 and 0 < row["mfu"] < 1
+        # no upper bound: on a shared CPU the peak probe and the step may see different loads
+        assert abs(row["mfu"] - row["tflops"] / peak) < 1e-12 and row["mfu"] > 0
     assert "x transformers" in report_gpu(result)
 
 
