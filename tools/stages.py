@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -122,17 +123,28 @@ def stream(argv: Sequence[str], log: Path | None = None, env: dict[str, str] | N
         if signum == signal.SIGTERM:
             process.send_signal(signal.SIGTERM)
 
-    previous = {s: signal.signal(s, heard) for s in (signal.SIGINT, signal.SIGTERM)} if signals is not None else {}
-    assert process.stdout is not None  # stdout=PIPE
-    lines = []
-    try:
-        with open(log, "a") if log else open(os.devnull, "w") as sink:
+    lines: list[str] = []
+    sink = open(log, "a") if log else open(os.devnull, "w")  # closed by the thread that writes it
+
+    def copy() -> None:  # the command's output, line by line, to the terminal, the log and ``lines``
+        assert process.stdout is not None  # stdout=PIPE
+        with sink:
             for line in process.stdout:
                 sys.stdout.write(line)
                 sys.stdout.flush()
                 sink.write(line)
                 sink.flush()  # `tail -f` of the log follows the run
                 lines.append(line)
+
+    # The output is read by a thread: this (main) thread only waits, in short joins, so a signal's handler runs
+    # within a fraction of a second, even one that arrived while the handler for the one before was running (a
+    # blocking read would hold such a signal until the command's next line).
+    reader = threading.Thread(target=copy, name="command-output", daemon=True)
+    previous = {s: signal.signal(s, heard) for s in (signal.SIGINT, signal.SIGTERM)} if signals is not None else {}
+    try:
+        reader.start()
+        while reader.is_alive():
+            reader.join(0.2)
         return process.wait(), "".join(lines)
     finally:
         for number, handler in previous.items():
