@@ -80,7 +80,7 @@ def build_units(cfg: BuildConfig) -> list[tuple[Unit, ReadOptions]]:
             _warn_left_out(spec)
         twice: list[Unit] = []
         earlier: set[str] = set()
-        for unit in input_units(spec, cfg.unit_bytes):
+        for unit in input_units(spec, cfg.unit_bytes, cfg.txt_documents):
             path = Path(unit.spec)
             key = (os.path.realpath(path) if path.is_file() else unit.spec, unit.shard, unit.start, unit.stop)
             if key in first_spec:

@@ -37,7 +37,8 @@ with the input as a whole (missing file, unknown suffix, a parquet file or datas
 ``SourceError`` naming the input and the fix. ``--text-field NAME`` picks another column than ``text``.
 
 Work is split into units (``input_units``): one per local file, one per ``unit_bytes`` byte range of a large
-uncompressed ``.jsonl`` file (a range holds the lines that start in it), of a large Wikipedia dump (the pages that
+uncompressed ``.jsonl`` file (a range holds the lines that start in it) or ``.txt`` file (cut at its documents'
+boundaries, unless a document is the whole file: ``data_prep.text_files``), of a large Wikipedia dump (the pages that
 begin in it: ``data_prep.wiki_units``) or of a large parquet file (the row groups that begin in it:
 ``data_prep.parquet_units``), one per shard of a Hugging Face dataset (``IterableDataset.shard``), so several
 builders read disjoint parts of the inputs. Wikipedia pages come out as raw ``Wikitext``; ``document_text`` turns
@@ -49,19 +50,13 @@ For ``.txt`` inputs a row is a line.
 """
 from __future__ import annotations
 
-import bz2
-import codecs
 import functools
-import gzip
-import io
-import itertools
 import json
 import lzma
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, cast
 
 from data_prep.inputs import (
     SUPPORTED,
@@ -76,19 +71,29 @@ from data_prep.inputs import (
 )
 from data_prep.parquet_units import parquet_units, row_groups_in
 from data_prep.records import RepairedText, Skipped, SourceError
+from data_prep.text_files import (
+    BOM,
+    TXT_DOCUMENTS,
+    LineNumber,
+    decode,
+    line_ranges,
+    lines_from,
+    open_binary,
+    read_txt,
+    read_txt_lines,
+    txt_lines,
+    wide_encoding,
+)
 from data_prep.wiki_dump import document_text, read_wiki_dump
 from data_prep.wiki_units import dump_units
 
-_BOM = b"\xef\xbb\xbf"
-_WIDE_BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"),  # before UTF-16 LE: FF FE 00 00
-              (codecs.BOM_UTF16_LE, "UTF-16"), (codecs.BOM_UTF16_BE, "UTF-16"))
 TEXT_FIELD = "text"
 ROWS_PER_DOCUMENT = 1000
 """default --rows-per-document: ~70k characters of book sentences, ~30 samples of 512 tokens, so the one short
 sample at each document's end costs little padding (NSP's random next segments of such documents come from
 far away in the text, `data_prep.chunks.iter_chunks`)"""
 UNIT_BYTES = 1 << 28
-"""a .jsonl file, Wikipedia dump or parquet file larger than this is read as several units (byte ranges), so
+"""a .jsonl or .txt file, Wikipedia dump or parquet file larger than this is read as several units (byte ranges), so
 several builders can share it"""
 
 
@@ -108,10 +113,6 @@ class Unit:
         if self.num_shards > 1:
             return f"{self.spec} shard {self.shard}/{self.num_shards}"
         return self.spec if (self.start, self.stop) == (0, -1) else f"{self.spec} bytes {self.start}-{self.stop}"
-
-
-TXT_DOCUMENTS = ("blank-line", "line", "file")
-"""a ``.txt`` file's documents: separated by blank lines (BERT's convention), one per line, or the whole file"""
 
 
 @dataclass(frozen=True)
@@ -134,17 +135,6 @@ class ReadOptions:
                              "(a sample pairs sentences)")
 
 
-def _open_binary(path: Path) -> BinaryIO:
-    """A file opened for reading bytes, decompressed as its name says."""
-    compression = compression_suffix(path)
-    if compression == ".zst":
-        import pyarrow  # optional: only .zst inputs need it
-
-        return io.BufferedReader(pyarrow.input_stream(str(path), compression="zstd"))
-    openers: dict[str, Callable[..., Any]] = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
-    return openers.get(compression, open)(path, "rb")
-
-
 def _decompressed(records: Iterator[str | Skipped], path: Path) -> Iterator[str | Skipped]:
     """``records`` of a compressed file; a damaged or truncated stream stops the build naming the file."""
     try:
@@ -154,9 +144,10 @@ def _decompressed(records: Iterator[str | Skipped], path: Path) -> Iterator[str 
                           "may have been cut short: fetch it again, or check it with the matching tool "
                           "(gzip -t, bzip2 -t, xz -t, zstd -t)") from None
 
-def input_units(spec: str, unit_bytes: int = UNIT_BYTES) -> list[Unit]:
-    """The units of one ``--input``: the file itself (or byte ranges of a large .jsonl), each file of a
-    directory (of its split, when the names name splits), or every dataset shard."""
+def input_units(spec: str, unit_bytes: int = UNIT_BYTES, txt_documents: str = TXT_DOCUMENTS[0]) -> list[Unit]:
+    """The units of one ``--input``: the file itself (or byte ranges of a large one; a ``.txt`` file's depend on
+    what its documents are, ``txt_documents``), each file of a directory (of its split, when the names name
+    splits), or every dataset shard."""
     check_input(spec)
     if is_plain_folder(spec):
         listed = directory_files(*folder_split(spec))
@@ -164,28 +155,28 @@ def input_units(spec: str, unit_bytes: int = UNIT_BYTES) -> list[Unit]:
             held = f" (it holds {', '.join(p.name for p in listed.other_types[:5])})" if listed.other_types else ""
             raise SourceError(f"--input {spec}: no file in this directory is of a type read here{held}; supported: "
                               f"{SUPPORTED} (hidden files, *.md and shard builds are never read)")
-        return [unit for p in listed.read for unit in _file_units(p, unit_bytes)]
+        return [unit for p in listed.read for unit in _file_units(p, unit_bytes, txt_documents)]
     if not is_dataset_input(spec):
-        return _file_units(Path(spec), unit_bytes)
+        return _file_units(Path(spec), unit_bytes, txt_documents)
     num_shards = _load_hf(spec).num_shards
     return [Unit(spec, shard, num_shards) for shard in range(num_shards)]
 
 
-def _file_units(path: Path, unit_bytes: int) -> list[Unit]:
-    size = path.stat().st_size
+def _file_units(path: Path, unit_bytes: int, txt_documents: str) -> list[Unit]:
     if file_type(path) in (".xml", ".xml.bz2"):
-        return [Unit(str(path), start=start, stop=stop) for start, stop in _dump_units(path, unit_bytes)]
-    if file_type(path) == ".parquet":
-        return [Unit(str(path), start=start, stop=stop) for start, stop in _parquet_units(path, unit_bytes)]
-    if file_type(path) != ".jsonl" or compression_suffix(path) or size <= unit_bytes:
+        ranges = _dump_units(path, unit_bytes)
+    elif file_type(path) == ".parquet":
+        ranges = _parquet_units(path, unit_bytes)
+    elif file_type(path) == ".jsonl" or (file_type(path) == ".txt" and txt_documents != "file"):
+        ranges = line_ranges(path, unit_bytes)  # lines, or documents, that start in a range: data_prep.text_files
+    else:
         return [Unit(str(path))]
-    starts = range(0, size, unit_bytes)
-    return [Unit(str(path), start=start, stop=min(start + unit_bytes, size)) for start in starts]
+    return [Unit(str(path), start=start, stop=stop) for start, stop in ranges]
 
 
 def read_documents(spec: str, options: ReadOptions = ReadOptions()) -> Iterator[str | Skipped]:
     """Documents of one ``--input`` as plain text, streamed in a fixed order."""
-    for unit in input_units(spec):
+    for unit in input_units(spec, txt_documents=options.txt_documents):
         for record in read_unit(unit, options):
             yield record if isinstance(record, Skipped) else document_text(record)
 
@@ -202,9 +193,9 @@ def read_unit(unit: Unit, options: ReadOptions = ReadOptions()) -> Iterator[str 
                               "or WikiExtractor's output: its records are whole articles); name only the "
                               "sentence-per-row inputs after the flag")
         if suffix == ".txt" and options.rows_as_sentences:
-            records = _read_txt_lines(path)
+            records = read_txt_lines(path, unit.start, unit.stop)
         elif suffix == ".txt":
-            records = _read_txt(path, options.txt_documents)
+            records = read_txt(path, options.txt_documents, unit.start, unit.stop)
         elif suffix in (".xml", ".xml.bz2"):
             records = read_wiki_dump(path, unit.start, unit.stop)
         elif suffix == ".jsonl":
@@ -278,67 +269,41 @@ def json_type(value: object) -> str:
 def _read_jsonl(path: Path, text_field: str, start: int = 0, stop: int = -1) -> Iterator[str | Skipped]:
     """The lines that start in bytes [start, stop) (stop -1: to the end of the file)."""
     text_of = _TextField(text_field)
-    with _open_binary(path) as f:
-        position = start
-        if start:
-            f.seek(start - 1)
-            position += len(f.readline()) - 1  # the rest of a line that started before `start`
-        first_line = _LineNumber(path, position)
-        for number in itertools.count():
+    with open_binary(path) as f:
+        first_line = LineNumber(path, start)
+        for number, (position, raw) in enumerate(lines_from(f, start)):
             if stop != -1 and position >= stop:
                 return
-            raw = f.readline()
-            if not raw:
-                return
-            if position == 0 and (encoding := _wide_encoding(raw)):
+            if position == 0 and (encoding := wide_encoding(raw)):
                 raise SourceError(f"--input {path}: a {encoding} file (it starts with the {encoding} byte-order mark), "
                                   f"and JSON is read as UTF-8: re-encode it (iconv -f {encoding} -t UTF-8 OLD > NEW) "
                                   "and pass the new file")
-            if position == 0 and raw.startswith(_BOM):
-                raw = raw[len(_BOM):]
-                position += len(_BOM)
-            position += len(raw)
+            if position == 0:
+                raw = raw.removeprefix(BOM)
             if not raw.strip():
                 continue
             try:
                 record = json.loads(raw.decode("utf-8"))
             except UnicodeDecodeError:
-                yield Skipped("invalid_utf8", f"{path}:{first_line() + number}", len(raw))
+                yield Skipped("invalid_utf8", f"{path}:{first_line() + 1 + number}", len(raw))
                 continue
             except json.JSONDecodeError:
-                yield Skipped("malformed_json", f"{path}:{first_line() + number}", len(raw))
+                yield Skipped("malformed_json", f"{path}:{first_line() + 1 + number}", len(raw))
                 continue
             if isinstance(record, dict) and isinstance(text := record.get(text_field), str):
                 yield text
             else:
-                yield text_of(record, f"{path}:{first_line() + number}", len(raw))
-
-
-class _LineNumber:
-    """The line number at a byte offset, counted only when first asked (a skip to report), once per range."""
-
-    def __init__(self, path: Path, offset: int):
-        self.path, self.offset, self.line = path, offset, None if offset else 1
-
-    def __call__(self) -> int:
-        if self.line is None:
-            newlines, remaining = 0, self.offset
-            with _open_binary(self.path) as f:
-                while remaining:
-                    block = f.read(min(remaining, 1 << 20))
-                    newlines, remaining = newlines + block.count(b"\n"), remaining - len(block)
-            self.line = newlines + 1
-        return self.line
+                yield text_of(record, f"{path}:{first_line() + 1 + number}", len(raw))
 
 
 def _read_json(path: Path, text_field: str) -> Iterator[str | Skipped]:
-    with _open_binary(path) as f:
+    with open_binary(path) as f:
         head = f.read(4096)
-    if not head.removeprefix(_BOM).lstrip().startswith(b"["):
+    if not head.removeprefix(BOM).lstrip().startswith(b"["):
         yield from _read_jsonl(path, text_field)
         return
-    with _open_binary(path) as f:
-        raw = f.read().removeprefix(_BOM)
+    with open_binary(path) as f:
+        raw = f.read().removeprefix(BOM)
     try:
         records = json.loads(raw.decode("utf-8"))  # a JSON array has to be parsed whole
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -390,58 +355,11 @@ def _read_parquet(path: Path, text_field: str, start: int = 0, stop: int = -1) -
             row += 1
 
 
-def _wide_encoding(head: bytes) -> str:
-    """The encoding ("UTF-16", "UTF-32") whose byte-order mark ``head``, a file's first bytes, starts with; else ""."""
-    return next((encoding for bom, encoding in _WIDE_BOMS if head.startswith(bom)), "")
-
-
-def _utf8_lines(f: BinaryIO, encoding: str) -> Iterator[bytes]:
-    """The lines of a UTF-16 or UTF-32 file, streamed, as UTF-8 without the byte-order mark; code units that are not
-    text (a lone surrogate, an odd last byte) become U+FFFD."""
-    for line in io.TextIOWrapper(f, encoding=encoding, errors="replace", newline=""):  # ends kept: LF, CRLF, CR
-        yield line.encode("utf-8")
-
-
-def _txt_lines(path: Path) -> Iterator[tuple[int, bytes]]:
-    """(line number, line with its end, UTF-8) of a text file. A line ends at LF, CRLF or a lone CR (old Mac
-    files); a UTF-8 byte-order mark at the start is dropped; a file that starts with a UTF-16 byte-order mark
-    (Windows Notepad's "Unicode") or a UTF-32 one is decoded as such."""
-    number = 0
-    with _open_binary(path) as f:
-        encoding = _wide_encoding(cast(io.BufferedReader, f).peek(4)[:4])  # every opener here buffers
-        for raw in _utf8_lines(f, encoding) if encoding else f:  # f splits after b"\n" only
-            if number == 0:
-                raw = raw.removeprefix(_BOM)
-            for line in raw.splitlines(keepends=True) if b"\r" in raw.rstrip(b"\r\n") else (raw,):
-                number += 1
-                yield number, line
-
-
-def _read_txt(path: Path, documents: str = TXT_DOCUMENTS[0]) -> Iterator[str]:
-    """The documents of a text file (``TXT_DOCUMENTS``): its blank-line separated blocks, its non-blank lines, or
-    the whole file (blank lines kept: they end paragraphs)."""
-    lines: list[bytes] = []
-    start = 1
-    for number, raw in _txt_lines(path):
-        if raw.strip() or (documents == "file" and lines):
-            if not lines:
-                start = number
-            lines.append(raw)
-            if documents == "line":
-                yield _decode(lines, path, start)
-                lines = []
-        elif lines:
-            yield _decode(lines, path, start)
-            lines = []
-    if lines:
-        yield _decode(lines, path, start)
-
-
 def _read_wikiextractor(path: Path, text_field: str) -> Iterator[str | Skipped]:
     """WikiExtractor's output: ``<doc id=… url=… title=…>``, the title line, then one paragraph per line, up to
     ``</doc>``; a document becomes its paragraphs (blank lines between, so no sentence runs across two), without
     the title line. A file written with ``--json`` holds JSON lines, a paragraph per line of their text."""
-    with _open_binary(path) as f:
+    with open_binary(path) as f:
         first = next((line for line in f if line.strip()), b"")
     if first.lstrip().startswith(b"{"):
         for record in _read_jsonl(path, text_field):
@@ -451,9 +369,9 @@ def _read_wikiextractor(path: Path, text_field: str) -> Iterator[str | Skipped]:
 
     def document(numbered: list[tuple[int, bytes]]) -> str:
         body = [paragraph for _, paragraph in numbered[1:]]  # numbered[0]: the title
-        return _decode([p + b"\n\n" for p in body[:-1]] + body[-1:], path, numbered[1][0]) if body else ""
+        return decode([p + b"\n\n" for p in body[:-1]] + body[-1:], path, numbered[1][0]) if body else ""
 
-    for number, raw in _txt_lines(path):
+    for number, _, raw in txt_lines(path):
         line = raw.strip()
         if line.startswith(b"<doc ") or line == b"<doc>":
             lines = []
@@ -464,30 +382,6 @@ def _read_wikiextractor(path: Path, text_field: str) -> Iterator[str | Skipped]:
             lines.append((number, line))
     if lines:  # a file cut off inside its last document
         yield document(lines)
-
-
-def _read_txt_lines(path: Path) -> Iterator[str]:
-    """Every line of a sentence-per-line text file as a row (blank lines as empty rows)."""
-    for number, raw in _txt_lines(path):
-        yield _decode([raw.rstrip(b"\r\n")], path, number)
-
-
-def _decode(lines: list[bytes], path: Path, first_line: int) -> str:
-    """Consecutive lines as text; bytes that are not UTF-8 become U+FFFD (a ``RepairedText`` counts the lines)."""
-    data = b"".join(lines)
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        bad = [offset for offset, line in enumerate(lines) if not _is_utf8(line)]
-        return RepairedText.of(data.decode("utf-8", errors="replace"), len(bad), f"{path}:{first_line + bad[0]}")
-
-
-def _is_utf8(line: bytes) -> bool:
-    try:
-        line.decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return True
 
 
 @functools.lru_cache(maxsize=8)  # one hub look-up per input, not one per shard
