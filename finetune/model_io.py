@@ -19,7 +19,9 @@ Saving writes the files beside their names and renames them into place, `finetun
 so an interrupted save is detected on load instead of mixing an old head with new weights: `load_finetuned` and
 `load_init` check every hash `finetune.json` records, and refuse a `finetune_extra.safetensors` without it.
 
-`load_init` accepts that, a plain HF BERT directory, or a pre-training checkpoint (a DeepSpeed tag directory
+`load_init` accepts that, a plain HF BERT directory (microsoft/unilm's layouts too: UniLM v1's `.bin` given by
+name beside its BERT config, s2s-ft's UniLM and MiniLM directories; `pretrain.unilm_layouts`), or a pre-training
+checkpoint (a DeepSpeed tag directory
 with our `complete.json` marker, or its parent `checkpoints/` directory; its `model_weights.safetensors` is read
 after the marker's hashes check out, by `pretrain.consolidated.load_consolidated`; its tokenizer is its shards'
 vocabulary and casing, found through the run config it records, or `--vocab` when the shards moved, checked against the
@@ -42,9 +44,10 @@ from common.files import sha256_file
 from data_prep.vocab import write_hf_tokenizer
 from pretrain import checkpoint as ckpt
 from pretrain.consolidated import load_consolidated, resolve_checkpoint, shard_vocabulary
-from pretrain.hf import HF_TASK_ARCHITECTURES, hf_config_file, load_hf_bert, save_hf_bert, to_hf_name
+from pretrain.hf import HF_TASK_ARCHITECTURES, hf_config_file, load_hf_bert, save_hf_bert, to_hf_name, with_positions
 from pretrain.model import UniLMModel
-from pretrain.weight_files import git_lfs_pointer, read_weight_file
+from pretrain.unilm_layouts import TASK_DEFAULT, TASK_SEQ2SEQ
+from pretrain.weight_files import WEIGHT_FILE_SUFFIXES, git_lfs_pointer, read_weight_file
 
 from .tokenizer import Tokenizer, load_tokenizer
 
@@ -95,38 +98,50 @@ def _read_extra(directory: Path) -> dict[str, torch.Tensor]:
     return read_weight_file(extra) if extra.is_file() else {}
 
 
-def _load_model_dir(directory: Path, extra: dict[str, torch.Tensor]) -> UniLMModel:
+def _load_model_dir(directory: Path, extra: dict[str, torch.Tensor], task: str | None = None) -> UniLMModel:
     if hf_config_file(directory) is None:
         raise ValueError(f"{directory} is not a model directory: no config.json (expected a fine-tuning output "
                          "directory or a Hugging Face BERT export)")
     try:
         supplement = {k: v for k, v in extra.items() if not k.startswith("head.")} if extra else None
-        return load_hf_bert(directory, supplement=supplement)
+        return load_hf_bert(directory, supplement=supplement,
+                            task=TASK_SEQ2SEQ if task == "seq2seq" else TASK_DEFAULT)
     except (ValueError, KeyError, FileNotFoundError, OSError) as err:
         raise ValueError(f"{directory} is not a loadable BERT model: {err}") from err
 
 
-def load_init(path: str | Path, vocab: str | Path | None = None) -> tuple[UniLMModel, Tokenizer]:
-    """The backbone and tokenizer to fine-tune from (see the module docstring for what `path` may be)."""
+def load_init(path: str | Path, vocab: str | Path | None = None, task: str | None = None,
+              max_positions: int | None = None) -> tuple[UniLMModel, Tokenizer]:
+    """The backbone and tokenizer to fine-tune ``task`` from (see the module docstring for what `path` may be); a
+    UniLM v1 checkpoint's per-task blocks give their seq2seq block to a seq2seq task (`pretrain.unilm_layouts`).
+    ``max_positions`` beyond the model's extends its position table (`pretrain.hf.with_positions`)."""
     directory = Path(path)
-    if directory.is_file():
+    if directory.is_file() and directory.suffix not in WEIGHT_FILE_SUFFIXES:
         raise ValueError(f"--init {directory}: a file; give a model directory (config.json with its weights, as "
-                         "transformers saves one), a fine-tuning output or a pre-training checkpoints directory")
-    if not directory.is_dir():
+                         "transformers saves one), a weights file beside its config "
+                         f"({', '.join(WEIGHT_FILE_SUFFIXES)}), a fine-tuning output or a pre-training checkpoints "
+                         "directory")
+    if not directory.exists():
         raise FileNotFoundError(f"--init {directory}: no such directory")
-    if hf_config_file(directory) is not None:
+    if directory.is_file():  # a weights file beside its config and vocabulary (UniLM v1's release)
+        model = _load_model_dir(directory, {}, task)
+        tokenizer = load_tokenizer(vocab or directory.parent)
+    elif hf_config_file(directory) is not None:
         _read_meta(directory)  # a fine-tuning output: refused unless its files are the ones its save wrote
-        model = _load_model_dir(directory, _read_extra(directory))
+        model = _load_model_dir(directory, _read_extra(directory), task)
+        tokenizer = load_tokenizer(vocab or directory)
     elif (directory / ckpt.MARKER).is_file() or (directory / ckpt.LATEST).is_file():
         tokenizer = checkpoint_tokenizer(directory, vocab)
         model = load_consolidated(directory)
-        check_vocab(model, tokenizer)
-        return model, tokenizer
     else:
         raise ValueError(f"--init {directory}: neither a model directory (config.json) nor a pre-training "
                          f"checkpoint ({ckpt.MARKER} or {ckpt.LATEST})")
-    tokenizer = load_tokenizer(vocab or directory)
     check_vocab(model, tokenizer)
+    if max_positions is not None:
+        try:
+            model = with_positions(model, max_positions)
+        except ValueError as error:
+            raise ValueError(f"max_position_embeddings: {error} (--init {directory})") from None
     return model, tokenizer
 
 

@@ -64,10 +64,12 @@ class ModelSection:
     """A ``pretrain.model.preset`` name: unilm-large, bert-large, bert-base, gpt, tiny."""
     init_from: str | None = None
     """What to initialise from, overriding ``preset``: a Hugging Face BERT directory (UniLM starts from BERT-large:
-    ``config.json`` and its weights, in one file or in shards; a fine-tuned BERT's task head is left out), or a
-    checkpoint of this pipeline (phase 2 from phase 1: its checkpoints directory, whose ``latest`` it takes, or one
-    ``global_stepN`` directory), whose hash-checked fp32 weights and architecture are taken exactly
-    (``model.overrides`` may change the dropout only; see ``train.init_optimizer``)."""
+    ``config.json`` and its weights, in one file or in shards; a fine-tuned BERT's task head is left out), a
+    weights file beside its config (UniLM v1's released ``unilm1-large-cased.bin`` with BERT-large cased's
+    config.json and vocab.txt; s2s-ft's UniLM and MiniLM directories load as directories), or a checkpoint of this
+    pipeline (phase 2 from phase 1: its checkpoints directory, whose ``latest`` it takes, or one ``global_stepN``
+    directory), whose hash-checked fp32 weights and architecture are taken exactly (``model.overrides`` may change
+    the dropout and lengthen ``max_position_embeddings``; see ``train.init_optimizer``)."""
     check_init_vocab: bool = True
     """With ``init_from``: refuse shards not tokenized with its vocabulary (``vocab.txt`` or ``tokenizer.json``;
     a checkpoint's: the vocabulary hash it recorded) and casing, whose ids would not mean what its embeddings

@@ -31,9 +31,11 @@ Tensors are read safely: `model.safetensors` with safetensors, `pytorch_model.bi
 weights (cut short, a git-lfs pointer, a training checkpoint) is refused, naming it. Checkpoints with or
 without the `bert.` prefix and with or without the MLM/NSP heads (and pooler) load; missing heads are freshly
 initialised and a warning names them. The layout of the original releases loads as well: `bert_config.json` for
-`config.json`, TF-era `gamma`/`beta` LayerNorm names, half-precision tensors, and UniLM v1's released checkpoints
-(`unilm1-large-cased.bin` as `pytorch_model.bin` beside BERT-large cased's config), whose 6 segment rows are ours
-in the same order.
+`config.json`, TF-era `gamma`/`beta` LayerNorm names, half-precision tensors, and microsoft/unilm's layouts
+(`pretrain.unilm_layouts`): UniLM v1's released checkpoints (`unilm1-large-cased.bin`, given by name or as
+`pytorch_model.bin`, beside BERT-large cased's config; LayerNorm eps 1e-5 as v1's code), whose 6 segment rows are
+ours in the same order, with their relax_projection and new_pos_ids variants, and s2s-ft's UniLM (fast QKV) and
+MiniLM directories.
 
 A missing MLM head (sentence-embedding checkpoints such as MiniLM ship the encoder alone) starts with its
 transform's dense layer at the identity (zero bias) rather than at random: the decoder is tied to the word
@@ -45,6 +47,7 @@ dev loss 6.87 → 6.15. LayerNorm (1, 0) and the zero decoder bias are BERT's in
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -62,7 +65,8 @@ from pretrain.masks import (
     SEGMENT_SEQ2SEQ_TARGET,
 )
 from pretrain.model import IGNORE_INDEX, ModelConfig, UniLMModel, build_model
-from pretrain.weight_files import read_state_dict
+from pretrain.unilm_layouts import TASK_DEFAULT, to_bert_layout
+from pretrain.weight_files import model_directory, read_state_dict, stored_shape
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +135,10 @@ def from_hf_name(name: str) -> str | None:
 _EXACT_GELU = ("gelu", "gelu_python")
 
 
+# config.json model types of a BERT: transformers' own, and s2s-ft's UniLM and MiniLM (`UnilmConfig`, `MinilmConfig`:
+# BERT's keys, and BERT's tensors once `pretrain.unilm_layouts` has brought them to its layout)
+BERT_MODEL_TYPES = ("bert", "unilm", "minilm")
+
 # config.json keys with no default: the tensors' shapes
 _REQUIRED_CONFIG_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 
@@ -138,8 +146,9 @@ _REQUIRED_CONFIG_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_
 def config_from_hf(config: dict) -> ModelConfig:
     """Our ModelConfig from a HF BERT `config.json` dict (`is_decoder: true` → `causal_lm`); refuses what our model
     cannot express."""
-    if config.get("model_type", "bert") != "bert":
-        raise ValueError(f"not a BERT config: model_type={config.get('model_type')!r}")
+    if config.get("model_type", "bert") not in BERT_MODEL_TYPES:
+        raise ValueError(f"not a BERT config: model_type={config.get('model_type')!r} (one of "
+                         f"{', '.join(BERT_MODEL_TYPES)} loads)")
     missing = [key for key in _REQUIRED_CONFIG_KEYS if not isinstance(config.get(key), int)]
     if missing:
         raise ValueError(f"not a BERT config: no integer {', '.join(missing)} (a BERT config.json has "
@@ -182,15 +191,22 @@ CONFIG_FILES = ("config.json", "bert_config.json")
 
 
 def hf_config_file(path: str | Path) -> Path | None:
-    """The config file of a BERT model directory (`CONFIG_FILES`, first found), or None."""
-    return next((Path(path) / name for name in CONFIG_FILES if (Path(path) / name).is_file()), None)
+    """The config file of a BERT model directory (`CONFIG_FILES`, first found), or of the directory that holds a
+    weights file given by name; or None."""
+    directory = model_directory(path)
+    return next((directory / name for name in CONFIG_FILES if (directory / name).is_file()), None)
 
 
-def hf_model_config(path: str | Path) -> ModelConfig:
-    """The ModelConfig of a HF BERT directory, from its `config.json` (or `bert_config.json`) alone (no weights
-    read)."""
+def read_hf_config(path: str | Path) -> tuple[Path, dict]:
+    """(config file, its JSON object) of a model directory or a weights file given by name; refuses a missing or
+    malformed one, naming it."""
     config_file = hf_config_file(path)
     if config_file is None:
+        if Path(path).is_file():
+            raise FileNotFoundError(f"{path}: a weights file without a config.json (or bert_config.json) beside it: "
+                                    "put the config of the model it holds there (UniLM v1's released "
+                                    "unilm1-large-cased.bin: BERT-large cased's config.json, as v1's --bert_model "
+                                    "bert-large-cased gives it)")
         raise FileNotFoundError(f"{path}: no config.json — expected a Hugging Face BERT directory "
                                 "(config.json + model.safetensors or pytorch_model.bin)")
     try:
@@ -199,10 +215,31 @@ def hf_model_config(path: str | Path) -> ModelConfig:
         raise ValueError(f"{config_file}: not valid JSON ({e})") from None
     if not isinstance(config, dict):
         raise ValueError(f"{config_file}: not a JSON object")
+    return config_file, config
+
+
+def hf_model_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of a HF BERT directory (or of a weights file given by name), from its `config.json` (or
+    `bert_config.json`). No tensor is read, except the segment table's shape when the config does not itself say
+    six token types and an eps: six stored rows under BERT's config are UniLM v1's released layout (its `.bin`
+    beside the BERT config it was trained from), whose code normalises with eps 1e-5 whatever that config says."""
+    config_file, config = read_hf_config(path)
     try:
-        return config_from_hf(config)
+        model_cfg = config_from_hf(config)
     except ValueError as e:
         raise ValueError(f"{config_file}: {e}") from None
+    if config.get("type_vocab_size", 2) != NUM_SEGMENT_TYPES or "layer_norm_eps" not in config:
+        rows = stored_shape(path, "embeddings.token_type_embeddings.weight")
+        if rows and rows[0] == NUM_SEGMENT_TYPES:
+            log.info(f"{path}: six segment rows under {config_file.name} (type_vocab_size "
+                     f"{config.get('type_vocab_size', 2)}, layer_norm_eps {config.get('layer_norm_eps', 'unset')}): "
+                     f"UniLM v1's released layout, loaded with its LayerNorm eps {UNILM_V1_LAYER_NORM_EPS}")
+            model_cfg = dataclasses.replace(model_cfg, layer_norm_eps=UNILM_V1_LAYER_NORM_EPS)
+    return model_cfg
+
+
+UNILM_V1_LAYER_NORM_EPS = 1e-5
+"""The LayerNorm epsilon of UniLM v1's code (`BertLayerNorm(..., eps=1e-5)` throughout its `modeling.py`)."""
 
 
 # The config.json keys (our ModelConfig's fields of the same name) that set a tensor's dimensions.
@@ -223,19 +260,8 @@ def _size_hint(stored: torch.Size, needed: torch.Size, cfg: ModelConfig, source:
     return f" ({'; '.join(hints)})" if hints else ""
 
 
-def _check_unilm_v1_eps(directory: Path) -> None:
-    """Six stored segment rows under a config that does not set ``layer_norm_eps``: UniLM v1's released checkpoints
-    beside BERT's config, whose code normalised with eps 1e-5, not BERT's 1e-12 default (hidden states then differ by
-    ≈ 1e-3). Our own exports and HF configs of a UniLM model write the key, and are left alone."""
-    config_file = hf_config_file(directory)
-    if config_file is not None and "layer_norm_eps" not in json.loads(config_file.read_text()):
-        log.warning(f"{directory}: six segment rows (UniLM v1's released layout) under {config_file.name}, which "
-                       "sets no layer_norm_eps: BERT's 1e-12 is used, but UniLM v1 trained with 1e-5; add "
-                       f'"layer_norm_eps": 1e-5 to {config_file} (pre-training: model.overrides.layer_norm_eps=1e-5)')
-
-
 def load_hf_bert(path: str | Path, cfg: ModelConfig | None = None,
-                 supplement: dict[str, torch.Tensor] | None = None) -> UniLMModel:
+                 supplement: dict[str, torch.Tensor] | None = None, task: int = TASK_DEFAULT) -> UniLMModel:
     """Our model with the weights of a HF BERT directory (config.json + model.safetensors | pytorch_model.bin,
     or either split into shards by an index file; or the original release's bert_config.json + pytorch_model.bin).
 
@@ -254,10 +280,14 @@ def load_hf_bert(path: str | Path, cfg: ModelConfig | None = None,
     unknown or of the wrong shape is an error.
     ``supplement`` (our names) adds or replaces tensors: what a fine-tuning output keeps beside its HF file (all
     six segment rows, the heads its HF task class has no place for); its own task head then goes unremarked.
+    microsoft/unilm's layouts load too (`pretrain.unilm_layouts`): UniLM v1's `.bin` given by name beside its BERT
+    config, its relax_projection and new_pos_ids variants (block ``task`` of each per-task tensor), s2s-ft's UniLM
+    and MiniLM directories.
     """
     directory = Path(path)
     source = hf_model_config(directory)
-    return load_hf_state(directory, read_state_dict(directory), source, cfg or source, supplement)
+    stored = to_bert_layout(read_state_dict(directory), read_hf_config(directory)[1], task, str(directory))
+    return load_hf_state(directory, stored, source, cfg or source, supplement)
 
 
 def load_hf_state(directory: Path, stored: dict[str, torch.Tensor], source: ModelConfig, cfg: ModelConfig,
@@ -344,11 +374,25 @@ def extend_position_table(table: torch.Tensor, rows: int) -> torch.Tensor:
     return table.repeat(repeats, 1)[:rows].clone()
 
 
+def with_positions(model: UniLMModel, rows: int) -> UniLMModel:
+    """``model`` with ``rows`` positions: itself when it has them, else a copy whose position table's rows past its
+    own repeat the learned ones (`extend_position_table`), every other tensor the same; fewer rows are refused."""
+    have = model.cfg.max_position_embeddings
+    if rows == have:
+        return model
+    if rows < have:
+        raise ValueError(f"{rows} is fewer than the model's {have} positions: its position table is extended, never "
+                         "cut (leave it unset, or set at least that many)")
+    state = model.state_dict()
+    state["embeddings.position.weight"] = extend_position_table(state["embeddings.position.weight"], rows)
+    longer = build_model(dataclasses.replace(model.cfg, max_position_embeddings=rows))
+    longer.load_state_dict(state)
+    return longer.train(model.training)
+
+
 def _six_segment_rows(directory: Path, tensor: torch.Tensor, source: ModelConfig) -> torch.Tensor:
     """A checkpoint's token-type embedding Float[T, H] as our Float[6, H] segment table (module docstring); a table
     of another size is returned as is, for the shape check to name."""
-    if tensor.shape[0] == NUM_SEGMENT_TYPES:
-        _check_unilm_v1_eps(directory)
     if tensor.shape[0] == 1:  # one token type: every segment reads it
         return tensor.expand(NUM_SEGMENT_TYPES, -1).clone()
     if tensor.shape[0] == 2:

@@ -21,6 +21,7 @@ from pretrain.distributed import SetupError, first_error, gather_objects
 from pretrain.engine import zero_stage
 from pretrain.model import ModelConfig
 from pretrain.warm_start import checkpoint_marker, is_checkpoint
+from pretrain.weight_files import model_directory
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ def model_for_shards(cfg: RunConfig, dataset: ShardDataset, rank: int = 0) -> Mo
     if cfg.model.init_from and cfg.model.check_init_vocab and is_checkpoint(cfg.model.init_from):
         check_checkpoint_vocabulary(dataset, cfg.model.init_from)
     elif cfg.model.init_from and cfg.model.check_init_vocab:  # shards of another vocabulary: rebuild them
-        check_init_vocabulary(dataset, cfg.model.init_from,
+        check_init_vocabulary(dataset, str(model_directory(cfg.model.init_from)),  # a weights file: beside it
                               report=log.warning if rank == 0 else lambda _: None)
     check_vocabulary_fits(dataset, model_cfg, cfg.model.init_from)
     check_lengths_fit(dataset, model_cfg, cfg.data.max_seq_len, "data.shards")

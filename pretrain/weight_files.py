@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 # Weight files of a HF model directory, in from_pretrained's order of preference; an index file lists the shards of
@@ -20,10 +21,28 @@ _WEIGHT_FILES = (("model.safetensors", False), ("model.safetensors.index.json", 
                  ("pytorch_model.bin", False), ("pytorch_model.bin.index.json", True))
 
 
+WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+"""What a weights file given by name may be: safetensors, or a `torch.save`d state dict (UniLM v1's released
+`unilm1-large-cased.bin`, whose config is the BERT config beside it)."""
+
+
+def model_directory(path: str | Path) -> Path:
+    """The directory whose config and vocabulary serve a model named by ``path``: the directory itself, or the one
+    that holds a weights file given by name."""
+    path = Path(path)
+    return path.parent if path.is_file() else path
+
+
 def hf_weight_files(directory: str | Path) -> tuple[list[Path], set[str] | None]:
     """The files that hold a HF directory's tensors — one file, or the shards an index lists — and, for an index,
-    the tensor names it lists. Checks that they exist; reads no tensor."""
+    the tensor names it lists; or a weights file given by name (`WEIGHT_FILE_SUFFIXES`). Checks that they exist;
+    reads no tensor."""
     directory = Path(directory)
+    if directory.is_file():
+        if directory.suffix not in WEIGHT_FILE_SUFFIXES:
+            raise ValueError(f"{directory}: not a weights file (a {' or '.join(WEIGHT_FILE_SUFFIXES)} state dict); "
+                             "give a model directory, or the weights file inside it")
+        return [directory], None
     for name, is_index in _WEIGHT_FILES:
         path = directory / name
         if not path.is_file():
@@ -95,7 +114,8 @@ def read_weight_file(path: Path) -> dict[str, torch.Tensor]:
 
 
 def read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a HF model directory (`hf_weight_files`), checked against its index when it has one."""
+    """Every tensor of a HF model directory (`hf_weight_files`), checked against its index when it has one, or of a
+    weights file given by name."""
     files, listed = hf_weight_files(directory)
     state: dict[str, torch.Tensor] = {}
     for path in files:
@@ -105,3 +125,27 @@ def read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
         raise ValueError(f"{directory}: tensors its index lists are in none of its shards: {absent[:5]}"
                          + (f" and {len(absent) - 5} more" if len(absent) > 5 else ""))
     return state
+
+
+def stored_shape(path: str | Path, name_suffix: str) -> tuple[int, ...] | None:
+    """The shape of the first tensor whose name ends with ``name_suffix`` in a model's weights (a directory or a
+    weights file), or None: read from safetensors' header, or from a `pytorch_model.bin` mapped into memory (a file
+    in torch's pre-1.6 format, which cannot be mapped, is read whole)."""
+    for file in hf_weight_files(path)[0]:
+        if file.suffix == ".safetensors":
+            with safe_open(file, framework="pt") as handle:
+                name = next((key for key in handle.keys() if key.endswith(name_suffix)), None)
+                if name is not None:
+                    return tuple(handle.get_slice(name).get_shape())
+            continue
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # the legacy (not zip) format, which torch cannot map
+            state = read_weight_file(file)
+        except Exception:  # not weights at all: the read that loads them names the problem
+            return None
+        if isinstance(state, dict):
+            name = next((key for key in state if isinstance(key, str) and key.endswith(name_suffix)), None)
+            if name is not None and isinstance(state[name], torch.Tensor):
+                return tuple(state[name].shape)
+    return None

@@ -415,8 +415,8 @@ def test_gelu_python_is_the_exact_gelu(minilm_dir):
 
 
 def test_a_checkpoint_with_six_segment_types_loads_as_is(tmp_path, caplog):
-    """Six stored segment rows load as they are. Under a config without layer_norm_eps (BERT's bert_config.json:
-    1e-12 applies) they are UniLM v1's release, which normalised with 1e-5: the fix is named; not otherwise."""
+    """Six stored segment rows load as they are. Under a config that says six token types and an eps (ours, s2s-ft's)
+    that eps is followed; under one without the eps they are UniLM v1's release, which normalised with 1e-5."""
     torch.manual_seed(3)
     model = build_model(preset("tiny"))
     save_hf_bert(model, tmp_path)
@@ -425,21 +425,22 @@ def test_a_checkpoint_with_six_segment_types_loads_as_is(tmp_path, caplog):
     save_file(tensors, tmp_path / "model.safetensors")
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "type_vocab_size": 6}))
-    with caplog.at_level(logging.WARNING, logger="pretrain.hf"):
-        assert torch.equal(load_hf_bert(tmp_path).embeddings.segment.weight, model.embeddings.segment.weight)
-    assert "layer_norm_eps" not in caplog.text
+    with caplog.at_level(logging.INFO, logger="pretrain.hf"):
+        loaded = load_hf_bert(tmp_path)
+    assert torch.equal(loaded.embeddings.segment.weight, model.embeddings.segment.weight)
+    assert loaded.cfg.layer_norm_eps == 1e-12 and "layer_norm_eps" not in caplog.text
     del config["layer_norm_eps"]
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with caplog.at_level(logging.WARNING, logger="pretrain.hf"):
-        assert load_hf_bert(tmp_path).cfg.layer_norm_eps == 1e-12
-    assert f'"layer_norm_eps": 1e-5 to {tmp_path / "config.json"}' in caplog.text
+    with caplog.at_level(logging.INFO, logger="pretrain.hf"):
+        assert load_hf_bert(tmp_path).cfg.layer_norm_eps == 1e-5
+    assert "layer_norm_eps unset): UniLM v1's released layout, loaded with its LayerNorm eps 1e-05" in caplog.text
 
 
 def test_the_original_release_layout_loads(minilm_dir, tmp_path):
     """UniLM v1's released checkpoints as their fine-tuning code reads them: a pytorch-pretrained-bert state dict
     (`bert.`/`cls.` names, LayerNorm gamma/beta, the decoder stored beside the embeddings, 6 segment rows, half
-    precision) as pytorch_model.bin beside BERT's `bert_config.json` (which says 2 segment types). Fine-tuning finds it
-    too, with its vocab.txt."""
+    precision) as pytorch_model.bin beside BERT's `bert_config.json` (which says 2 segment types), with v1's LayerNorm
+    eps 1e-5. Fine-tuning finds it too, with its vocab.txt."""
     from finetune.model_io import load_init
 
     torch.manual_seed(5)
@@ -452,7 +453,7 @@ def test_the_original_release_layout_loads(minilm_dir, tmp_path):
     assert original["bert.embeddings.token_type_embeddings.weight"].shape[0] == 6
     torch.save(original, tmp_path / "pytorch_model.bin")
     (tmp_path / "bert_config.json").write_text(json.dumps(hf_config(model.cfg)))  # BERT's: type_vocab_size 2
-    assert hf_model_config(tmp_path) == model.cfg
+    assert hf_model_config(tmp_path) == dataclasses.replace(model.cfg, layer_norm_eps=1e-5)  # v1's eps
     loaded = load_hf_bert(tmp_path).state_dict()
     for name, tensor in model.state_dict().items():
         assert torch.equal(loaded[name], tensor.half().float()), name
