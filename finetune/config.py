@@ -45,7 +45,9 @@ class FinetuneConfig:
     dev: str
     """Dev file, same format; evaluated after every epoch, the best epoch's model is kept."""
     init: str
-    """An HF BERT directory, a fine-tuning output directory, or a pre-training checkpoint directory."""
+    """An HF BERT directory (s2s-ft's UniLM and MiniLM directories too), a weights file beside its config (UniLM
+    v1's released `unilm1-large-cased.bin` with BERT-large cased's config.json and vocab.txt), a fine-tuning output
+    directory, or a pre-training checkpoint directory."""
     out: str
     """Output directory: the best model (HF export + head + vocab), metrics.jsonl (per step), summary.json,
     checkpoints/."""
@@ -54,6 +56,10 @@ class FinetuneConfig:
     run config names; give it when those moved)."""
     from_scratch: bool = False
     """Use only `init`'s architecture (config) and start from random weights: the no-pre-training baseline."""
+    max_position_embeddings: int | None = None
+    """Positions of the fine-tuned model; more than `init` has extends its position table by repeating its learned
+    rows (row P + i = row i, microsoft/unilm's rule for CNN/DailyMail's 768), the first P exact. None: `init`'s.
+    seq2seq sources and decoding use them all; the fine-tuned model keeps them."""
     deepspeed_config: str | None = None
     """DeepSpeed JSON with engine settings only (ZeRO stage, precision); None picks one for the machine
     (`default_deepspeed_config`: bf16 or fp16 ZeRO-2 on GPUs, fp32 ZeRO-0 on CPUs)."""
@@ -171,6 +177,9 @@ class FinetuneConfig:
                                   ("aux_lm_weight", self.aux_lm_weight >= 0, ">= 0")):
             if not valid:
                 raise ValueError(f"{name} must be {rule}, got {getattr(self, name)}")
+        if self.max_position_embeddings is not None and self.max_position_embeddings < 1:
+            raise ValueError(f"max_position_embeddings must be >= 1 (or null: init's), got "
+                             f"{self.max_position_embeddings}")
         if self.exit_after_minutes is not None and self.exit_after_minutes <= 0:
             raise ValueError(f"exit_after_minutes must be > 0 (or null), got {self.exit_after_minutes}")
         for name in ("max_steps", "exit_at_step", "eval_max_examples", "save_interval"):

@@ -86,7 +86,7 @@ def prepare(args: argparse.Namespace, flags: dict, world_size: int) -> tuple[Fin
         # what needs no model or data first: the DeepSpeed JSON and the batch split over this launch's ranks
         read_engine_json(cfg.deepspeed_config_path, accelerator=get_accelerator())  # a precision it can train in
         plan_batch(cfg.batch_size, cfg.micro_batch_size, world_size, BATCH_KEYS)
-        backbone, tokenizer = load_init(cfg.init, cfg.vocab)
+        backbone, tokenizer = load_init(cfg.init, cfg.vocab, cfg.task, cfg.max_position_embeddings)
         seed_everything(cfg.seed)  # the same head (and, from scratch, backbone) initialisation on every rank
         if cfg.from_scratch:
             backbone = build_model(backbone.cfg)

@@ -56,6 +56,32 @@ def test_every_pretrained_tensor_reaches_fine_tuning(tiny_init, tmp_path):
     assert loaded.mlm_head.decoder.weight is loaded.embeddings.token.weight  # still tied after loading
 
 
+def test_more_positions_extend_the_table_and_leave_the_outputs_on_shorter_inputs_as_they_were(tiny_init, tmp_path):
+    """`max_position_embeddings` (``--set max_position_embeddings=600``) beyond the model's 256: rows 256.. repeat
+    the learned ones (row 256 + i = row i, microsoft/unilm's rule), the first 256 and every other tensor exact, so a
+    sequence within 256 positions gives the same logits; from a pre-training checkpoint and from a HF directory."""
+    tokenizer = load_tokenizer(tiny_init)
+    checkpoints = _pretraining_checkpoint(_trained_looking_model(tokenizer.vocab_size), tmp_path)
+    torch.manual_seed(2)
+    input_ids = torch.randint(5, tokenizer.vocab_size, (2, 200))
+    len_a, length = torch.tensor([150, 90]), torch.tensor([200, 170])
+    for init in (checkpoints, tiny_init):
+        base, _ = load_init(init, vocab=tiny_init / "vocab.txt", task="seq2seq")
+        longer, _ = load_init(init, vocab=tiny_init / "vocab.txt", task="seq2seq", max_positions=600)
+        table, learned = longer.embeddings.position.weight, base.embeddings.position.weight
+        assert longer.cfg == dataclasses.replace(base.cfg, max_position_embeddings=600) and table.shape[0] == 600
+        assert torch.equal(table[:256], learned) and torch.equal(table[256:512], learned)
+        assert torch.equal(table[512:], learned[:88])
+        assert all(torch.equal(tensor, base.state_dict()[name]) for name, tensor in longer.state_dict().items()
+                   if name != "embeddings.position.weight")
+        with torch.no_grad():
+            logits = [model.eval().mlm_logits(model.encode_objective(input_ids, SEQ2SEQ, len_a, length))
+                      for model in (base, longer)]
+        assert torch.equal(logits[0], logits[1])
+    with pytest.raises(ValueError, match="max_position_embeddings: 100 is fewer than the model's 256 positions"):
+        load_init(tiny_init, max_positions=100)
+
+
 def test_fine_tuning_loss_is_the_pretraining_seq2seq_loss_on_the_same_input(tiny_init):
     """[CLS] src [SEP] tgt [SEP], segments 4/5 via len_a, default positions: the fine-tuning loss (no smoothing)
     equals the pre-training forward's loss for objective SEQ2SEQ on the same tokens, masks and labels."""

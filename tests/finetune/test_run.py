@@ -239,17 +239,23 @@ def test_init_from_a_fine_tuning_runs_checkpoints_points_at_its_output(small_tas
             load_finetuned(given)
 
 
-def test_seq2seq_run_then_decode_with_and_without_cache(small_tasks, tiny_init, tmp_path):
+def test_seq2seq_run_then_decode_with_and_without_cache(small_tasks, tiny_init, tmp_path, capsys):
     out = tmp_path / "model"
     run.main(["--task", "seq2seq", "--train", str(small_tasks["bbc_headline.train"]), "--dev",
               str(small_tasks["bbc_headline.dev"]), "--init", str(tiny_init), "--out", str(out), "--epochs", "1",
-              "--max-src-len", "96", "--max-tgt-len", "16", *COMMON])
+              "--max-src-len", "96", "--max-tgt-len", "16", "--set", "max_position_embeddings=300", *COMMON])
     metrics = json.loads((out / "summary.json").read_text())
     assert {"rouge1", "rouge2", "rougeL", "bleu"} <= set(metrics["best"])
     assert metrics["truncated"]["sources"] > 0  # BBC articles are longer than 96 word pieces: counted
     finetuned = load_finetuned(out, expect_task="seq2seq")
     trained_segments = finetuned.model.embeddings.segment.weight
     assert not torch.equal(trained_segments[4], trained_segments[0])  # rows 4/5 survive the HF export
+    # the init's 256 positions extended to 300: kept by the output, and decoding gives a source all it leaves
+    assert finetuned.model.cfg.max_position_embeddings == 300
+    capsys.readouterr()
+    decode.main(["--model", str(out), "--input", str(small_tasks["bbc_headline.dev"]), "--output",
+                 str(tmp_path / "long.jsonl"), "--beam-size", "1", "--max-src-len", "290", "--max-tgt-len", "4"])
+    assert "sources truncated to 290 word pieces" in capsys.readouterr().out  # 256 positions would leave 249
     predictions = {}
     for flag in ([], ["--no-cache"]):
         output = tmp_path / f"pred{len(flag)}.jsonl"

@@ -136,11 +136,31 @@ def test_another_architecture_is_refused_naming_the_field(phase1: Path, unilm_sh
     with pytest.raises(ValueError, match=r"trained with num_layers=2, this run sets model.overrides.num_layers=3"):
         resolve_model_config(phase2_config(phase1, unilm_shards, tmp_path, "model.overrides.num_layers=3"))
     with pytest.raises(ValueError, match=r"max_position_embeddings=512, this run sets "
-                                         r"model.overrides.max_position_embeddings=1024"):
+                                         r"model.overrides.max_position_embeddings=256"):  # longer only
         resolve_model_config(phase2_config(phase1, unilm_shards, tmp_path,
-                                           "model.overrides.max_position_embeddings=1024"))
+                                           "model.overrides.max_position_embeddings=256"))
     model_cfg = resolve_model_config(phase2_config(phase1, unilm_shards, tmp_path, "model.overrides.hidden_dropout=0"))
     assert model_cfg.hidden_dropout == 0 and model_cfg.num_layers == 2  # dropout is a training setting
+
+
+@pytest.mark.slow  # ≈ 30 s: phase 1
+def test_phase_2_may_lengthen_the_position_table_its_new_rows_and_their_moments_repeating_the_learned_ones(
+        phase1: Path, unilm_shards: Path, tmp_path: Path, one_rank_group, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    cfg = phase2_config(phase1, unilm_shards, tmp_path / "phase2", "train.init_optimizer=true",
+                        "model.overrides.max_position_embeddings=1200")
+    engine = phase2_engine(cfg)
+    last = phase1 / f"global_step{PHASE_1_STEPS}"
+    _, saved = ckpt.load_weights(last)
+    weights, moments = ckpt.gather_full_weights(engine.module), gather_moments(engine)
+    phase1_moments = read_moments(last / MOMENTS)
+    for table, before in (("embeddings.position.weight", saved), ("exp_avg/embeddings.position.weight", phase1_moments),
+                          ("exp_avg_sq/embeddings.position.weight", phase1_moments)):
+        longer, learned = (weights if table in weights else moments)[table], before[table]
+        assert longer.shape[0] == 1200 and learned.shape[0] == 512, table
+        assert torch.equal(longer[:512], learned) and torch.equal(longer[512:1024], learned), table
+        assert torch.equal(longer[1024:], learned[:176]), table  # row 1024 + i = row i
+    assert all(torch.equal(weights[name], saved[name]) for name in saved if "position" not in name)
 
 
 def test_init_optimizer_needs_a_checkpoint_to_start_from(unilm_shards: Path, tmp_path: Path) -> None:
