@@ -122,7 +122,10 @@ class FinetuneConfig:
     fit the model's positions (UniLM's truncation: training cuts only as far as each target needs; decoding leaves
     room for a target of max_tgt_len)."""
     max_tgt_len: int = 64
-    """seq2seq: target word-piece budget (training) and the decoding maximum (dev)."""
+    """seq2seq: target word-piece budget (training), and the decoding maximum unless `eval_max_tgt_len` sets one."""
+    eval_max_tgt_len: int | None = None
+    """seq2seq: longest target of the dev decoding, and `finetune.decode`'s default (None: max_tgt_len). UniLM v1's
+    CNN/DailyMail trains targets of up to 200 word pieces and decodes at most 128."""
     mask_prob: float = 0.7
     """seq2seq: probability of masking each target token, the final [SEP] included (paper 0.7; QA/dialogue 0.5)."""
     label_smoothing: float = 0.1
@@ -160,6 +163,11 @@ class FinetuneConfig:
     """classify: the class whose F1 is reported as `f1`; None: with two classes the second in sorted order ("1" of
     0/1, "true", "yes", "positive"), with more no `f1`."""
 
+    @property
+    def decode_max_tgt_len(self) -> int:
+        """The longest target the dev decoding writes: `eval_max_tgt_len`, else `max_tgt_len`."""
+        return self.eval_max_tgt_len or self.max_tgt_len
+
     def __post_init__(self) -> None:
         check_field_types(self)
         if self.task not in TASKS:
@@ -177,6 +185,8 @@ class FinetuneConfig:
                                   ("aux_lm_weight", self.aux_lm_weight >= 0, ">= 0")):
             if not valid:
                 raise ValueError(f"{name} must be {rule}, got {getattr(self, name)}")
+        if self.eval_max_tgt_len is not None and self.eval_max_tgt_len < 1:
+            raise ValueError(f"eval_max_tgt_len must be >= 1 (or null: max_tgt_len), got {self.eval_max_tgt_len}")
         if self.max_position_embeddings is not None and self.max_position_embeddings < 1:
             raise ValueError(f"max_position_embeddings must be >= 1 (or null: init's), got "
                              f"{self.max_position_embeddings}")

@@ -96,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--beam-size", type=int_at_least(1), default=5,
                         help="1: greedy, no length penalty (default 5)")
     parser.add_argument("--max-tgt-len", type=int_at_least(1), default=None,
-                        help="longest target in word pieces (default: the fine-tuning run's max_tgt_len, else 64)")
+                        help="longest target in word pieces (default: the fine-tuning run's eval_max_tgt_len, else its "
+                             "max_tgt_len, else 64)")
     parser.add_argument("--min-tgt-len", type=int_at_least(0), default=1,
                         help="shortest target in word pieces (default 1; at most --max-tgt-len)")
     parser.add_argument("--max-src-len", type=int_at_least(1), default=None,
@@ -229,13 +230,14 @@ def decoding_settings(args: argparse.Namespace, finetuned: Finetuned) -> tuple[D
     """The search and the source budget: the flags, and where a flag is not given what the fine-tuning run
     evaluated with (its `eval_*` settings and lengths)."""
     run = finetuned.run_settings
-    max_tgt_len = args.max_tgt_len if args.max_tgt_len is not None else run.get("max_tgt_len", 64)
+    max_tgt_len = args.max_tgt_len if args.max_tgt_len is not None else \
+        run.get("eval_max_tgt_len") or run.get("max_tgt_len", 64)
     if args.beam_size > finetuned.tokenizer.vocab_size:
         raise ValueError(f"--beam-size {args.beam_size}: more beams than the {finetuned.tokenizer.vocab_size} word "
                          "pieces a step can choose from")
     if args.min_tgt_len > max_tgt_len:
         raise ValueError(f"--min-tgt-len {args.min_tgt_len} exceeds the longest target, {max_tgt_len} word pieces "
-                         "(--max-tgt-len, default the fine-tuning run's max_tgt_len)")
+                         "(--max-tgt-len, default the fine-tuning run's eval_max_tgt_len or max_tgt_len)")
     length_penalty = args.length_penalty if args.length_penalty is not None else run.get("eval_length_penalty", 0.0)
     no_repeat_ngram = args.no_repeat_ngram if args.no_repeat_ngram is not None else run.get("eval_no_repeat_ngram", 3)
     no_repeat_ignore = args.no_repeat_ignore if args.no_repeat_ignore is not None else \

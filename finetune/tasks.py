@@ -134,7 +134,7 @@ def build_seq2seq(cfg: FinetuneConfig, backbone: UniLMModel, tokenizer: Tokenize
     if cfg.eval_beam_size > tokenizer.vocab_size:
         raise ValueError(f"eval_beam_size = {cfg.eval_beam_size}: more beams than the {tokenizer.vocab_size} word "
                          "pieces a step can choose from (the paper's beam is 5)")
-    decoding = DecodeConfig(beam_size=cfg.eval_beam_size, max_tgt_len=cfg.max_tgt_len,
+    decoding = DecodeConfig(beam_size=cfg.eval_beam_size, max_tgt_len=cfg.decode_max_tgt_len,
                             length_penalty=cfg.eval_length_penalty, no_repeat_ngram=cfg.eval_no_repeat_ngram,
                             no_repeat_ignore=ignore)
 

@@ -32,6 +32,8 @@ def test_precedence_yaml_then_flags_then_set(tmp_path) -> None:
     ("warmup_ratio=1", r"warmup_ratio must be in \[0, 1\), got 1.0"),
     ("exit_after_minutes=0", "exit_after_minutes must be > 0"),
     ("save_interval=0", "save_interval must be >= 1"),
+    ("eval_max_tgt_len=0", r"eval_max_tgt_len must be >= 1 \(or null: max_tgt_len\), got 0"),
+    ("max_position_embeddings=0", r"max_position_embeddings must be >= 1 \(or null: init's\), got 0"),
     ("metric=rougeL", "metric 'rougeL' is not a classify dev score; choose one of accuracy, macro_f1, mcc"),
 ])
 def test_bad_values_are_refused_by_name(override: str, message: str) -> None:
@@ -58,13 +60,16 @@ def test_help_lists_every_key() -> None:
 
 @pytest.mark.parametrize("path", sorted((ROOT / "finetune" / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_loads_and_fits_a_512_position_bert(path, minilm_dir) -> None:
+    """Each shipped config loads and fits a 512-position BERT, or the positions it extends the model to."""
     from finetune.generation import ignore_ids
     from finetune.seq2seq import source_budget
     from finetune.tokenizer import load_tokenizer
 
     cfg = load_config(path, {k: v for k, v in REQUIRED.items() if k != "task"})
+    positions = cfg.max_position_embeddings or 512
     if cfg.task == "seq2seq":
-        assert source_budget(512, cfg.max_src_len, cfg.max_tgt_len) >= min(cfg.max_src_len, 48)
+        assert source_budget(positions, cfg.max_src_len, cfg.max_tgt_len) >= min(cfg.max_src_len, 48)
+        assert source_budget(positions, cfg.max_src_len, cfg.decode_max_tgt_len) == cfg.max_src_len or positions == 512
         assert ignore_ids(load_tokenizer(minilm_dir), cfg.eval_no_repeat_ignore, path.name)
     else:
         assert cfg.max_seq_len <= 512

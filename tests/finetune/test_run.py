@@ -274,6 +274,16 @@ def test_seq2seq_run_then_decode_with_and_without_cache(small_tasks, tiny_init, 
                      "--beam-size", "1", "--no-repeat-ngram", "0", *flag])
         decoded[" ".join(flag)] = [json.loads(line)["prediction"] for line in output.read_text().splitlines()]
     assert decoded[""] == decoded["--max-tgt-len 16"] != decoded["--max-tgt-len 64"]
+    # a run's eval_max_tgt_len (its dev decoding's, CNN/DM's 128 beside training's 200) is the default instead
+    shorter = tmp_path / "shorter"
+    shutil.copytree(out, shorter)
+    meta = json.loads((shorter / "finetune.json").read_text())
+    meta["settings"]["eval_max_tgt_len"] = 3
+    (shorter / "finetune.json").write_text(json.dumps(meta))
+    decode.main(["--model", str(shorter), "--input", str(small_tasks["bbc_headline.dev"]), "--output",
+                 str(tmp_path / "shorter.jsonl"), "--beam-size", "1", "--no-repeat-ngram", "0"])
+    predictions3 = [json.loads(line)["prediction"] for line in (tmp_path / "shorter.jsonl").read_text().splitlines()]
+    assert predictions3 != decoded[""] and all(len(p.split()) <= 3 for p in predictions3)
     # no --length-penalty / --no-repeat-*: the run's eval_* decoding settings (CNN/DM's length penalty 1.0, ...)
     tuned = tmp_path / "tuned"
     shutil.copytree(out, tuned)
