@@ -261,26 +261,7 @@ def _finalize(out: Path) -> dict:
     staging = staging_dir(out)
     for stale in [*staging.glob(SHARD_GLOB), staging / MANIFEST_NAME]:  # of a finalize that was killed
         stale.unlink(missing_ok=True)
-    builders = sorted((staging / PARTS_DIR).glob("builder-*-of-*.json"))
-    if not builders:
-        raise ShardError(f"--finalize {out}: no builder results in {staging / PARTS_DIR}; run the builders first")
-    records = [json.loads(p.read_text()) for p in builders]
-    num_builders = records[0]["num_builders"]
-    if {r["fingerprint"] for r in records} != {records[0]["fingerprint"]} or \
-            {r["num_builders"] for r in records} != {num_builders}:
-        raise ShardError(f"--finalize {out}: builder results come from different settings or --num-builders; "
-                         "rerun all builders with the same arguments")
-    missing = sorted(set(range(num_builders)) - {r["builder_index"] for r in records})
-    if missing:
-        raise ShardError(f"--finalize {out}: builder(s) {missing} of {num_builders} have not finished")
-    cfg = BuildConfig.from_json(records[0]["config"])
-    unit_chunks = {int(u): n for r in records for u, n in r["unit_chunks"].items()}
-    if sorted(unit_chunks) != list(range(records[0]["num_units"])):
-        raise ShardError(f"--finalize {out}: the builders did not cover every input unit; rerun the builders")
-    parts = [part_path(staging, u, c) for u in sorted(unit_chunks) for c in range(unit_chunks[u])]
-    absent = [p.name for p in parts if not p.exists()]
-    if absent:
-        raise ShardError(f"--finalize {out}: part files missing ({absent[:5]}); rerun the builders")
+    records, cfg, parts = _builder_results(out, staging)
     opened = [ShardFile(p) for p in parts]
     vocab = load_vocab(staging / VOCAB_NAME)
     if vocab.sha256 != cfg.vocab_sha256:
@@ -289,34 +270,11 @@ def _finalize(out: Path) -> dict:
     stats = DocumentStats()
     for r in records:
         stats.add(DocumentStats(**r["documents"]))
-
-    ends = np.cumsum([len(p) for p in opened], dtype=np.int64)
-    total = int(ends[-1]) if len(ends) else 0
+    total = sum(len(p) for p in opened)
     if total == 0:
         raise ShardError(nothing_kept("samples", cfg.inputs, stats)
                          + one_sentence_hint(asdict(stats), set(cfg.sentence_inputs) == set(cfg.inputs)))
-    num_shards = -(-total // cfg.samples_per_shard)
-    shard_entries: list[dict] = []
-    objective_counts: collections.Counter = collections.Counter()
-    random_next: collections.Counter = collections.Counter()
-    num_tokens = 0
-    for shard in range(num_shards):
-        start, stop = total * shard // num_shards, total * (shard + 1) // num_shards
-        pieces = []
-        for part_index in range(int(np.searchsorted(ends, start, "right")), len(opened)):
-            part_start = int(ends[part_index - 1]) if part_index else 0
-            if part_start >= stop:
-                break
-            pieces.append(opened[part_index].arrays.select(max(start - part_start, 0),
-                                                           min(stop, int(ends[part_index])) - part_start))
-        arrays = ShardArrays.concatenate(pieces, dtype)
-        path = staging / f"shard-{shard:05d}.bin"
-        write_shard(path, arrays)
-        objective_counts.update(arrays.index["objective"].tolist())
-        random_next.update(arrays.index["is_random_next"].tolist())
-        num_tokens += len(arrays.tokens)
-        shard_entries.append({"file": path.name, "num_samples": len(arrays), "bytes": path.stat().st_size,
-                              "sha256": sha256_file(path)})
+    shard_entries, objective_counts, random_next, num_tokens = _write_shards(staging, opened, cfg, dtype)
     manifest = manifest_dict(
         recipe=cfg.instances.recipe,
         objective_mix={o.key: p for o, p in cfg.instances.mix.items()},
@@ -349,4 +307,61 @@ def _finalize(out: Path) -> dict:
     shutil.rmtree(staging / PARTS_DIR)
     install_build(staging, out)
     return manifest
+
+
+def _builder_results(out: Path, staging: Path) -> tuple[list[dict], BuildConfig, list[Path]]:
+    """(every builder's result record, the build config they share, the part files in unit order), refusing
+    builders of other settings, missing builders, uncovered units and missing part files by name."""
+    builders = sorted((staging / PARTS_DIR).glob("builder-*-of-*.json"))
+    if not builders:
+        raise ShardError(f"--finalize {out}: no builder results in {staging / PARTS_DIR}; run the builders first")
+    records = [json.loads(p.read_text()) for p in builders]
+    num_builders = records[0]["num_builders"]
+    if {r["fingerprint"] for r in records} != {records[0]["fingerprint"]} or \
+            {r["num_builders"] for r in records} != {num_builders}:
+        raise ShardError(f"--finalize {out}: builder results come from different settings or --num-builders; "
+                         "rerun all builders with the same arguments")
+    missing = sorted(set(range(num_builders)) - {r["builder_index"] for r in records})
+    if missing:
+        raise ShardError(f"--finalize {out}: builder(s) {missing} of {num_builders} have not finished")
+    cfg = BuildConfig.from_json(records[0]["config"])
+    unit_chunks = {int(u): n for r in records for u, n in r["unit_chunks"].items()}
+    if sorted(unit_chunks) != list(range(records[0]["num_units"])):
+        raise ShardError(f"--finalize {out}: the builders did not cover every input unit; rerun the builders")
+    parts = [part_path(staging, u, c) for u in sorted(unit_chunks) for c in range(unit_chunks[u])]
+    absent = [p.name for p in parts if not p.exists()]
+    if absent:
+        raise ShardError(f"--finalize {out}: part files missing ({absent[:5]}); rerun the builders")
+    return records, cfg, parts
+
+
+def _write_shards(staging: Path, opened: list[ShardFile], cfg: BuildConfig, dtype: np.dtype
+                  ) -> tuple[list[dict], collections.Counter, collections.Counter, int]:
+    """The parts' samples, in order, as ``ceil(total / samples_per_shard)`` shards of near-equal size in
+    ``staging``: (their manifest entries, samples per objective, per is_random_next, tokens)."""
+    ends = np.cumsum([len(p) for p in opened], dtype=np.int64)
+    total = int(ends[-1])
+    num_shards = -(-total // cfg.samples_per_shard)
+    shard_entries: list[dict] = []
+    objective_counts: collections.Counter = collections.Counter()
+    random_next: collections.Counter = collections.Counter()
+    num_tokens = 0
+    for shard in range(num_shards):
+        start, stop = total * shard // num_shards, total * (shard + 1) // num_shards
+        pieces = []
+        for part_index in range(int(np.searchsorted(ends, start, "right")), len(opened)):
+            part_start = int(ends[part_index - 1]) if part_index else 0
+            if part_start >= stop:
+                break
+            pieces.append(opened[part_index].arrays.select(max(start - part_start, 0),
+                                                           min(stop, int(ends[part_index])) - part_start))
+        arrays = ShardArrays.concatenate(pieces, dtype)
+        path = staging / f"shard-{shard:05d}.bin"
+        write_shard(path, arrays)
+        objective_counts.update(arrays.index["objective"].tolist())
+        random_next.update(arrays.index["is_random_next"].tolist())
+        num_tokens += len(arrays.tokens)
+        shard_entries.append({"file": path.name, "num_samples": len(arrays), "bytes": path.stat().st_size,
+                              "sha256": sha256_file(path)})
+    return shard_entries, objective_counts, random_next, num_tokens
 
