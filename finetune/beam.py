@@ -286,22 +286,14 @@ def beam_search(model: UniLMModel, sources: list[list[int]], special: SpecialIds
         top_scores, top_index = top.values.tolist(), top.indices.tolist()  # [B, 2·beams] candidates, not [B, V]
         next_rows, next_tokens, next_scores = [], [], []
         for example in range(batch_size):
-            alive = []
-            if not done[example]:
-                for rank, (score, index) in enumerate(zip(top_scores[example], top_index[example])):
-                    row, token = example * beams + index // vocab, index % vocab
-                    if token == special.sep_id:
-                        if rank < beams and score > -math.inf:
-                            normalised = score / length_penalty(length, config.length_penalty)
-                            finished[example].append(Hypothesis(hypotheses[row], score, normalised))
-                    else:
-                        alive.append((row, token, score))
-                    if len(alive) == beams:
-                        break
-                done[example] = len(finished[example]) >= n_best and (
-                    nth_best(finished[example], n_best) >= best_reachable(alive, length, config))
+            best = [(example * beams + index // vocab, index % vocab, score)
+                    for score, index in zip(top_scores[example], top_index[example])]
+            alive = [] if done[example] else \
+                _extend(best, hypotheses, finished[example], length, config, special.sep_id)
+            done[example] = done[example] or len(finished[example]) >= n_best and (
+                nth_best(finished[example], n_best) >= best_reachable(alive, length, config))
             if done[example]:  # keep the batch shape: dummy beams that never win
-                alive = [(example * beams, special.pad_id, -math.inf)] * beams
+                alive = []
             alive += [(example * beams, special.pad_id, -math.inf)] * (beams - len(alive))
             for row, token, score in alive:
                 next_rows.append(row)
@@ -328,6 +320,24 @@ def beam_search(model: UniLMModel, sources: list[list[int]], special: SpecialIds
         results.append(ranked[:n_best] or [Hypothesis([], -math.inf, -math.inf)])
     model.train(was_training)
     return results
+
+
+def _extend(candidates: list[tuple[int, int, float]], hypotheses: list[list[int]], finished: list[Hypothesis],
+            length: int, config: DecodeConfig, sep_id: int) -> list[tuple[int, int, float]]:
+    """One example's step: of its best (row, token, score) ``candidates`` (2·beam of them, best first), each [SEP]
+    among the first beam finishes its row's hypothesis (appended to ``finished``, normalised by the length
+    penalty), and the first beam others are the beams that go on (returned)."""
+    alive = []
+    for rank, (row, token, score) in enumerate(candidates):
+        if token == sep_id:
+            if rank < config.beam_size and score > -math.inf:
+                normalised = score / length_penalty(length, config.length_penalty)
+                finished.append(Hypothesis(hypotheses[row], score, normalised))
+        else:
+            alive.append((row, token, score))
+        if len(alive) == config.beam_size:
+            break
+    return alive
 
 
 def nth_best(hypotheses: list[Hypothesis], n: int) -> float:

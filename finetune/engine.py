@@ -146,28 +146,12 @@ def _fit_locked(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer, rank
     started = time.perf_counter()
     plan = plan_batch(cfg.batch_size, cfg.micro_batch_size, world_size, BATCH_KEYS)
     steps_per_epoch, total_steps, warmup_steps = schedule(cfg, task.train_size)
-    identity = run_identity(cfg, dataclasses.asdict(task.backbone.cfg), tokenizer, task.meta)
-    engine_json = read_engine_json(cfg.deepspeed_config_path)
-    resume = find_resume_point(cfg.checkpoint_dir, "auto", identity, world_size, zero_stage(engine_json),
-                                    report=log.info if rank == 0 else None,
-                                    restart=f"use another --out, or delete {cfg.checkpoint_dir} to start afresh there")
-    if rank == 0:
-        log.info("[finetune] DeepSpeed config %s", cfg.deepspeed_config_path)
-        report_changed_settings(resume, cfg.to_dict(), log.info)
-    engine = build_engine(
-        task.module, deepspeed_config(cfg, plan, engine_json, total_steps, warmup_steps,
-                                      load_universal=resume is not None and resume.universal),
-        cfg.weight_decay,
-        client_optimizer=(lambda groups: torch.optim.Adamax(groups, lr=cfg.lr)) if cfg.optimizer == "adamax" else None,
-        resumed=resume)
-    progress = restore_progress(engine, resume, cfg.seed, rank, world_size, total_steps)
+    engine, progress, resume, meta = _start(cfg, task, tokenizer, rank, world_size, plan, total_steps, warmup_steps)
     out = Path(cfg.out)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "run_config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
-    meta = dict(identity, run_config=cfg.to_dict(), code_version=ckpt.code_version(), world_size=world_size,
-                zero_stage=engine.zero_optimization_stage(), optimizer_class=optimizer_name(engine.basic_optimizer))
-    if rank == 0:  # resumed: the steps past the checkpoint are redone, their old records dropped
+        # resumed: the steps past the checkpoint are redone, their old records dropped
         prepare_metrics_file(out / LOG_FILE, progress.step if resume is not None else None)
     metrics_file = open(out / LOG_FILE, "a") if rank == 0 else None
     bar = StepBar(total_steps, progress.step, f"finetune {cfg.task}", every=max(1, min(50, steps_per_epoch // 4))) \
@@ -222,12 +206,41 @@ def _fit_locked(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer, rank
                "world_size": world_size, "finished": progress.step >= total_steps,
                "wall_s_this_launch": time.perf_counter() - started, **task.meta}
     if rank == 0:
-        write_atomically(out / SUMMARY_FILE, lambda tmp: tmp.write_text(json.dumps(summary, indent=1) + "\n"))
-        if summary["finished"] and progress.best is not None:
-            best = progress.best
-            log.info("[finetune] done: best epoch %s, %s %.4g; its model is %s (finetune.json, summary.json)",
-                     best["epoch"], task.primary_metric, best[task.primary_metric], out)
+        _write_summary(out, summary, task.primary_metric)
     return summary
+
+
+def _start(cfg: FinetuneConfig, task: TaskSetup, tokenizer: Tokenizer, rank: int, world_size: int, plan: BatchPlan,
+           total_steps: int, warmup_steps: int) -> tuple[Any, Progress, ResumePoint | None, dict[str, Any]]:
+    """The run's DeepSpeed engine, resumed from ``cfg.out``'s last checkpoint of this same run where there is one:
+    (engine, progress, resume point, the metadata every checkpoint records)."""
+    identity = run_identity(cfg, dataclasses.asdict(task.backbone.cfg), tokenizer, task.meta)
+    engine_json = read_engine_json(cfg.deepspeed_config_path)
+    resume = find_resume_point(cfg.checkpoint_dir, "auto", identity, world_size, zero_stage(engine_json),
+                               report=log.info if rank == 0 else None,
+                               restart=f"use another --out, or delete {cfg.checkpoint_dir} to start afresh there")
+    if rank == 0:
+        log.info("[finetune] DeepSpeed config %s", cfg.deepspeed_config_path)
+        report_changed_settings(resume, cfg.to_dict(), log.info)
+    engine = build_engine(
+        task.module, deepspeed_config(cfg, plan, engine_json, total_steps, warmup_steps,
+                                      load_universal=resume is not None and resume.universal),
+        cfg.weight_decay,
+        client_optimizer=(lambda groups: torch.optim.Adamax(groups, lr=cfg.lr)) if cfg.optimizer == "adamax" else None,
+        resumed=resume)
+    progress = restore_progress(engine, resume, cfg.seed, rank, world_size, total_steps)
+    meta = dict(identity, run_config=cfg.to_dict(), code_version=ckpt.code_version(), world_size=world_size,
+                zero_stage=engine.zero_optimization_stage(), optimizer_class=optimizer_name(engine.basic_optimizer))
+    return engine, progress, resume, meta
+
+
+def _write_summary(out: Path, summary: dict[str, Any], primary_metric: str) -> None:
+    """``summary.json``, written whole or not at all; a finished run names its best epoch."""
+    write_atomically(out / SUMMARY_FILE, lambda tmp: tmp.write_text(json.dumps(summary, indent=1) + "\n"))
+    best = summary["best"]
+    if summary["finished"] and best is not None:
+        log.info("[finetune] done: best epoch %s, %s %.4g; its model is %s (finetune.json, summary.json)",
+                 best["epoch"], primary_metric, best[primary_metric], out)
 
 
 def restore_progress(engine: Any, resume: ResumePoint | None, seed: int, rank: int, world_size: int,
