@@ -25,7 +25,8 @@ import os
 import shutil
 import signal
 import sys
-from collections.abc import Iterator, Sequence
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -39,6 +40,7 @@ from data_prep.config import BuildConfig, BuildSettings, load_settings
 from data_prep.inputs import ALL_FILES, SUPPORTED, check_input, directory_files, folder_split, is_plain_folder
 from data_prep.instances import RECIPES, InstanceConfig, MaskingConfig, default_max_predictions, parse_objective_mix
 from data_prep.output import (
+    PARTS_DIR,
     OutputLock,
     builder_path,
     check_build_output,
@@ -65,6 +67,7 @@ from data_prep.sources import (
 )
 from data_prep.text import clean_document
 from data_prep.vocab import HF_TOKENIZER_CONFIG, load_vocab, resolve_casing, resolve_vocab_source, train_vocab
+from data_prep.wiki_dump import SpilledPage
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +135,37 @@ def _process_chunk_task(cfg: BuildConfig, chunk: Chunk, out_path: Path) -> tuple
     return chunk.index, len(chunk.records), stats, samples
 
 
+class _SpillFiles:
+    """The files a Wikipedia dump's reader processes write articles to (``data_prep.wiki_units.spill_piece``), so
+    the main process hands workers where a page is rather than its text: each file is deleted once the chunks
+    that read from it are done and no later chunk can (they come in file order), the folder at the end."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.pending: collections.Counter = collections.Counter()  # file -> chunks handed out, not done
+        self.order: dict[str, int] = {}  # file -> its place in reading order
+        self.open_from = 0  # files from this place on may still be read by a later chunk
+
+    @staticmethod
+    def files(chunk: Chunk) -> list[str]:
+        return list(dict.fromkeys(r.text.path for r, _ in chunk.records if isinstance(r, SpilledPage)))
+
+    def handed_out(self, chunk: Chunk) -> None:
+        files = self.files(chunk)
+        for name in files:
+            self.pending[name] += 1
+            self.order.setdefault(name, len(self.order))
+        if files:
+            self.open_from = self.order[files[-1]]
+
+    def done(self, chunk: Chunk) -> None:
+        for name in self.files(chunk):
+            self.pending[name] -= 1
+        for name in [n for n, count in self.pending.items() if count == 0 and self.order[n] < self.open_from]:
+            os.remove(name)
+            del self.pending[name], self.order[name]
+
+
 
 def run_builder(cfg: BuildConfig, out: Path, workers: int = 1, builder_index: int = 0, num_builders: int = 1,
                 overwrite: bool = False, progress: bool = True, lock: OutputLock | None = None) -> DocumentStats:
@@ -167,30 +201,24 @@ def _run_builder(cfg: BuildConfig, out: Path, workers: int, builder_index: int, 
         bar.update(records)
         bar.set_postfix(samples=total_samples, skipped=stats.skipped)
 
-    def chunks() -> Iterator[Chunk]:
+    def chunks(spill: str | None) -> Iterator[Chunk]:
         for unit_index, (unit, options) in enumerate(units):
             if unit_index % num_builders == builder_index:  # other builders' units are read only for NSP donors
                 elsewhere = units[(unit_index + 1) % len(units)] if len(units) > 1 else None
-                for chunk in iter_chunks(unit_index, unit, options, cfg.chunk_chars, elsewhere, uses_nsp(cfg)):
+                for chunk in iter_chunks(unit_index, unit, options, cfg.chunk_chars, elsewhere, uses_nsp(cfg),
+                                         spill):
                     unit_chunks[unit_index] = chunk.index + 1
                     yield chunk
 
     if workers <= 1:
-        for chunk in chunks():
+        for chunk in chunks(None):
             collect(_process_chunk_task(cfg, chunk, part_path(staging, chunk.unit, chunk.index)))
     else:
-        # fork starts workers in milliseconds (spawn re-imports numpy and tokenizers: ~1 s); workers only run
-        # process_chunk, and tokenizers disables its thread pool in a forked child by itself
-        method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-        with multiprocessing.get_context(method).Pool(workers, initializer=_start_worker) as pool:
-            pending: collections.deque = collections.deque()
-            for chunk in chunks():
-                pending.append(pool.apply_async(_process_chunk_task,
-                                                (cfg, chunk, part_path(staging, chunk.unit, chunk.index))))
-                while len(pending) > 2 * workers:  # bounded memory: never queue the whole corpus
-                    collect(pending.popleft().get())
-            while pending:
-                collect(pending.popleft().get())
+        spill = _SpillFiles(Path(tempfile.mkdtemp(prefix=f".pages-{builder_index}-", dir=staging / PARTS_DIR)))
+        try:
+            _run_pool(cfg, workers, chunks(str(spill.folder)), staging, collect, spill)
+        finally:
+            shutil.rmtree(spill.folder, ignore_errors=True)
     bar.close()
     write_json(builder_path(staging, builder_index, num_builders), {
         "fingerprint": cfg.fingerprint, "config": cfg.to_json(), "builder_index": builder_index,
@@ -199,6 +227,30 @@ def _run_builder(cfg: BuildConfig, out: Path, workers: int, builder_index: int, 
     return stats
 
 
+
+
+def _run_pool(cfg: BuildConfig, workers: int, chunks: Iterator[Chunk], staging: Path,
+              collect: Callable[[tuple[int, int, DocumentStats, int]], None], spill: _SpillFiles) -> None:
+    """Process ``chunks`` in ``workers`` processes, a few chunks ahead of the results, collected in order."""
+    # fork starts workers in milliseconds (spawn re-imports numpy and tokenizers: ~1 s); workers only run
+    # process_chunk, and tokenizers disables its thread pool in a forked child by itself
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    with multiprocessing.get_context(method).Pool(workers, initializer=_start_worker) as pool:
+        pending: collections.deque = collections.deque()
+
+        def collect_next() -> None:
+            chunk, result = pending.popleft()
+            collect(result.get())
+            spill.done(chunk)
+
+        for chunk in chunks:
+            spill.handed_out(chunk)
+            pending.append((chunk, pool.apply_async(_process_chunk_task,
+                                                    (cfg, chunk, part_path(staging, chunk.unit, chunk.index)))))
+            while len(pending) > 2 * workers:  # bounded memory: never queue the whole corpus
+                collect_next()
+        while pending:
+            collect_next()
 
 
 def build(cfg: BuildConfig, out: Path, workers: int = 1, overwrite: bool = False, progress: bool = True) -> dict:

@@ -13,10 +13,11 @@ import dataclasses
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import cast
 
 from data_prep.records import Skipped
-from data_prep.sources import ReadOptions, Unit, read_unit
-from data_prep.wiki_dump import Wikitext
+from data_prep.sources import ReadOptions, Unit, read_unit, unit_records
+from data_prep.wiki_dump import SpilledPage, Wikitext, characters, has_text
 
 DONOR_CHARS = 20_000
 """at least this many characters of text from elsewhere go with a chunk that draws NSP random B segments from it"""
@@ -33,14 +34,15 @@ class Chunk:
     unit: int
     index: int
     first_document: int
-    records: list[tuple[str | Skipped, str]]  # (document or skip, where)
+    records: list[tuple[str | Skipped | SpilledPage, str]]  # (document or skip, where)
     donor: tuple[str, ...] = ()
     """text from elsewhere (`iter_chunks`) where NSP draws random next segments for a chunk whose documents cannot
     give each other any: a single document, or pieces of one running text"""
 
 
 def iter_chunks(unit_index: int, unit: Unit, options: ReadOptions, chunk_chars: int,
-                elsewhere: tuple[Unit, ReadOptions] | None = None, donors: bool = True) -> Iterator[Chunk]:
+                elsewhere: tuple[Unit, ReadOptions] | None = None, donors: bool = True,
+                spill: str | None = None) -> Iterator[Chunk]:
     """Stream one unit as chunks of about ``chunk_chars`` characters (raw; Wikipedia markup counts) and at least
     one chunk; only the input decides boundaries. With ``donors`` (NSP is drawn) a chunk whose documents cannot
     give each other random next segments gets text from elsewhere as its ``donor``:
@@ -52,8 +54,9 @@ def iter_chunks(unit_index: int, unit: Unit, options: ReadOptions, chunk_chars: 
       ``elsewhere``.
 
     ``elsewhere``'s text is handed out in consecutive pieces, from its start, so the donors depend on the inputs
-    alone, never on the builders or workers."""
-    chunks = _read_chunks(unit_index, unit, options, chunk_chars)
+    alone, never on the builders or workers. With ``spill`` (a folder) a Wikipedia dump's articles come as
+    ``SpilledPage`` (``data_prep.sources.unit_records``): the chunk says where their text is."""
+    chunks = _read_chunks(unit_index, unit, options, chunk_chars, spill)
     text_elsewhere = _TextElsewhere(*elsewhere) if elsewhere is not None and donors else None
     if not donors:
         yield from chunks
@@ -64,7 +67,7 @@ def iter_chunks(unit_index: int, unit: Unit, options: ReadOptions, chunk_chars: 
 
 
 def _characters(chunk: Chunk) -> int:
-    return sum(len(r) for r, _ in chunk.records if isinstance(r, str))
+    return sum(characters(r) for r, _ in chunk.records)
 
 
 def _budget(characters: int) -> int:
@@ -77,9 +80,9 @@ def _with_neighbour_donors(chunks: Iterator[Chunk], elsewhere: _TextElsewhere | 
     previous, current = None, next(chunks)
     for following in itertools.chain(chunks, [None]):
         neighbour = following if following is not None else previous
-        texts = [r for r, _ in current.records if isinstance(r, str) and r.strip()]
+        texts = [r for r, _ in current.records if has_text(r)]
         if len(texts) == 1:
-            budget = _budget(len(texts[0]))
+            budget = _budget(characters(texts[0]))
             donor = _donor(neighbour, budget) if neighbour is not None else \
                 elsewhere.take(budget) if elsewhere is not None else ()
             current = dataclasses.replace(current, donor=donor)
@@ -173,18 +176,19 @@ def _donor(neighbour: Chunk, budget: int) -> tuple[str, ...]:
     for record, _ in neighbour.records:
         if budget <= 0:
             break
-        if isinstance(record, str) and record.strip():
-            texts.append(_middle(record, budget))
+        if has_text(record):  # a spilled page is read back here: only a chunk of a single document has donors
+            texts.append(_middle(record.load() if isinstance(record, SpilledPage) else cast(str, record), budget))
             budget -= len(texts[-1])
     return tuple(texts)
 
 
-def _read_chunks(unit_index: int, unit: Unit, options: ReadOptions, chunk_chars: int) -> Iterator[Chunk]:
-    records: list[tuple[str | Skipped, str]] = []
+def _read_chunks(unit_index: int, unit: Unit, options: ReadOptions, chunk_chars: int,
+                 spill: str | None) -> Iterator[Chunk]:
+    records: list[tuple[str | Skipped | SpilledPage, str]] = []
     chars, index, first = 0, 0, 0
-    for number, record in enumerate(read_unit(unit, options)):
+    for number, record in enumerate(read_unit(unit, options) if spill is None else unit_records(unit, options, spill)):
         records.append((record, record.where if isinstance(record, Skipped) else f"{unit} document {number}"))
-        chars += len(record) if isinstance(record, str) else 0
+        chars += characters(record)
         if chars >= chunk_chars:
             yield Chunk(unit_index, index, first, records)
             index, first, records, chars = index + 1, first + len(records), [], 0

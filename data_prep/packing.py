@@ -20,7 +20,7 @@ from data_prep.shard_format import INDEX_DTYPE, Objective, ShardArrays, token_dt
 from data_prep.text import clean_document, split_sentences
 from data_prep.vocab import Vocab, VocabError, load_encoder, load_vocab
 from data_prep.whole_words import continuation_table, mask_whole_words
-from data_prep.wiki_dump import document_text
+from data_prep.wiki_dump import SpilledPage, document_text
 
 ENCODE_BATCH = 4096
 """sentences encoded at once: bounds the memory of one huge document (tokenizers' Encoding objects are large)"""
@@ -68,6 +68,8 @@ def process_chunk(cfg: BuildConfig, chunk: Chunk, out_path: Path) -> tuple[Docum
     tokenizer = load_encoder(cfg.vocab_path, vocab.sha256, cfg.uncased)
     kept: list[tuple[int, str, list[str], int]] = []  # (document index, where, sentences, characters)
     for offset, (record, where) in enumerate(chunk.records):
+        if isinstance(record, SpilledPage):  # its text, which a reader wrote to a file, is read back here
+            record = record.load()
         if isinstance(record, Skipped):
             stats.characters += record.chars
             stats.skip(record.reason, where, record.chars)

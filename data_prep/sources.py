@@ -57,6 +57,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from data_prep.inputs import (
     SUPPORTED,
@@ -84,7 +85,7 @@ from data_prep.text_files import (
     txt_lines,
     wide_encoding,
 )
-from data_prep.wiki_dump import document_text, read_wiki_dump
+from data_prep.wiki_dump import SpilledPage, document_text, read_wiki_dump
 from data_prep.wiki_units import dump_units
 
 TEXT_FIELD = "text"
@@ -197,7 +198,7 @@ def read_unit(unit: Unit, options: ReadOptions = ReadOptions()) -> Iterator[str 
         elif suffix == ".txt":
             records = read_txt(path, options.txt_documents, unit.start, unit.stop)
         elif suffix in (".xml", ".xml.bz2"):
-            records = read_wiki_dump(path, unit.start, unit.stop)
+            records = cast(Iterator[str | Skipped], read_wiki_dump(path, unit.start, unit.stop))  # nothing spilled
         elif suffix == ".jsonl":
             records = _read_jsonl(path, options.text_field, unit.start, unit.stop)
         elif suffix == WIKIEXTRACTOR:
@@ -209,6 +210,17 @@ def read_unit(unit: Unit, options: ReadOptions = ReadOptions()) -> Iterator[str 
         if compression_suffix(path):
             records = _decompressed(records, path)
     return group_rows(records, options.rows_per_document) if options.rows_as_sentences else records
+
+
+def unit_records(unit: Unit, options: ReadOptions = ReadOptions(),
+                 spill: str | None = None) -> Iterator[str | Skipped | SpilledPage]:
+    """``read_unit``'s records; with ``spill`` (a folder) the articles of a Wikipedia dump that reader processes
+    read come as ``SpilledPage`` (their text in a file there, read back by the build's worker)."""
+    path = Path(unit.spec)
+    if spill is not None and path.is_file() and file_type(path) in (".xml", ".xml.bz2") \
+            and not options.rows_as_sentences:
+        return read_wiki_dump(path, unit.start, unit.stop, spill)
+    return read_unit(unit, options)
 
 
 def group_rows(rows: Iterator[str | Skipped], rows_per_document: int) -> Iterator[str | Skipped]:

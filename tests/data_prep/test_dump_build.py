@@ -93,3 +93,24 @@ def test_a_parquet_file_is_one_unit_per_range_of_row_groups(samples_dir, tmp_pat
     assert [record for unit in units for record in records_of(unit)] == whole
     assert [text for kind, text in whole if kind == "text"] == news
     assert [where for kind, where in whole if kind != "text"] == [f"{path} row 60 ('text' is null, not a string)"]
+
+
+def test_a_build_with_workers_hands_out_where_pages_are_and_deletes_their_files_as_it_goes(dump, vocab_file,
+                                                                                         tmp_path, monkeypatch):
+    assert dump.stat().st_size >= wiki_units.PARALLEL_MIN_BYTES  # read by reader processes, which spill the pages
+    deleted: list[str] = []
+    done = build._SpillFiles.done
+
+    def recording(self, chunk):
+        before = set(self.pending)
+        done(self, chunk)
+        deleted.extend(before - set(self.pending))
+
+    monkeypatch.setattr(build._SpillFiles, "done", recording)
+    common = ["--input", dump, "--vocab", vocab_file, "--max-seq-len", 64, "--seed", 3, "--chunk-chars", 200_000]
+    run_build(*common, "--workers", 2, "--out", tmp_path / "two")
+    run_build(*common, "--workers", 1, "--out", tmp_path / "one")
+    assert deleted and not any(Path(name).exists() for name in deleted)  # deleted before the build ended
+    assert not list(tmp_path.rglob(".pages-*"))
+    assert {p.name: p.read_bytes() for p in sorted((tmp_path / "two").iterdir())} == \
+        {p.name: p.read_bytes() for p in sorted((tmp_path / "one").iterdir())}
