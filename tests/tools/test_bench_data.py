@@ -1,5 +1,6 @@
 """tools.bench_data's dump section on the sample excerpt: the reading and per-chunk costs per MB, the workers one
-main process feeds and the worker's tokens/s against raw ``tokenizers``, each a positive number."""
+main process feeds (the feeding apart from the finalizing after it) and the worker's tokens/s against raw
+``tokenizers``, each a positive number."""
 from __future__ import annotations
 
 import bz2
@@ -26,14 +27,18 @@ def test_dump_section_gives_positive_costs_and_ratios(samples_dir, vocab_file, t
     cfg = BuildConfig(inputs=(str(dump),), vocab_path=str(vocab_file), vocab_sha256=load_vocab(vocab_file).sha256,
                       instances=InstanceConfig(recipe="unilm", max_seq_len=64), chunk_chars=200_000)
     result = bench_data.measure_dump(dump, cfg, tmp_path, repeat=1)
-    numbers = ("main_read_cpu_s_per_mb", "readers_cpu_s_per_mb", "main_build_cpu_s_per_mb", "worker_cpu_s_per_mb",
-               "workers_fed", "workers_fed_by_read", "worker_tokens_per_s", "raw_tokens_per_s",
+    numbers = ("main_read_cpu_s_per_mb", "readers_cpu_s_per_mb", "main_build_cpu_s_per_mb", "main_feed_cpu_s_per_mb",
+               "finalize_cpu_s_per_mb", "worker_cpu_s_per_mb", "workers_fed", "workers_fed_by_read",
+               "workers_fed_whole_build", "worker_tokens_per_s", "raw_tokens_per_s",
                "ratio_worker_vs_raw")
     for key in numbers:
         assert isinstance(result[key], float) and math.isfinite(result[key]) and result[key] > 0, key
     assert (result["workers_fed_goal"], result["ratio_worker_vs_raw_goal"]) == (64.0, 0.8)
     assert result["dump_bytes"] == dump.stat().st_size and result["pages"] > 100 and result["chunks"] > 1
     assert result["tokens"] > 0 and result["readers_cpu_s_per_mb"] > result["main_read_cpu_s_per_mb"]
-    assert math.isclose(result["workers_fed"],
+    assert math.isclose(result["workers_fed"], result["worker_cpu_s_per_mb"] / result["main_feed_cpu_s_per_mb"])
+    assert math.isclose(result["workers_fed_whole_build"],
                         result["worker_cpu_s_per_mb"] / result["main_build_cpu_s_per_mb"])
+    assert math.isclose(result["main_feed_cpu_s_per_mb"] + result["finalize_cpu_s_per_mb"],
+                        result["main_build_cpu_s_per_mb"])
     json.dumps(result)
