@@ -66,9 +66,13 @@ def _boundary(abbreviations: list[str], initial: str, starter: str) -> re.Patter
     ``abbreviations`` or an initial (a letter of class ``initial``), when whitespace, opening quotes and a letter of
     class ``starter`` follow; or a run of the other scripts' terminators with their closing brackets, whatever
     follows. The whitespace after it is dropped. Each alternative starts with its punctuation class, so the
-    fixed-width lookbehinds only run at candidate boundaries."""
+    fixed-width lookbehinds only run at candidate boundaries: one per length of abbreviation (the same test as
+    one per abbreviation, in a fifth of the lookbehinds)."""
+    by_length: dict[int, list[str]] = {}
+    for abbreviation in abbreviations:
+        by_length.setdefault(len(abbreviation), []).append(re.escape(abbreviation))
     return re.compile(
-        r"([.!?]" + "".join(rf"(?<!\b{re.escape(a)}\.)" for a in abbreviations)
+        r"([.!?]" + "".join(rf"(?<!\b(?:{'|'.join(same)})\.)" for _, same in sorted(by_length.items()))
         + rf"(?<!\b[{initial}]\.)[{_CLOSERS}]?(?=\s+[{_OPENERS}]*[{starter}])"
         + rf"|[{_TERMINATORS}]+[{_TERMINATOR_CLOSERS}]*)\s*")
 
