@@ -137,7 +137,7 @@ def wikitext_to_text(wikitext: str, hidden_links: frozenset[str] | tuple[str, ..
         paragraphs.append(" ".join(current))
     # what is left of captions, navigation and "See also" lines is a few words ending no sentence; a paragraph in a
     # script without spaces (Chinese, Japanese) is one "word", kept when it ends a sentence (。)
-    return "\n\n".join(p for p in paragraphs if len(p.split()) > 3 or ends_a_sentence(p))
+    return "\n\n".join(p for p in paragraphs if len(p.split(None, 3)) > 3 or ends_a_sentence(p))  # 4+ words
 
 
 def _local(tag: str) -> str:

@@ -85,12 +85,22 @@ def _timed_build(cfg: BuildConfig, out: Path) -> tuple[float, float]:
     return feed, time.process_time() - start
 
 
-def measure_dump(dump: Path, cfg: BuildConfig, work: Path, repeat: int = 1) -> dict:
+def _margin(cpu: dict, megabytes: float, smaller: Path | None, worker_per_mb: float) -> dict:
+    if smaller is None:
+        return {}
+    per_mb = (cpu["feed_main"] - cpu["feed_smaller"]) / (megabytes - smaller.stat().st_size / 1e6)
+    return {"main_feed_margin_cpu_s_per_mb": per_mb, "workers_fed_at_margin": worker_per_mb / per_mb}
+
+
+def measure_dump(dump: Path, cfg: BuildConfig, work: Path, repeat: int = 1, smaller: Path | None = None) -> dict:
     """CPU seconds per MB of compressed dump: the main process reading it through ``read_pages`` (its readers
     apart), the main process of a 2-worker build of it (reading, chunking, handing chunks out, finalizing), and the
     per-chunk work of a worker (``process_chunk``: clean-up, splitting, encoding, masking, packing), timed in this
     process; hence how many workers one main process feeds. Also the worker's tokens/s against raw
-    ``Tokenizer.encode_batch`` of the same sentences (by CPU time). Fastest of ``repeat`` runs of each."""
+    ``Tokenizer.encode_batch`` of the same sentences (by CPU time). Fastest of ``repeat`` runs of each. With
+    ``smaller`` (a dump of fewer copies of the same pages) also the feeding's cost per MB at the margin: the
+    difference of the two builds', which leaves out what a build spends once (starting processes, loading the
+    vocabulary)."""
     megabytes = dump.stat().st_size / 1e6
     cfg = dataclasses.replace(cfg, inputs=(str(dump),))
     units = build_units(cfg)
@@ -109,6 +119,9 @@ def measure_dump(dump: Path, cfg: BuildConfig, work: Path, repeat: int = 1) -> d
         cpu["read_readers"] = min(cpu["read_readers"], _children_cpu() - children)
         feed, whole = _timed_build(cfg, work / "dump2")
         cpu["build_main"], cpu["feed_main"] = min(cpu["build_main"], whole), min(cpu["feed_main"], feed)
+        if smaller is not None:
+            small_cfg = dataclasses.replace(cfg, inputs=(str(smaller),))
+            cpu["feed_smaller"] = min(cpu.get("feed_smaller", float("inf")), _timed_build(small_cfg, work / "dump1")[0])
         start, tokens = time.process_time(), 0
         for chunk in chunks:
             tokens += process_chunk(cfg, chunk, work / "part.bin")[0].wordpieces
@@ -128,6 +141,7 @@ def measure_dump(dump: Path, cfg: BuildConfig, work: Path, repeat: int = 1) -> d
             "workers_fed_by_read": per_mb["worker"] / per_mb["read_main"],
             "workers_fed": per_mb["worker"] / per_mb["feed_main"], "workers_fed_goal": 64.0,
             "workers_fed_whole_build": per_mb["worker"] / per_mb["build_main"],
+            **_margin(cpu, megabytes, smaller, per_mb["worker"]),
             "worker_tokens_per_s": worker_rate, "raw_tokens_per_s": raw_rate,
             "ratio_worker_vs_raw": worker_rate / raw_rate, "ratio_worker_vs_raw_goal": 0.8}
 
@@ -199,7 +213,8 @@ def measure(inputs: list[str] = DEFAULT_INPUTS, vocab: Path | None = None, recip
                     == (work / "wiki2/shard-00000.bin").read_bytes()}
             if dump_copies > 0:
                 dump = repeated_dump(Path(wiki_dump), dump_copies, work / "dump.xml.bz2")
-                wiki["dump"] = measure_dump(dump, cfg, work, repeat)
+                wiki["dump"] = measure_dump(dump, cfg, work, repeat,
+                                            repeated_dump(Path(wiki_dump), 1, work / "dump-1.xml.bz2"))
     return {"inputs": list(inputs), "num_tokens": num_tokens, "recipe": recipe, "max_seq_len": max_seq_len,
             "repeat": repeat, "wall_s": times, "cpu_s": cpu, "identical_bytes_1_vs_2_workers": same, **wiki,
             "tokens_per_s": {name: num_tokens / seconds for name, seconds in times.items()
@@ -263,7 +278,8 @@ def main(argv: list[str] | None = None) -> None:
               f"build {d['main_build_cpu_s_per_mb']:.4f} ({d['main_feed_cpu_s_per_mb']:.4f} feeding the workers, "
               f"{d['finalize_cpu_s_per_mb']:.4f} finalizing after them), worker {d['worker_cpu_s_per_mb']:.2f}: one "
               f"main feeds {d['workers_fed']:.0f} workers (goal >= 64; by reading alone "
-              f"{d['workers_fed_by_read']:.0f}, counting finalizing too {d['workers_fed_whole_build']:.0f}); "
+              f"{d['workers_fed_by_read']:.0f}, counting finalizing too {d['workers_fed_whole_build']:.0f}, at the "
+              f"margin {d.get('workers_fed_at_margin', float('nan')):.0f}); "
               f"worker/raw tokens/s {d['ratio_worker_vs_raw']:.2f} (goal >= 0.80)")
 
 

@@ -42,3 +42,12 @@ def test_dump_section_gives_positive_costs_and_ratios(samples_dir, vocab_file, t
     assert math.isclose(result["main_feed_cpu_s_per_mb"] + result["finalize_cpu_s_per_mb"],
                         result["main_build_cpu_s_per_mb"])
     json.dumps(result)
+
+
+def test_the_margin_is_the_feeding_cost_per_mb_between_a_dump_and_a_smaller_one(tmp_path):
+    smaller = tmp_path / "smaller.xml.bz2"
+    smaller.write_bytes(b"x" * 1_000_000)
+    margin = bench_data._margin({"feed_main": 0.5, "feed_smaller": 0.2}, 4.0, smaller, worker_per_mb=0.9)
+    assert math.isclose(margin["main_feed_margin_cpu_s_per_mb"], 0.1)
+    assert math.isclose(margin["workers_fed_at_margin"], 9.0)
+    assert bench_data._margin({}, 4.0, None, 0.9) == {}
