@@ -48,8 +48,9 @@ class BuildSettings:
     """what a document of a .txt input is: blank-line (blocks between blank lines, BERT's convention), line (one
     document per line) or file (the whole file, its blank lines ending paragraphs)"""
     unit_bytes: int = UNIT_BYTES
-    """a .jsonl, Wikipedia dump (.xml, .xml.bz2) or parquet file larger than this is split into byte ranges (of
-    lines, of a dump's bzip2 streams or blocks, of row groups) that different builders read"""
+    """a .jsonl, .txt, Wikipedia dump (.xml, .xml.bz2) or parquet file larger than this is split into byte ranges
+    (of lines, of a .txt's documents, of a dump's bzip2 streams or blocks, of row groups) that different builders
+    read"""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "masking", self.masking.resolved(self.instances.recipe, self.instances.max_seq_len))

@@ -14,11 +14,7 @@ from data_prep.inspect import shard_statistics
 from data_prep.shard_format import Objective, ShardDataset
 from data_prep.sources import ReadOptions, Unit
 from data_prep.vocab import load_encoder, load_vocab
-from shard_builds import build_error, logged, run_build
-
-
-def directory_bytes(directory: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+from shard_builds import build_error, build_three_ways, directory_bytes, logged, run_build
 
 
 def restored(sample) -> np.ndarray:
@@ -31,16 +27,9 @@ def restored(sample) -> np.ndarray:
 def test_byte_identical_for_any_workers_or_builders(samples_dir, vocab_file, tmp_path):
     common = ["--input", samples_dir / "news/lee.txt", "--vocab", vocab_file, "--max-seq-len", 64, "--seed", 7,
               "--chunk-chars", 40_000, "--samples-per-shard", 300, "--dupe-factor", 2]
-    one = run_build(*common, "--workers", 1, "--out", tmp_path / "one")
-    run_build(*common, "--workers", 2, "--out", tmp_path / "two")
-    for index in (1, 0):  # builders may finish in any order
-        build.main([str(a) for a in common] + ["--num-builders", "2", "--builder-index", str(index),
-                                                "--out", str(tmp_path / "split"), "--quiet"])
-    build.main(["--finalize", "--out", str(tmp_path / "split")])
+    one = build_three_ways(common, tmp_path)
     assert len(one["shards"]) >= 3 and one["documents"]["read"] == 300
     reference = directory_bytes(tmp_path / "one")
-    assert directory_bytes(tmp_path / "two") == reference
-    assert directory_bytes(tmp_path / "split") == reference
     run_build(*common[:-6], "--seed", 8, *common[-6:], "--out", tmp_path / "other_seed")
     assert directory_bytes(tmp_path / "other_seed")["shard-00000.bin"] != reference["shard-00000.bin"]
 

@@ -12,7 +12,7 @@ from data_prep.records import Skipped
 from data_prep.sources import Unit, input_units, read_unit
 from data_prep.wiki_dump import Wikitext
 from data_prep.wikitext import iter_pages
-from shard_builds import run_build
+from shard_builds import build_three_ways, run_build
 from tests.data_prep.test_wiki_units import make_multistream
 
 UNIT_BYTES = 400_000
@@ -66,16 +66,8 @@ def test_dump_units_build_the_same_shards_for_any_workers_or_builders(which, uni
     path = dump if which == "excerpt" else multistream
     common = ["--input", path, "--vocab", vocab_file, "--max-seq-len", 64, "--seed", 3, "--dupe-factor", 1,
               "--chunk-chars", 300_000, "--samples-per-shard", 2000, "--set", f"unit_bytes={unit_bytes}"]
-    one = run_build(*common, "--workers", 1, "--out", tmp_path / "one")
-    run_build(*common, "--workers", 2, "--out", tmp_path / "two")
-    for index in (1, 0):  # builders may finish in any order
-        build.main([str(a) for a in common] + ["--num-builders", "2", "--builder-index", str(index),
-                                                "--out", str(tmp_path / "split"), "--quiet"])
-    build.main(["--finalize", "--out", str(tmp_path / "split")])
+    one = build_three_ways(common, tmp_path)
     assert len(one["shards"]) >= 2 and one["documents"]["read"] > 0
-    reference = {p.name: p.read_bytes() for p in sorted((tmp_path / "one").iterdir())}
-    for other in ("two", "split"):
-        assert {p.name: p.read_bytes() for p in sorted((tmp_path / other).iterdir())} == reference
 
 
 def test_a_parquet_file_is_one_unit_per_range_of_row_groups(samples_dir, tmp_path):

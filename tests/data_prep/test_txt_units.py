@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from data_prep import build
 from data_prep.records import RepairedText
 from data_prep.sources import ReadOptions, Unit, input_units, read_unit
-from shard_builds import run_build
+from shard_builds import build_three_ways
 
 PARAGRAPHS = ["The first document starts the file.\nIts second line goes on.",
               "   \t", "A one-line document.", "", "",
@@ -96,14 +95,6 @@ def test_txt_units_build_the_same_shards_for_any_workers_or_builders(mode, sampl
     common = ["--input", path, "--vocab", vocab_file, "--max-seq-len", 64, "--seed", 3, "--dupe-factor", 1,
               "--chunk-chars", 20_000, "--samples-per-shard", 500, "--txt-documents", mode,
               "--set", f"unit_bytes={unit_bytes}"]
-    one = run_build(*common, "--workers", 1, "--out", tmp_path / "one")
-    run_build(*common, "--workers", 2, "--out", tmp_path / "two")
-    for index in (1, 0):  # builders may finish in any order
-        build.main([str(a) for a in common] + ["--num-builders", "2", "--builder-index", str(index),
-                                                "--out", str(tmp_path / "split"), "--quiet"])
-    build.main(["--finalize", "--out", str(tmp_path / "split")])
+    one = build_three_ways(common, tmp_path)
     whole = [r for r in read_unit(Unit(str(path)), ReadOptions(txt_documents=mode)) if str(r).strip()]
     assert len(one["shards"]) >= 2 and one["documents"]["read"] == len(whole)
-    reference = {p.name: p.read_bytes() for p in sorted((tmp_path / "one").iterdir())}
-    for other in ("two", "split"):
-        assert {p.name: p.read_bytes() for p in sorted((tmp_path / other).iterdir())} == reference
