@@ -336,8 +336,11 @@ def test_bad_inputs_get_clear_messages(tiny_init, minilm_dir, tmp_path, capsys):
         load_init(tmp_path, vocab=tiny_init / "vocab.txt")
     with pytest.raises(ValueError, match="vocabulary mismatch"):
         load_init(tiny_init, vocab=minilm_dir / "vocab.txt")  # 30,522 pieces for a 1,500-row model
-    with pytest.raises(ValueError, match="model.safetensors: a file; give a model directory"):
-        load_init(tiny_init / "model.safetensors")
+    with pytest.raises(ValueError, match="vocab.txt: a file; give a model directory"):
+        load_init(tiny_init / "vocab.txt")
+    by_name, _ = load_init(tiny_init / "model.safetensors")  # a weights file beside its config: that model
+    assert all(torch.equal(tensor, load_init(tiny_init)[0].state_dict()[name])
+               for name, tensor in by_name.state_dict().items())
     from finetune import predict
     (tmp_path / "in.jsonl").write_text('{"text": "a"}\n')
     with pytest.raises(SystemExit, match="2"):
