@@ -131,12 +131,19 @@ def stored_shape(path: str | Path, name_suffix: str) -> tuple[int, ...] | None:
     """The shape of the first tensor whose name ends with ``name_suffix`` in a model's weights (a directory or a
     weights file), or None: read from safetensors' header, or from a `pytorch_model.bin` mapped into memory (a file
     in torch's pre-1.6 format, which cannot be mapped, is read whole)."""
-    for file in hf_weight_files(path)[0]:
+    try:
+        files = hf_weight_files(path)[0]
+    except (OSError, ValueError):  # no weights to look at: the read that loads them names the problem
+        return None
+    for file in files:
         if file.suffix == ".safetensors":
-            with safe_open(file, framework="pt") as handle:
-                name = next((key for key in handle.keys() if key.endswith(name_suffix)), None)
-                if name is not None:
-                    return tuple(handle.get_slice(name).get_shape())
+            try:
+                with safe_open(file, framework="pt") as handle:
+                    name = next((key for key in handle.keys() if key.endswith(name_suffix)), None)
+                    if name is not None:
+                        return tuple(handle.get_slice(name).get_shape())
+            except Exception:  # not weights at all: the read that loads them names the problem
+                return None
             continue
         try:
             state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
