@@ -66,7 +66,7 @@ from data_prep.sources import (
     input_units,
     read_documents,
 )
-from data_prep.text import clean_document
+from data_prep.text import clean_document, sentence_boundaries
 from data_prep.vocab import HF_TOKENIZER_CONFIG, load_vocab, resolve_casing, resolve_vocab_source, train_vocab
 from data_prep.wiki_dump import SpilledPage
 
@@ -246,6 +246,7 @@ def _run_pool(cfg: BuildConfig, workers: int, chunks: Iterator[Chunk], staging: 
     # fork starts workers in milliseconds (spawn re-imports numpy and tokenizers: ~1 s); workers only run
     # process_chunk, and tokenizers disables its thread pool in a forked child by itself
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    sentence_boundaries()  # built once here and inherited by the forked workers
     with _Pool(workers, initializer=_start_worker, context=multiprocessing.get_context(method)) as pool:
         pending: collections.deque = collections.deque()
 

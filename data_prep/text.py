@@ -21,6 +21,7 @@ sequence.
 """
 from __future__ import annotations
 
+import functools
 import re
 import sys
 import unicodedata
@@ -49,8 +50,6 @@ def _character_class(predicate) -> str:
     return "".join(re.escape(chr(a)) if a == b else f"{re.escape(chr(a))}-{re.escape(chr(b))}" for a, b in ranges)
 
 
-_UPPER = _character_class(str.isupper)  # A-Z, À-Þ, Α-Ω, А-Я, …: ~1,900 code points in ~650 ranges
-_CASELESS = _character_class(lambda c: unicodedata.category(c) == "Lo")  # ا, א, 한, ก, क, 中, …: ~400 ranges
 _CLOSERS = "\"')\\]\u201d\u2019\u00bb"                # " ' ) ] ” ’ »
 _OPENERS = "\"'(\\[\u201c\u2018\u00ab\u201e\u00bf\u00a1"  # " ' ( [ “ ‘ « „ ¿ ¡
 _TERMINATORS = ("\u3002\uff01\uff1f\uff0e"  # 。！？． (Chinese, Japanese)
@@ -77,10 +76,20 @@ def _boundary(abbreviations: list[str], initial: str, starter: str) -> re.Patter
         + rf"|[{_TERMINATORS}]+[{_TERMINATOR_CLOSERS}]*)\s*")
 
 
-# Cased text: a capital, a letter without case or a digit starts the next sentence. A document without capitals: any
-# letter or digit, and the abbreviations and one-letter initials it must not end at are the lowercased ones.
-_BOUNDARY = _boundary(_ABBREVIATIONS, _UPPER, f"{_UPPER}{_CASELESS}0-9")
-_BOUNDARY_UNCASED = _boundary(sorted({a.lower() for a in _ABBREVIATIONS}), r"^\W\d_", r"^\W_")
+@functools.cache
+def sentence_boundaries() -> tuple[re.Pattern, re.Pattern]:
+    """The boundary patterns of cased and of uncased text, built at first use: their character classes scan every
+    code point (~0.3 s), which a process that never splits sentences (a training rank) should not pay at import.
+    A shard build calls it before it forks its workers, so they inherit the patterns instead of each building them.
+
+    Cased text: a capital, a letter without case or a digit starts the next sentence. A document without capitals:
+    any letter or digit, and the abbreviations and one-letter initials it must not end at are the lowercased ones."""
+    upper = _character_class(str.isupper)  # A-Z, À-Þ, Α-Ω, А-Я, …: ~1,900 code points in ~650 ranges
+    caseless = _character_class(lambda c: unicodedata.category(c) == "Lo")  # ا, א, 한, ก, क, 中, …: ~400 ranges
+    return (_boundary(_ABBREVIATIONS, upper, f"{upper}{caseless}0-9"),
+            _boundary(sorted({a.lower() for a in _ABBREVIATIONS}), r"^\W\d_", r"^\W_"))
+
+
 _LINE_END = re.compile(rf"[.!?\u2026{_TERMINATORS}][{_TERMINATOR_CLOSERS}]*$")
 _LONG_PIECE = re.compile(rf"\S.{{0,{MAX_SENTENCE_CHARS - 2}}}(?=\s|$)|\S{{{MAX_SENTENCE_CHARS}}}")
 
@@ -125,7 +134,8 @@ def split_sentences(document: str, uncased: bool | None = None) -> list[str]:
     has no capital; a lowercasing model's output, however short, is uncased)."""
     if uncased is None:
         uncased = len(document) >= UNCASED_MIN_CHARS and document == document.lower()  # no capital: ~1 GB/s
-    boundary = _BOUNDARY_UNCASED if uncased else _BOUNDARY
+    cased_boundary, uncased_boundary = sentence_boundaries()
+    boundary = uncased_boundary if uncased else cased_boundary
     parts = boundary.split(document)  # one regex pass per document; paragraph ends are handled below
     parts.append("")  # split alternates text and the punctuation that ends it
     sentences = [text + end for text, end in zip(parts[0::2], parts[1::2])]
