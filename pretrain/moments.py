@@ -12,8 +12,9 @@ weight once, under its first name), and ``step`` (int64, one element: optimizer 
 
 Where the optimizer keeps its state: without ZeRO (stage 0, fp32) per module parameter; under ZeRO 1/2 and the bf16
 optimizer in flat fp32 partitions, each parameter's fragment found through DeepSpeed's ``_hp_mapping`` (every rank
-holds its fragments; one all-reduce per parameter assembles it). ZeRO-3 and ZeRO-0 fp16 keep state in layouts not
-mapped per parameter here: their checkpoints carry no moments, and taking moments over into them is refused.
+holds its fragments; an all-reduce per `BUCKET_ELEMENTS` of parameters assembles them whole). ZeRO-3 and ZeRO-0
+fp16 keep state in layouts not mapped per parameter here: their checkpoints carry no moments, and taking moments
+over into them is refused.
 """
 from __future__ import annotations
 
@@ -90,6 +91,11 @@ def optimizer_step_count(engine: Any) -> int | None:
     return int(steps[0]) if steps else None
 
 
+BUCKET_ELEMENTS = 1 << 25
+"""Elements (fp32: 128 MiB) of partitioned moments assembled per all-reduce under ZeRO 1/2: a few collectives per
+save instead of one per parameter and moment, in bounded memory on the ranks that keep none of it."""
+
+
 def gather_moments(engine: Any, keep: bool = True) -> dict[str, torch.Tensor] | None:
     """Every trained parameter's ``exp_avg`` and ``exp_avg_sq``, whole, in fp32 on the CPU, and ``step``; a
     collective under ZeRO 1/2 (every rank calls it, in the same order). ``keep=False``: takes part and returns {}.
@@ -104,25 +110,48 @@ def gather_moments(engine: Any, keep: bool = True) -> dict[str, torch.Tensor] | 
         return None
     partitions = _flat_partitions(engine.basic_optimizer)
     moments: dict[str, torch.Tensor] = {}
+    bucket: list[tuple[str, torch.nn.Parameter, dict[str, Any], Any]] = []
     for name, parameter in _trained_parameters(engine.module):
         state, _, mapping = _where(engine, parameter, partitions)
-        for key in KEYS:
-            if mapping is None and hasattr(parameter, "_hp_mapping"):  # none of it on this rank
-                full = torch.zeros(parameter.numel(), dtype=torch.float32, device=parameter.device)
-            elif mapping is None:  # a parameter that never had a gradient has no state yet: zeros, as Adam starts
-                full = state[key].detach().float().flatten() if key in state else \
-                    torch.zeros(parameter.numel(), dtype=torch.float32, device=parameter.device)
-            else:
-                full = torch.zeros(parameter.numel(), dtype=torch.float32, device=parameter.device)
-                hp, lp = mapping.hp_fragment_address, mapping.lp_fragment_address
-                full.narrow(0, lp.start, lp.numel).copy_(state[key].narrow(0, hp.start, hp.numel))
-            if hasattr(parameter, "_hp_mapping"):
-                torch_dist.all_reduce(full, group=parameter._dp_group)  # type: ignore[attr-defined]  # each element is held by one rank
-            if keep:
-                moments[f"{key}/{name}"] = full.reshape(parameter.shape).cpu().clone()
+        if not hasattr(parameter, "_hp_mapping"):  # the optimizer steps the parameter itself: its state is whole
+            for key in KEYS:  # a parameter that never had a gradient has no state yet: zeros, as Adam starts
+                if keep:
+                    moments[f"{key}/{name}"] = state[key].detach().float().to("cpu", copy=True) if key in state \
+                        else torch.zeros(parameter.shape, dtype=torch.float32)
+            continue
+        if bucket and (sum(p.numel() for _, p, _, _ in bucket) + parameter.numel() > BUCKET_ELEMENTS
+                       or bucket[0][1]._dp_group is not parameter._dp_group):  # type: ignore[attr-defined]
+            _assemble(bucket, moments, keep)
+            bucket = []
+        bucket.append((name, parameter, state, mapping))
+    _assemble(bucket, moments, keep)
     if keep:
         moments["step"] = torch.tensor([step], dtype=torch.int64)
     return moments
+
+
+def _assemble(bucket: list[tuple[str, torch.nn.Parameter, dict[str, Any], Any]], moments: dict[str, torch.Tensor],
+              keep: bool) -> None:
+    """One all-reduce per moment of ``bucket``'s partitioned parameters, laid end to end: each rank fills the
+    fragments it holds (the rest stays zero, and each element is held by one rank), so the sum is every whole
+    parameter's moment. Adds them to ``moments`` where ``keep``."""
+    if not bucket:
+        return
+    first = bucket[0][1]
+    offsets = [0]
+    for _, parameter, _, _ in bucket:
+        offsets.append(offsets[-1] + parameter.numel())
+    for key in KEYS:
+        flat = torch.zeros(offsets[-1], dtype=torch.float32, device=first.device)
+        for (_, _, state, mapping), offset in zip(bucket, offsets):
+            if mapping is not None:  # None: another rank holds all of this parameter
+                hp, lp = mapping.hp_fragment_address, mapping.lp_fragment_address
+                flat.narrow(0, offset + lp.start, lp.numel).copy_(state[key].narrow(0, hp.start, hp.numel))
+        torch_dist.all_reduce(flat, group=first._dp_group)  # type: ignore[attr-defined]
+        if keep:
+            for (name, parameter, _, _), offset in zip(bucket, offsets):
+                moments[f"{key}/{name}"] = flat.narrow(0, offset, parameter.numel()).reshape(parameter.shape) \
+                    .to("cpu", copy=True)
 
 
 def write_moments(tag_dir: Path, moments: dict[str, torch.Tensor]) -> None:
