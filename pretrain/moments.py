@@ -111,6 +111,7 @@ def gather_moments(engine: Any, keep: bool = True) -> dict[str, torch.Tensor] | 
     partitions = _flat_partitions(engine.basic_optimizer)
     moments: dict[str, torch.Tensor] = {}
     bucket: list[tuple[str, torch.nn.Parameter, dict[str, Any], Any]] = []
+    bucket_elements = 0
     for name, parameter in _trained_parameters(engine.module):
         state, _, mapping = _where(engine, parameter, partitions)
         if not hasattr(parameter, "_hp_mapping"):  # the optimizer steps the parameter itself: its state is whole
@@ -119,11 +120,12 @@ def gather_moments(engine: Any, keep: bool = True) -> dict[str, torch.Tensor] | 
                     moments[f"{key}/{name}"] = state[key].detach().float().to("cpu", copy=True) if key in state \
                         else torch.zeros(parameter.shape, dtype=torch.float32)
             continue
-        if bucket and (sum(p.numel() for _, p, _, _ in bucket) + parameter.numel() > BUCKET_ELEMENTS
+        if bucket and (bucket_elements + parameter.numel() > BUCKET_ELEMENTS
                        or bucket[0][1]._dp_group is not parameter._dp_group):  # type: ignore[attr-defined]
             _assemble(bucket, moments, keep)
-            bucket = []
+            bucket, bucket_elements = [], 0
         bucket.append((name, parameter, state, mapping))
+        bucket_elements += parameter.numel()
     _assemble(bucket, moments, keep)
     if keep:
         moments["step"] = torch.tensor([step], dtype=torch.int64)
