@@ -13,16 +13,19 @@ What its public code stores that a HF BERT does not (unilm-v1 `src/pytorch_pretr
                        Float[3·H, H] (query, key, value stacked), `attention.self.q_bias` and `v_bias` Float[H],
                        no key bias (zero)
     type ids           s2s-ft's config.json `source_type_id` / `target_type_id`: the segment rows its seq2seq
-                       fine-tuning embeds source and target with (UniLM's own seq2seq rows are 4 and 5)
+                       fine-tuning embeds source and target with (UniLM's own seq2seq rows are 4 and 5); absent from
+                       an s2s-ft config (`model_type` unilm or minilm), s2s-ft's defaults 0 and 1 (`UnilmConfig`,
+                       `MinilmConfig`, `BertForSeq2SeqConfig`)
     relative positions UniLM v2's `rel_pos_bias` (config `rel_pos_bins`): a bias on the attention scores that our
                        model has no place for; refused by name
 
-A task's block is the one v1's `from_pretrained` keeps when it loads such a checkpoint into a model without the
-variant: ``task_idx`` as given, else 0. v1's seq2seq fine-tuning and decoding pass ``task_idx=3``
-(`biunilm/seq2seq_loader.py`: "relax projection layer for different tasks"); which of 0–2 belongs to which of the
-other objectives its released code does not say (its pre-training code is not released). Our model has one head and
-one position table for all objectives, so a load takes one block: `TASK_SEQ2SEQ` for seq2seq fine-tuning,
-`TASK_DEFAULT` for everything else, as v1 does.
+A per-task tensor holds one block per v1 ``task_idx``, and v1's code says which objective each is
+(`BertForPreTrainingLossMask.forward`, which builds a task's attention mask and token types from ``task_idx``): 0
+bidirectional, 1 left-to-right, 2 right-to-left, 3 seq2seq (`V1_TASK_IDX`); its seq2seq fine-tuning and decoding pass
+``task_idx=3`` (`biunilm/seq2seq_loader.py`), and its `from_pretrained` keeps block ``task_idx`` when it loads such a
+checkpoint into a model without the variant, 0 when none is given. Our model has one head and one position table
+for all objectives, so a load takes one block: `TASK_SEQ2SEQ` for seq2seq fine-tuning, `TASK_DEFAULT` (the
+bidirectional block) for everything else, as v1 does.
 """
 from __future__ import annotations
 
@@ -32,14 +35,24 @@ from typing import Any
 
 import torch
 
+from pretrain.masks import BIDIRECTIONAL, LEFT_TO_RIGHT, RIGHT_TO_LEFT, SEQ2SEQ
+
 log = logging.getLogger(__name__)
 
-TASK_DEFAULT = 0
-"""The block v1's `from_pretrained` keeps when no ``task_idx`` is given; ours for everything but seq2seq."""
-TASK_SEQ2SEQ = 3
+V1_TASK_IDX = {BIDIRECTIONAL: 0, LEFT_TO_RIGHT: 1, RIGHT_TO_LEFT: 2, SEQ2SEQ: 3}
+"""unilm-v1's ``task_idx`` of each of our objectives: the index its `BertForPreTrainingLossMask` builds that
+objective's attention mask and token types from, and the block of a per-task tensor it reads for it."""
+TASK_DEFAULT = V1_TASK_IDX[BIDIRECTIONAL]
+"""The block v1's `from_pretrained` keeps when no ``task_idx`` is given (the bidirectional one); ours for everything
+but seq2seq."""
+TASK_SEQ2SEQ = V1_TASK_IDX[SEQ2SEQ]
 """The block v1's seq2seq fine-tuning and decoding use (``task_idx=3``)."""
 UNILM_SEQ2SEQ_ROWS = (4, 5)
 """UniLM's segment rows of a seq2seq source and target (v1 `--new_segment_ids`; ours)."""
+S2S_FT_MODEL_TYPES = ("unilm", "minilm")
+"""The config.json ``model_type`` of s2s-ft's own checkpoints (`UnilmConfig`, `MinilmConfig`)."""
+S2S_FT_DEFAULT_ROWS = (0, 1)
+"""The ``source_type_id`` / ``target_type_id`` s2s-ft's configs take when their config.json has none."""
 
 _HEAD_TRANSFORM = ("cls.predictions.transform.dense.weight", "cls.predictions.transform.dense.bias",
                    "cls.predictions.transform.LayerNorm.weight", "cls.predictions.transform.LayerNorm.bias",
@@ -113,17 +126,29 @@ def _split_fused_qkv(stored: dict[str, torch.Tensor], where: str) -> dict[str, t
     return out
 
 
+def seq2seq_type_ids(config: dict[str, Any]) -> tuple[Any, Any]:
+    """The token types a checkpoint's config.json ``config`` embeds a seq2seq source and target with: its
+    ``source_type_id`` / ``target_type_id`` where present; where absent, s2s-ft's defaults 0 and 1 for s2s-ft's
+    own configs (``model_type`` unilm or minilm: s2s-ft fine-tunes and decodes them with those rows), UniLM's 4 and 5
+    for any other (v1's release, our `--format unilm` export). Values as the config has them (checked by the
+    caller)."""
+    default = S2S_FT_DEFAULT_ROWS if config.get("model_type") in S2S_FT_MODEL_TYPES else UNILM_SEQ2SEQ_ROWS
+    return config.get("source_type_id", default[0]), config.get("target_type_id", default[1])
+
+
 def _seq2seq_rows(table: torch.Tensor, config: dict[str, Any], where: str) -> torch.Tensor:
-    """A six-row segment table whose config names other seq2seq rows (s2s-ft's ``source_type_id`` /
-    ``target_type_id``) with those rows copied into UniLM's 4 and 5, where our seq2seq reads them; rows 0-3 and a
+    """A six-row segment table Float[6, H] whose config embeds a seq2seq source and target with other rows
+    (`seq2seq_type_ids`) with those rows copied into UniLM's 4 and 5, where our seq2seq reads them; rows 0-3 and a
     table of another size stay as they are."""
-    rows = (config.get("source_type_id", UNILM_SEQ2SEQ_ROWS[0]), config.get("target_type_id", UNILM_SEQ2SEQ_ROWS[1]))
+    rows = seq2seq_type_ids(config)
     if table.shape[0] != 6 or rows == UNILM_SEQ2SEQ_ROWS:
         return table
     if not all(isinstance(row, int) and 0 <= row < 6 for row in rows):
         raise ValueError(f"{where}: source_type_id / target_type_id {rows} are not rows of its 6 token types")
+    named = "source_type_id / target_type_id" if "source_type_id" in config or "target_type_id" in config \
+        else f"s2s-ft's default source_type_id / target_type_id for model_type {config.get('model_type')}"
     log.info(f"{where}: its config embeds a seq2seq source and target with token types {rows[0]} and {rows[1]} "
-             f"(s2s-ft's source_type_id / target_type_id); those rows become our seq2seq rows 4 and 5")
+             f"({named}); those rows become our seq2seq rows 4 and 5")
     out = table.clone()
     out[list(UNILM_SEQ2SEQ_ROWS)] = table[list(rows)]
     return out

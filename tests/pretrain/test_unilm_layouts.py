@@ -14,7 +14,15 @@ import torch
 from finetune.model_io import load_init
 from pretrain.config import config_from_dict, resolve_model_config
 from pretrain.hf import hf_model_config, load_hf_bert
-from pretrain.masks import SEQ2SEQ, build_attention_mask, build_segment_ids
+from pretrain.masks import (
+    BIDIRECTIONAL,
+    LEFT_TO_RIGHT,
+    RIGHT_TO_LEFT,
+    SEQ2SEQ,
+    build_attention_mask,
+    build_segment_ids,
+)
+from pretrain.unilm_layouts import TASK_DEFAULT, TASK_SEQ2SEQ, V1_TASK_IDX, seq2seq_type_ids
 from pretrain.warm_start import load_initial_model
 
 transformers = pytest.importorskip("transformers")
@@ -185,14 +193,73 @@ def test_an_s2s_ft_unilm_directory_loads_fast_qkv_and_its_source_and_target_rows
     assert_same_logits(moved, theirs)
 
 
-def test_an_s2s_ft_minilm_directory_loads(tmp_path):
-    """s2s-ft's MiniLM: BERT's names (`hf_bert_to_hf_bert` keeps them), `model_type: minilm`."""
-    theirs = reference(30, eps=1e-12)
-    directory = tmp_path / "minilm-l12-h384-uncased"
-    beside_bert_config(directory, v1_state(theirs), name="pytorch_model.bin", legacy=False)
-    (directory / "config.json").write_text(json.dumps({**BERT_CONFIG, "model_type": "minilm", "type_vocab_size": 6,
-                                                       "layer_norm_eps": 1e-12}))
-    assert_same_logits(load_hf_bert(directory), theirs)
+@pytest.mark.parametrize("model_type", ["unilm", "minilm"])
+def test_an_s2s_ft_config_without_type_ids_embeds_seq2seq_with_s2s_ft_defaults_0_and_1(tmp_path, caplog, model_type):
+    """s2s-ft's `UnilmConfig`, `MinilmConfig` and `BertForSeq2SeqConfig` default ``source_type_id`` 0 and
+    ``target_type_id`` 1: a model s2s-ft fine-tuned under a config without them embedded source and target with rows 0
+    and 1, so ours reads those in its seq2seq rows 4 and 5; keys that are present win. UniLM's directories hold fast
+    QKV, MiniLM's BERT's names (`hf_bert_to_hf_bert` keeps them)."""
+    theirs = reference(30, eps=1e-12, key_bias=model_type != "unilm")
+    state = v1_state(theirs)
+    directory = tmp_path / f"{model_type}-uncased"
+    beside_bert_config(directory, fast_qkv(state) if model_type == "unilm" else state, name="pytorch_model.bin",
+                       legacy=False)
+    s2s_ft_config = {**BERT_CONFIG, "model_type": model_type, "type_vocab_size": 6, "layer_norm_eps": 1e-12}
+    (directory / "config.json").write_text(json.dumps(s2s_ft_config))
+    table = theirs.bert.embeddings.token_type_embeddings.weight
+    stored = table.detach().clone()
+    with caplog.at_level(logging.INFO, logger="pretrain.unilm_layouts"):
+        moved = load_hf_bert(directory)
+    assert f"token types 0 and 1 (s2s-ft's default source_type_id / target_type_id for model_type {model_type})" \
+        in caplog.text
+    assert torch.equal(moved.embeddings.segment.weight, stored[[0, 1, 2, 3, 0, 1]])
+    with torch.no_grad():
+        table[4:] = table[:2].clone()  # the reference reads rows 0 and 1 where our seq2seq reads 4 and 5
+    assert_same_logits(moved, theirs)
+    assert_same_logits(load_init(directory, task="seq2seq")[0], theirs)
+
+    (directory / "config.json").write_text(json.dumps({**s2s_ft_config, "source_type_id": 4, "target_type_id": 5}))
+    assert torch.equal(load_hf_bert(directory).embeddings.segment.weight, stored)
+    (directory / "config.json").write_text(json.dumps({**s2s_ft_config, "source_type_id": 2}))  # target: default 1
+    assert torch.equal(load_hf_bert(directory).embeddings.segment.weight, stored[[0, 1, 2, 3, 2, 1]])
+
+
+def test_a_bert_config_without_type_ids_keeps_unilm_seq2seq_rows_4_and_5():
+    """Only s2s-ft's own model types take its defaults: six rows under any other config (v1's release beside BERT's
+    config, a six-type BERT config) are UniLM's, seq2seq in rows 4 and 5."""
+    for config in ({}, {"model_type": "bert", "type_vocab_size": 6}):
+        assert seq2seq_type_ids(config) == (4, 5)
+    assert seq2seq_type_ids({"model_type": "minilm"}) == seq2seq_type_ids({"model_type": "unilm"}) == (0, 1)
+    assert seq2seq_type_ids({"model_type": "bert", "source_type_id": 0, "target_type_id": 1}) == (0, 1)
+
+
+def v1_token_types_and_mask(task_idx: int, tokens_a: int, length: int, max_len: int
+                            ) -> tuple[list[int], list[list[bool]]]:
+    """unilm-v1's token types [L] and attention mask [L, L] of one sample of task ``task_idx`` (the rule its
+    `BertForPreTrainingLossMask.forward` applies when given neither): types ``task_idx + 1``, plus 1 for seq2seq,
+    less 1 inside segment A for bidirectional and seq2seq, 0 on padding; task 0 sees every real token, 1 the real
+    keys at or before the query, 2 those at or after it, 3 segment A and the keys at or before the query."""
+    types = [task_idx + 1 + (task_idx == 3) - (position < tokens_a and task_idx in (0, 3)) if position < length else 0
+             for position in range(max_len)]
+    sees = {0: lambda query, key: True, 1: lambda query, key: key <= query, 2: lambda query, key: key >= query,
+            3: lambda query, key: key < tokens_a or key <= query}[task_idx]
+    mask = [[query < length and key < length and sees(query, key) for key in range(max_len)]
+            for query in range(max_len)]
+    return types, mask
+
+
+def test_our_objectives_are_v1s_task_idx_by_their_masks_and_token_types():
+    """`V1_TASK_IDX` checked against v1's own definition of each task: the objective we give index k embeds and
+    attends exactly as v1's task k does, so block k of a per-task tensor is the one trained for it."""
+    assert sorted(V1_TASK_IDX) == [BIDIRECTIONAL, LEFT_TO_RIGHT, RIGHT_TO_LEFT, SEQ2SEQ]
+    assert (TASK_DEFAULT, TASK_SEQ2SEQ) == (V1_TASK_IDX[BIDIRECTIONAL], 3)
+    max_len, len_a, length = 12, torch.tensor([5]), torch.tensor([10])
+    for objective, task_idx in V1_TASK_IDX.items():
+        objectives = torch.tensor([objective])
+        types, mask = v1_token_types_and_mask(task_idx, 5, 10, max_len)
+        assert build_segment_ids(objectives, len_a, length, max_len)[0].tolist() == types, objective
+        ours = build_attention_mask(objectives, len_a, length, max_len)[0]
+        assert ours[:10].tolist() == mask[:10], objective  # padded query rows: ours see themselves, v1's nothing
 
 
 def test_what_our_model_cannot_express_or_a_file_that_would_run_code_is_refused_by_name(tmp_path, capsys):
