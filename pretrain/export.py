@@ -14,8 +14,10 @@ preset) as ``BertLMHeadModel`` with ``is_decoder: true``, so transformers applie
 ``--format unilm`` writes all 6 segment rows as token types 0..5 (``type_vocab_size: 6``) and the fields
 microsoft/unilm's s2s-ft reads, ``source_type_id: 4`` and ``target_type_id: 5`` (``pretrain.hf.UNILM_SEQ2SEQ_CONFIG``),
 as ``BertForMaskedLM`` by default: given token types 4/5 and the seq2seq mask as a 3-D ``attention_mask``, it
-predicts a seq2seq input's tokens as our model does (docs/finetuning.md has a greedy decoding recipe). It is for a
-masked-LM model; a causal LM (which embeds only the left-to-right row) is refused.
+predicts a seq2seq input's tokens as our model does (docs/finetuning.md has a greedy decoding recipe). The same
+tensors also go to ``pytorch_model.bin`` (a plain state dict, torch's pre-1.6 format) and the config to
+``bert_config.json``: what microsoft/unilm's own loaders (unilm-v1's and s2s-ft's ``from_pretrained``) open. It is for
+a masked-LM model; a causal LM (which embeds only the left-to-right row) is refused.
 
 Reads only the checkpoint's ``model_weights.safetensors`` (the full fp32 weights written at save time), after
 its completion marker's sizes and sha256 check out; DeepSpeed's pickled files are never loaded. Rebuilds the

@@ -23,6 +23,8 @@ attention the model trains with:
     UniLM format (`save_hf_bert(all_segments=True)`, `python -m pretrain.export --format unilm`): all 6 rows as
     token types 0..5 (`type_vocab_size: 6`), with s2s-ft's `source_type_id: 4` / `target_type_id: 5`
     (`UNILM_SEQ2SEQ_CONFIG`); `BertForMaskedLM` then runs a seq2seq input as ours given the 3-D seq2seq mask.
+    The same tensors also go to `pytorch_model.bin` and the config to `bert_config.json`, which microsoft/unilm's
+    own loaders (unilm-v1, s2s-ft) open.
     A checkpoint that already has 6 types loads as is, either kind; one with a single type (type_vocab_size 1)
     gives its row to all six.
 
@@ -526,7 +528,8 @@ def save_hf_bert(model: UniLMModel, path: str | Path, architecture: str | None =
     backbone's tensors that class holds, plus `task_head` (HF names, e.g. `classifier.weight`) and `task_config`
     (`num_labels`, `id2label`, ...) in its config. `quiet`: no warning about the dropped segment rows (the caller
     keeps them). `all_segments`: the UniLM format, all 6 segment rows as token types 0..5 and
-    `UNILM_SEQ2SEQ_CONFIG` in the config (module docstring); nothing is dropped.
+    `UNILM_SEQ2SEQ_CONFIG` in the config (module docstring), nothing dropped, and the same tensors and config also as
+    microsoft/unilm's loaders read them (`write_unilm_loader_files`).
     """
     architecture = architecture or hf_architectures(model.cfg)[0]
     if architecture in HF_TASK_ARCHITECTURES:
@@ -562,8 +565,21 @@ def save_hf_bert(model: UniLMModel, path: str | Path, architecture: str | None =
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
     config = dict(hf_config(model.cfg, architecture), **(UNILM_SEQ2SEQ_CONFIG if all_segments else {}),
                   **(task_config or {}))
-    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    config_text = json.dumps(config, indent=2) + "\n"
+    (directory / "config.json").write_text(config_text)
+    if all_segments:
+        write_unilm_loader_files(tensors, config_text, directory)
     return directory
+
+
+def write_unilm_loader_files(tensors: dict[str, torch.Tensor], config_text: str, directory: Path) -> None:
+    """What microsoft/unilm's own loaders open, beside `model.safetensors` and `config.json`: ``tensors`` (HF names)
+    as a plain state dict in `pytorch_model.bin` (unilm-v1's and s2s-ft's ``from_pretrained`` `torch.load` it), and
+    the config again as `bert_config.json`, the name v1's ``from_pretrained`` reads. The .bin is in torch's pre-1.6
+    format: their READMEs run torch 1.1 (unilm-v1) and 1.2 (s2s-ft), which cannot read the zip format, and newer
+    torch reads it too, with ``weights_only=True``."""
+    torch.save(tensors, directory / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    (directory / "bert_config.json").write_text(config_text)
 
 
 def hf_pretraining_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

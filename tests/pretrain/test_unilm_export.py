@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import zipfile
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from data_prep.shard_format import ShardDataset
 from finetune.beam import DecodeConfig, SpecialIds, generate
@@ -101,6 +103,36 @@ def test_the_unilm_export_loads_as_a_bert_masked_lm_with_all_six_segment_rows(un
     assert (out / "vocab.txt").is_file() and (out / "tokenizer_config.json").is_file()
     back = load_hf_bert(out)  # and imports back: six rows as they are; BertForMaskedLM has no pooler, no NSP head
     assert back.cfg == model.cfg
+    assert all(torch.equal(back.state_dict()[name], tensor) for name, tensor in model.state_dict().items()
+               if not name.startswith(("pooler.", "nsp_head."))), "a tensor changed on the way out and back"
+
+
+# The keys s2s-ft's `BertForSeq2SeqConfig.from_exist_config` requires, then the ones it reads when present (and the
+# `model_type` its `--model_type` names); unilm-v1's `BertConfig.from_json_file` takes every key it finds.
+S2S_FT_CONFIG_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                      "hidden_act", "hidden_dropout_prob", "attention_probs_dropout_prob", "max_position_embeddings",
+                      "type_vocab_size", "initializer_range", "layer_norm_eps", "model_type", "source_type_id",
+                      "target_type_id")
+
+
+def test_the_unilm_export_holds_what_microsoft_unilms_loaders_open(unilm_export):
+    """unilm-v1's and s2s-ft's ``from_pretrained`` `torch.load` `pytorch_model.bin` (v1 beside `bert_config.json`,
+    s2s-ft beside `config.json`) under torch 1.1 / 1.2, which read only torch's pre-1.6 (non-zip) format."""
+    model, out = unilm_export
+    weights = out / "pytorch_model.bin"
+    assert not zipfile.is_zipfile(weights)  # the legacy format those torch versions read
+    state = torch.load(weights, weights_only=True)
+    safetensors = load_file(out / "model.safetensors")
+    assert type(state) is dict and state.keys() == safetensors.keys()
+    assert all(torch.equal(state[name], tensor) and state[name].dtype == tensor.dtype
+               for name, tensor in safetensors.items())
+    assert state["bert.embeddings.token_type_embeddings.weight"].shape[0] == 6
+    config = json.loads((out / "config.json").read_text())
+    assert json.loads((out / "bert_config.json").read_text()) == config
+    assert all(key in config for key in S2S_FT_CONFIG_KEYS), set(S2S_FT_CONFIG_KEYS) - set(config)
+    assert config["hidden_act"] == "gelu" and (config["source_type_id"], config["target_type_id"]) == (4, 5)
+    # our own loader, given the .bin by name, reads the same model back
+    back = load_hf_bert(weights)
     assert all(torch.equal(back.state_dict()[name], tensor) for name, tensor in model.state_dict().items()
                if not name.startswith(("pooler.", "nsp_head."))), "a tensor changed on the way out and back"
 
