@@ -190,7 +190,9 @@ class TrainConfig:
     peak_tflops: float | None = None
     """Dense matmul peak of one rank's device in the training dtype, TFLOP/s: the denominator of the ``mfu`` metric
     (e.g. 989 for an H100 SXM in bf16). Null: measured once at start, by every rank at once (a short matmul on
-    its device), the median over the ranks; on a shared CPU this varies from run to run, so set one to compare."""
+    its device), the median over the ranks; on a shared CPU this varies from run to run, so set one to compare.
+    Either way, a step faster than the peak has it re-measured and raised (its record says ``peak_remeasured``), so
+    no MFU exceeds 100 %."""
 
     def __post_init__(self) -> None:
         check_field_types(self, "train.")

@@ -2,7 +2,6 @@
 (`StepSums`), its TFLOP/s and MFU (`Throughput`), and rank 0's ``metrics.jsonl`` and DeepSpeed monitor events."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -94,23 +93,66 @@ class Metrics:
             self.bar.close()
 
 
-@dataclasses.dataclass(frozen=True)
 class Throughput:
-    """A step's model TFLOP/s per rank and its model FLOPs utilisation (MFU)."""
+    """A step's model TFLOP/s per rank and its model FLOPs utilisation (MFU) over one rank's dense matmul peak.
 
-    model_cfg: ModelConfig
-    world_size: int
-    peak_tflops: float
-    """One rank's dense matmul peak in the training dtype (``train.peak_tflops``, or `measured_peak_tflops`)."""
+    The peak is measured at start (`measured_peak_tflops`) or configured (``train.peak_tflops``). A probe that ran
+    while something else loaded the device reads low, and a step then seems to beat the peak: an MFU over 100 %, which
+    cannot be (a step's matmuls cannot outrun the device's). Such a step has the peak re-measured (``probe``, one rank's
+    device, no collective) and raised to the best of the old peak, the new probe and the step's own TFLOP/s (the device
+    just ran matmuls that fast, so its peak is no lower); its record says ``peak_remeasured: true`` and rank 0's log
+    says from what to what. The peak is thus the best of every probe a faster step asked for, and no recorded or
+    printed MFU exceeds 100 %."""
 
-    def per_rank(self, summary: dict[str, Any], samples: int, elapsed: float) -> dict[str, float]:
+    def __init__(self, model_cfg: ModelConfig, world_size: int, peak_tflops: float, probe: Callable[[], float],
+                 speak: bool = True) -> None:
+        self.model_cfg = model_cfg
+        self.world_size = world_size
+        self.peak_tflops = peak_tflops
+        """One rank's dense matmul peak in the training dtype, TFLOP/s: the configured or measured one, raised by any
+        re-measurement."""
+        self.probe = probe
+        """Measures the peak again, TFLOP/s (`pretrain.accelerator.matmul_peak_tflops` on this rank's device)."""
+        self.speak = speak
+        """Whether this rank logs a re-measurement (rank 0, which records the metrics)."""
+
+    def per_rank(self, summary: dict[str, Any], samples: int, elapsed: float) -> dict[str, Any]:
         """``tflops``: `pretrain.model.training_flops` of the step's global batch (``summary`` from
         `StepSums.reduce`, ``samples`` sequences) per second, divided by the world size; ``mfu``: that over the
-        peak; ``peak_tflops``."""
+        peak, re-measured first if the step beat it (class docstring), then ``peak_remeasured: true`` too;
+        ``peak_tflops``."""
         flops = training_flops(self.model_cfg, summary["tokens"], summary["squared_lengths"], summary["predictions"],
                                samples)
         tflops = flops / self.world_size / elapsed / 1e12
-        return {"tflops": tflops, "mfu": tflops / self.peak_tflops, "peak_tflops": self.peak_tflops}
+        remeasured = tflops > self.peak_tflops
+        if remeasured:
+            before, probed = self.peak_tflops, self.probe()
+            self.peak_tflops = max(before, probed, tflops)
+            if self.speak:
+                log.warning(f"[mfu] a step ran at {tflops:.3g} TFLOP/s per rank, above the matmul peak of "
+                            f"{before:.3g} TFLOP/s (measured under load, or train.peak_tflops set too low): peak "
+                            f"re-measured, {probed:.3g} TFLOP/s; MFU is now over {self.peak_tflops:.3g} TFLOP/s, the "
+                            "best of the old peak, the new probe and this step")
+        return {"tflops": tflops, "mfu": tflops / self.peak_tflops, "peak_tflops": self.peak_tflops,
+                **({"peak_remeasured": True} if remeasured else {})}
+
+
+def build_throughput(model_cfg: ModelConfig, world_size: int, engine: Any, rank: int,
+                     peak_tflops: float | None) -> Throughput:
+    """The `Throughput` of a training run: over ``peak_tflops`` (``train.peak_tflops``) when set, else over
+    `measured_peak_tflops`; re-measured on this rank's device in the training dtype when a step beats it."""
+    dtype = training_dtype(engine)
+
+    def probe() -> float:
+        return matmul_peak_tflops(engine.device, dtype)
+
+    return Throughput(model_cfg, world_size, peak_tflops or measured_peak_tflops(engine, rank), probe,
+                      speak=rank == 0)
+
+
+def training_dtype(engine: Any) -> torch.dtype:
+    """The dtype the engine's matmuls run in (`pretrain.engine.precision`)."""
+    return {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[precision(engine)]
 
 
 def measured_peak_tflops(engine: Any, rank: int) -> float:
@@ -118,7 +160,7 @@ def measured_peak_tflops(engine: Any, rank: int) -> float:
     all ranks together (after a barrier, as they will train: ranks sharing a CPU share its cores) and agreed on as
     the median over the ranks, so every rank's MFU has one denominator and a rank slowed for a moment (the other
     ranks still starting up, another process) does not skew it."""
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[precision(engine)]
+    dtype = training_dtype(engine)
     distributed = torch_dist.is_initialized() and torch_dist.get_world_size() > 1
     if distributed:
         torch_dist.barrier()

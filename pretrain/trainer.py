@@ -44,7 +44,7 @@ from pretrain.engine import (
     step_gradient_norm,
     zero_stage,
 )
-from pretrain.metrics import Metrics, StepSums, Throughput, measured_peak_tflops, write_monitor
+from pretrain.metrics import Metrics, StepSums, Throughput, build_throughput, write_monitor
 from pretrain.model import ModelConfig, UniLMModel, build_model
 from pretrain.resume import (
     LOCK_FILE,
@@ -197,7 +197,7 @@ def _train_locked(cfg: RunConfig, rank: int, world_size: int, started: float) ->
     engine = build_training_engine(cfg, setup.model, setup.deepspeed_config, setup.fast_paths, setup.resume)
     if cfg.train.init_optimizer and cfg.model.init_from and setup.resume is None:  # a resumed run has its own
         take_over_optimizer(engine, cfg.model.init_from, rank)
-    throughput = Throughput(setup.model_cfg, world_size, cfg.train.peak_tflops or measured_peak_tflops(engine, rank))
+    throughput = build_throughput(setup.model_cfg, world_size, engine, rank, cfg.train.peak_tflops)
     progress = restore_progress(engine, setup.resume, cfg.train.seed, rank, world_size)
     loader = build_loader(cfg, setup.dataset, setup.model_cfg, setup.plan, rank, progress.consumed_samples,
                           engine.device, pack=setup.fast_paths["pack_samples"])
