@@ -38,7 +38,7 @@ BUILD_ARGS ?=
 # the exact shards it started with (its checkpoints record their manifest hash). OVERWRITE=1 replaces them.
 OVERWRITE  ?=
 
-.PHONY: help setup system-deps sample-corpus vocab shards inspect demo ablation lint test test-fast bench bench-data bench-model clean pretrain preflight plot bench-train finetune-data finetune-demo bench-decode gpu-speed
+.PHONY: help setup system-deps sample-corpus vocab shards inspect demo ablation lint test test-fast bench bench-data bench-model clean pretrain preflight plot bench-train finetune-data finetune-demo bench-decode gpu-speed gpu-check
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -109,6 +109,13 @@ bench: sample-corpus  ## every benchmark in one run: one table of ratios + the m
 
 gpu-speed: sample-corpus  ## on a CUDA machine: model + training-step speed vs targets, fast-path GPU tests -> bench_out/gpu_speed
 	PYTHON=$(PY) tools/gpu_speed.sh bench_out/gpu_speed
+
+# The GPU path in one short device lease (<= 6 min on one H100 or H200; tools/gpu_check.py). It installs nothing and
+# fetches nothing, so it runs on the GPU test machine as it is: with the image's python3 where there is no venv
+# (installing the project there would replace its CUDA torch), the sample corpora read from SAMPLES.
+GPU_CHECK_OUT ?= bench_out/gpu_check
+gpu-check:  ## one CUDA GPU, <= 6 min: fp16/bf16 kill + resume, speed, model step, fine-tune + beam-5 decode -> GPU_CHECK_OUT
+	$(if $(wildcard $(PY)),$(PY),python3) -m tools.gpu_check --out '$(GPU_CHECK_OUT)' --samples '$(SAMPLES)'
 
 bench-data: sample-corpus  ## shard build vs raw tokenizer throughput; Wikipedia-dump build at 1 vs 2 workers
 	$(PY) -m tools.bench_data

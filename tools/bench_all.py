@@ -152,20 +152,34 @@ def _run(command: list[str]) -> str:
 
 def _shards(args: argparse.Namespace, seq_len: int = 128) -> str:
     """The training benchmarks read real shards: ``--shards`` (at 128 tokens), else a build of the sample corpus
-    (Wikipedia excerpt + books) at ``seq_len`` tokens with an 8,000-token vocabulary trained on it."""
+    (`sample_shards`)."""
     if seq_len == 128 and args.shards and Path(args.shards, "manifest.json").is_file():
         return args.shards
-    data = args.work / "data"
-    inputs = ["data/samples/wiki/enwiki-excerpt.xml.bz2", "data/samples/books.jsonl"]
+    shards, builds = sample_shards(args.work / "data", seq_len)
+    for command in builds:
+        _run(command)
+    return shards
+
+
+SAMPLE_INPUTS = ("wiki/enwiki-excerpt.xml.bz2", "books.jsonl")
+"""The sample corpora (in ``make sample-corpus``'s folder) the benchmarks' shards are built from."""
+
+
+def sample_shards(data: Path, seq_len: int, samples: Path = Path("data/samples")) -> tuple[str, list[list[str]]]:
+    """Shards of the sample corpus (Wikipedia excerpt + books, `SAMPLE_INPUTS`) at ``seq_len`` tokens with an
+    8,000-token vocabulary trained on it, in ``data``: their directory, and the ``data_prep.build`` commands still
+    to run to make them (none where an earlier run built them)."""
+    inputs = [str(samples / name) for name in SAMPLE_INPUTS]
     shards = data / ("shards" if seq_len == 128 else f"shards-{seq_len}")
+    builds = []
     if not (data / "vocab.txt").is_file():
-        _run([sys.executable, "-m", "data_prep.build", "--input", *inputs, "--train-vocab", "8000",
-              "--vocab-out", str(data / "vocab.txt"), "--quiet"])
+        builds.append([sys.executable, "-m", "data_prep.build", "--input", *inputs, "--train-vocab", "8000",
+                       "--vocab-out", str(data / "vocab.txt"), "--quiet"])
     if not (shards / "manifest.json").is_file():
-        _run([sys.executable, "-m", "data_prep.build", "--input", *inputs, "--vocab", str(data / "vocab.txt"),
-              "--max-seq-len", str(seq_len), "--workers", str(max(2, min(8, os.cpu_count() or 1))), "--out",
-              str(shards), "--overwrite", "--quiet"])
-    return str(shards)
+        builds.append([sys.executable, "-m", "data_prep.build", "--input", *inputs, "--vocab", str(data / "vocab.txt"),
+                       "--max-seq-len", str(seq_len), "--workers", str(max(2, min(8, os.cpu_count() or 1))),
+                       "--out", str(shards), "--overwrite", "--quiet"])
+    return str(shards), builds
 
 
 # ----------------------------------------------------------------------------------------------- table

@@ -180,12 +180,13 @@ transformers.BertForPreTraining (sdpa attention, logits at every position as its
 
 def measure_gpu(preset_name: str = "unilm-large", batch_size: int = 32, seq_len: int = 512, predictions: int = 77,
                 steps: int = 10, dtypes: tuple[str, ...] = ("bf16", "fp16"),
-                device: str | torch.device = "cuda") -> dict[str, Any]:
+                device: str | torch.device = "cuda", variants: tuple[str, ...] = tuple(GPU_VARIANTS)) -> dict[str, Any]:
     """On CUDA, one forward + backward (dropout on, weights in the dtype as under DeepSpeed's bf16/fp16, no
-    optimizer) of every `GPU_VARIANTS` entry in each dtype, on one batch; mean over ``steps`` after 3 warm-up steps
-    (compilation happens there). Returns ``peak_tflops`` per dtype (`pretrain.accelerator.matmul_peak_tflops`,
-    1 s) and ``rows`` ``{dtype}_{variant}`` → step_s, samples_per_s, tflops (useful FLOPs), mfu; a variant that
-    fails (a compiler error, out of memory) is left out of ``rows`` and named in ``errors``."""
+    optimizer) of each of ``variants`` (`GPU_VARIANTS` entries, in that order) in each dtype, on one batch; mean over
+    ``steps`` after 3 warm-up steps (compilation happens there). Returns ``peak_tflops`` per dtype
+    (`pretrain.accelerator.matmul_peak_tflops`, 1 s) and ``rows`` ``{dtype}_{variant}`` → step_s, samples_per_s,
+    tflops (useful FLOPs), mfu; a variant that fails (a compiler error, out of memory) is left out of ``rows`` and
+    named in ``errors``."""
     from pretrain.accelerator import matmul_peak_tflops
 
     transformers.logging.set_verbosity_error()
@@ -202,7 +203,8 @@ def measure_gpu(preset_name: str = "unilm-large", batch_size: int = 32, seq_len:
     for dtype_name in dtypes:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
         peak = result["peak_tflops"][dtype_name] = matmul_peak_tflops(device, dtype, seconds=1.0)
-        for variant, switches in GPU_VARIANTS.items():
+        for variant in variants:
+            switches = GPU_VARIANTS[variant]
             try:
                 seconds = _step_seconds(cfg, switches, inputs, device, dtype, steps)
             except Exception as error:  # e.g. a compiler failure: the other variants are still measured
@@ -311,6 +313,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--predictions", type=int, default=None,
                         help="masked positions per sample (default 20, 15%% of 128; --gpu: 77)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per model (default 5; --gpu: 10)")
+    parser.add_argument("--dtypes", nargs="+", choices=("bf16", "fp16"), default=None,
+                        help="--gpu: the dtypes measured (default both)")
+    parser.add_argument("--variants", nargs="+", choices=tuple(GPU_VARIANTS), default=None,
+                        help="--gpu: the variants measured, in this order (default all)")
     parser.add_argument("--compile", action="store_true", help="compile our model's blocks (train.compile)")
     parser.add_argument("--json", type=Path, default=None, help="also write the measurement to this JSON file")
     args = parser.parse_args(argv)
@@ -318,7 +324,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                               ("seq_len", args.seq_len), ("predictions", args.predictions),
                                               ("steps", args.steps)) if value is not None}
     if args.gpu:
-        result = measure_gpu(**chosen)
+        subsets: dict[str, Any] = {name: tuple(value) for name, value in (("dtypes", args.dtypes),
+                                                                          ("variants", args.variants)) if value}
+        result = measure_gpu(**chosen, **subsets)
         print(report_gpu(result))
         _write_json(args.json, result)
         return result

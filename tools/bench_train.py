@@ -30,6 +30,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -94,19 +95,37 @@ def data_wait_share(shards: str, out: Path) -> dict[str, float]:
             "samples_per_s": sum(r["samples_per_s"] for r in records) / len(records)}
 
 
+STEP_RATES = ("samples_per_s", "tokens_per_s", "tflops", "mfu", "peak_tflops", "step_time_s")
+"""The throughput fields of a ``metrics.jsonl`` record that `step_medians` summarises."""
+
+
+def large_run_command(shards: str, run_dir: Path, precision: str, overrides: Sequence[str] = ()) -> list[str]:
+    """``pretrain.train`` on this machine's GPU (one rank under torchrun) with ``unilm-large.yaml`` under ZeRO-2 in
+    ``precision`` (``ds_configs/zero2_PRECISION.json``), global batch 330 = 33 × 10, writing ``run_dir``; the
+    shards' hashes are not re-verified (they were just built). ``overrides`` come last."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m",
+            "pretrain.train", "--config", "pretrain/configs/unilm-large.yaml",
+            f"deepspeed_config=ds_configs/zero2_{precision}.json", f"data.shards={shards}", "data.verify=false",
+            f"out_dir={run_dir}", "train.global_batch_size=330", "train.micro_batch_size=33",
+            "optim.warmup_steps=100", *overrides]
+
+
+def step_medians(records: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """The median of each `STEP_RATES` field over ``records`` (``metrics.jsonl`` records of measured steps)."""
+    if not records:
+        raise ValueError("no measured steps: the run logged no step after its warm-up")
+    return {key: statistics.median(r[key] for r in records) for key in STEP_RATES}
+
+
 def train_step_throughput(shards: str, out: Path, precision: str = "bf16", steps: int = 12, skipped: int = 4,
                           overrides: tuple[str, ...] = (), label: str = "") -> dict[str, float]:
-    """The full training step on this machine's GPU: ``pretrain.train`` (one rank, torchrun) with
-    ``unilm-large.yaml`` under ZeRO-2 in ``precision``, global batch 330 = 33 × 10, for ``steps`` steps; the
-    medians of its ``metrics.jsonl`` after the first ``skipped`` steps (compilation and warm-up). The process saves
+    """The full training step on this machine's GPU (`large_run_command`) for ``steps`` steps; the medians of its
+    ``metrics.jsonl`` after the first ``skipped`` steps (compilation and warm-up, `step_medians`). The process saves
     a checkpoint when it stops, after the measured steps (then deleted); its output is streamed as it runs and kept
     in ``OUT/train_PRECISION_SHARDS[_LABEL].log`` (``label`` tells runs with other ``overrides`` apart)."""
     run_dir = out / f"train_{precision}_{Path(shards).name}{'_' + label if label else ''}"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m",
-               "pretrain.train", "--config", "pretrain/configs/unilm-large.yaml",
-               f"deepspeed_config=ds_configs/zero2_{precision}.json", f"data.shards={shards}", "data.verify=false",
-               f"out_dir={run_dir}", "train.resume=never", "train.global_batch_size=330", "train.micro_batch_size=33",
-               "optim.warmup_steps=100", f"train.exit_at_step={steps}", "train.save_interval=1000000", *overrides]
+    command = large_run_command(shards, run_dir, precision, ("train.resume=never", f"train.exit_at_step={steps}",
+                                                             "train.save_interval=1000000", *overrides))
     log = out / f"{run_dir.name}.log"
     log.unlink(missing_ok=True)
     returncode, output = stream(command, log)
@@ -114,8 +133,7 @@ def train_step_throughput(shards: str, out: Path, precision: str = "bf16", steps
         raise RuntimeError(f"training run failed (exit {returncode}, log {log}):\n{output[-3000:]}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][skipped:]
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # 4 GB of weights and optimizer state
-    return {key: statistics.median(r[key] for r in records)
-            for key in ("samples_per_s", "tokens_per_s", "tflops", "mfu", "peak_tflops", "step_time_s")}
+    return step_medians(records)
 
 
 def memory_worker(stage: int, preset_name: str, result: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -118,3 +119,281 @@ def test_gpu_speed_refuses_a_machine_without_a_cuda_gpu_and_writes_nothing(tmp_p
                           env=dict(os.environ, PYTHON=sys.executable), timeout=120)
     assert done.returncode == 2 and "needs a CUDA GPU, and torch sees none here (torch " in done.stderr
     assert "the CPU figures are make bench" in done.stderr and not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------- make gpu-check (tools.gpu_check)
+def test_gpu_check_refuses_a_machine_without_a_cuda_gpu_and_writes_nothing(tmp_path: Path) -> None:
+    import subprocess
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU")
+    root = Path(__file__).resolve().parents[2]
+    out, work = tmp_path / "out", tmp_path / "work"
+    done = subprocess.run(["make", "-s", "gpu-check", f"GPU_CHECK_OUT={out}", f"PY={sys.executable}"], cwd=root,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "tools.gpu_check: needs a CUDA GPU, and torch sees none here (torch " in done.stderr
+    assert not out.exists() and not list(tmp_path.iterdir())
+    done = subprocess.run([sys.executable, "-m", "tools.gpu_check", "--out", str(out), "--work", str(work)], cwd=root,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "nothing was written" in done.stderr and not list(tmp_path.iterdir())
+
+
+def test_gpu_check_parts_write_results_after_each_part_and_later_parts_still_run(tmp_path: Path) -> None:
+    from tools.gpu_check import Check, CheckFailed, Part, run_parts
+
+    out = tmp_path / "out"
+    check = Check(out, tmp_path / "work", tmp_path, {"device": "GPU"})
+    seen: list[dict] = []
+
+    def results_file() -> dict:
+        seen.append(json.loads((out / "results.json").read_text()))  # valid JSON at every point
+        assert not [p.name for p in out.iterdir() if p.name != "results.json" and p.is_file()]  # no temporary left
+        return seen[-1]
+
+    def first(check: Check) -> None:
+        assert results_file() == {"device": "GPU", "parts": {}}  # written before the first part
+        check.results["first_key"] = 1
+
+    def raises(check: Check) -> None:
+        written = results_file()
+        assert written["first_key"] == 1 and written["parts"]["first"]["status"] == "ok"
+        check.results["raises_rc"] = 3  # recorded before the failure: kept
+        raise RuntimeError("boom")
+
+    def hangs(check: Check) -> None:
+        assert results_file()["parts"]["raises"]["status"] == "failed"
+        check.results["hangs_started"] = True
+        check.run("sleeper", [sys.executable, "-c", "import time; time.sleep(60)"])
+
+    def fails_its_check(check: Check) -> None:
+        assert results_file()["parts"]["hangs"]["status"] == "timed out"
+        raise CheckFailed("losses differ")
+
+    parts = [Part("first", 1, first), Part("raises", 1, raises), Part("hangs", 0.4, hangs),  # stopped at 2.5 x 0.4 s
+             Part("fails", 1, fails_its_check), Part("too_long", 100, first)]  # more than twice the budget left
+    assert run_parts(parts, check, budget_s=30) is False
+    final = json.loads((out / "results.json").read_text())
+    assert {name: part["status"] for name, part in final["parts"].items()} == {
+        "first": "ok", "raises": "failed", "hangs": "timed out", "fails": "failed", "too_long": "skipped"}
+    assert final["first_key"] == 1 and final["raises_rc"] == 3 and final["hangs_started"] is True
+    assert final["parts"]["raises"]["error"] == "RuntimeError: boom"
+    assert final["parts"]["fails"]["error"] == "CheckFailed: losses differ"
+    assert "sleeper still running at the part's time limit" in final["parts"]["hangs"]["error"]
+    assert 0.9 < final["parts"]["hangs"]["wall_s"] < 10 and check.jobs["sleeper"].process.returncode == -9
+    assert "budget left, under half the part's estimate" in final["parts"]["too_long"]["error"]
+    assert all(part["wall_s"] >= 0 and "estimate_s" in part for part in final["parts"].values())
+    assert len(seen) == 4 and (out / "logs" / "sleeper.log").is_file()
+
+
+def test_a_killed_gpu_check_keeps_the_parts_that_finished(tmp_path: Path) -> None:
+    import subprocess
+
+    script = f"""
+import os, signal
+from pathlib import Path
+from tools.gpu_check import Check, Part, run_parts
+def finished(check): check.results["finished_key"] = 1
+def killed(check):
+    check.results["unsaved"] = 2
+    os.kill(os.getpid(), signal.SIGKILL)  # a device call stopped by its time limit
+run_parts([Part("finished", 1, finished), Part("killed", 1, killed)], Check(Path({str(tmp_path)!r}), Path(), Path(),
+          {{}}), 30)
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[2], timeout=120)
+    assert done.returncode == -9
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results == {"parts": {"finished": {"estimate_s": 1, "status": "ok", "wall_s": results["parts"]["finished"]
+                                              ["wall_s"]}}, "finished_key": 1}
+
+
+TOY_TRAINER = """
+import json, sys, time
+from pathlib import Path
+from pretrain import checkpoint as ckpt
+from pretrain.metrics import prepare_metrics_file
+args = dict(arg.split("=", 1) for arg in sys.argv[1:])
+run = Path(args["out_dir"]); checkpoints = run / "checkpoints"; checkpoints.mkdir(parents=True, exist_ok=True)
+tag = ckpt.newest_complete_tag(checkpoints)
+step = ckpt.step_of_tag(tag) if tag else 0
+prepare_metrics_file(run / "metrics.jsonl", step if tag else None)
+drift = float(args["drift"]) if tag else 0.0  # a resume that is not exact
+while step < int(args.get("train.exit_at_step", 100)):
+    time.sleep(60 if step == 5 else 0.05)  # after step 5 it waits for the kill: no race with the save at 6
+    step += 1
+    with open(run / "metrics.jsonl", "a") as metrics:
+        metrics.write(json.dumps({"step": step, "loss": 10 - step / 10 + drift}) + "\\n")
+    if step % int(args["train.save_interval"]) == 0 or step == int(args.get("train.exit_at_step", 0)):
+        (checkpoints / ckpt.tag_for_step(step)).mkdir()
+        (checkpoints / ckpt.tag_for_step(step) / "state").write_text(str(step))
+        ckpt.write_marker(checkpoints / ckpt.tag_for_step(step), {})
+"""
+
+
+def test_kill_and_resume_kills_after_the_checkpoint_and_compares_the_rerun_with_the_killed_run(tmp_path: Path) -> None:
+    """A stand-in trainer (a marker-vouched checkpoint every 3 steps, resuming from the newest) in place of
+    pretrain.train: killed once step 5 is logged, rerun to step 5 from step 3."""
+    import time
+
+    from tools.gpu_check import Check, kill_and_resume
+
+    (tmp_path / "toy_trainer.py").write_text(TOY_TRAINER)
+    check = Check(tmp_path / "out", tmp_path, tmp_path, {})
+    check.deadline = time.monotonic() + 100
+    outcomes = {}
+    for drift in (0.0, 0.01):
+        run_dir = tmp_path / f"run_{drift}"
+        command = [sys.executable, str(tmp_path / "toy_trainer.py"), f"out_dir={run_dir}", "train.save_interval=3",
+                   f"drift={drift}"]
+        recorded: dict = {}
+        reference, problem = kill_and_resume(check, f"toy_{drift}", command, run_dir, 3, 5, recorded.__setitem__)
+        assert [r["step"] for r in reference] == [1, 2, 3, 4, 5]
+        rerun = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rerun] == [1, 2, 3, 4, 5]  # the rerun's steps replace the killed run's past step 3
+        outcomes[drift] = recorded, problem
+    recorded, problem = outcomes[0.0]
+    assert problem is None and recorded == {
+        "killed_after_step": 5, "first_rc": -9, "resume_from_step": 3, "resume_rc": 0, "max_loss_diff": 0.0,
+        "losses": {"steps": [4, 5], "uninterrupted": [9.6, 9.5], "resumed": [9.6, 9.5]}, "ok": True}
+    recorded, problem = outcomes[0.01]
+    assert recorded["ok"] is False and recorded["max_loss_diff"] == pytest.approx(0.01)
+    assert problem == "the resumed losses differ from the uninterrupted ones by 0.01 (> 0.001)"
+
+
+def test_kill_and_resume_reports_a_first_run_that_ends_by_itself(tmp_path: Path) -> None:
+    import time
+
+    from tools.gpu_check import Check, kill_and_resume
+
+    check = Check(tmp_path / "out", tmp_path, tmp_path, {})
+    check.deadline = time.monotonic() + 60
+    recorded: dict = {}
+    _, problem = kill_and_resume(check, "crash", [sys.executable, "-c", "raise SystemExit(1)"], tmp_path / "run", 3, 5,
+                                 recorded.__setitem__)
+    assert problem == "the first process ended by itself (exit 1) at step 0"
+    assert recorded == {"first_rc": 1, "resume_from_step": None, "ok": False}
+    with pytest.raises(ValueError, match="kill_after_step < 2 x save_step"):  # the next save would come first
+        kill_and_resume(check, "late", [], tmp_path / "run", 2, 4, recorded.__setitem__)
+
+
+def test_gpu_check_commands_parse_as_the_library_reads_them(tmp_path: Path) -> None:
+    """The training, fine-tuning and decoding commands of the check name settings and flags that exist (a typo would
+    cost a device lease)."""
+    from finetune import decode, run
+    from pretrain.config import load_config
+    from tools.gpu_check import decode_command, finetune_command, resume_command
+
+    command = resume_command("shards", tmp_path / "run", "fp16", 3) + ["train.exit_at_step=5"]
+    config = load_config(command[command.index("--config") + 1], command[command.index("--config") + 2:])
+    assert (config.train.global_batch_size, config.train.micro_batch_size) == (330, 33)
+    assert (config.train.compile, config.train.save_interval, config.train.exit_at_step) == (False, 3, 5)
+    assert config.deepspeed_config_path.is_file() and config.deepspeed_config.endswith("zero2_fp16.json")
+    args = run.parse_args(finetune_command(tmp_path, tmp_path / "ckpt", tmp_path / "ft")[3:])
+    assert args.deepspeed_config == "ds_configs/zero2_bf16.json" and args.set == ["keep_last=1"]
+    assert decode_command(tmp_path, tmp_path / "ft")[3:5] == ["--model", str(tmp_path / "ft")]
+    with pytest.raises(SystemExit) as stop:
+        decode.main(decode_command(tmp_path, tmp_path / "ft")[3:] + ["--help"])
+    assert stop.value.code == 0
+
+
+def test_gpu_check_model_step_part_reads_the_benchmark_s_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tools import gpu_check
+
+    check = gpu_check.Check(tmp_path, tmp_path, tmp_path, {})
+    rows = {"bf16_eager": {"mfu": 0.445, "samples_per_s": 344.0}, "bf16_fast": {"mfu": 0.486, "samples_per_s": 376.0},
+            "bf16_transformers": {"mfu": 0.429, "samples_per_s": 300.0}}
+    commands = []
+
+    def fake_run(name: str, argv: list[str]) -> int:
+        commands.append(argv)
+        Path(argv[argv.index("--json") + 1]).write_text(json.dumps({"peak_tflops": {"bf16": 787.0}, "rows": rows}))
+        return 0
+
+    monkeypatch.setattr(check, "run", fake_run)
+    gpu_check.model_step(check)
+    assert commands[0][commands[0].index("--variants") + 1:][:3] == ["eager", "transformers", "fast"]
+    assert check.results["model_step_pct_of_bf16_peak"] == pytest.approx({"eager": 44.5, "fast": 48.6,
+                                                                         "transformers": 42.9})
+    assert check.results["model_step_vs_hf"] == pytest.approx({"eager": 344 / 300, "fast": 376 / 300})
+    assert check.results["model_step_bf16_peak_tflops"] == 787.0 and check.results["model_step_rc"] == 0
+
+
+def test_gpu_check_accuracy_part_counts_the_junit_report(tmp_path: Path) -> None:
+    from tools import gpu_check
+
+    check = gpu_check.Check(tmp_path, tmp_path, tmp_path, {})
+    check.deadline = float("inf")
+    (tmp_path / "accuracy_tests.xml").write_text('<testsuites><testsuite name="pytest" errors="0" failures="1" '
+                                                 'skipped="1" tests="5"/></testsuites>')
+    check.start("accuracy_tests", [sys.executable, "-c", "raise SystemExit(1)"])
+    with pytest.raises(gpu_check.CheckFailed, match="pytest exited 1"):
+        gpu_check.accuracy_tests(check)
+    assert check.results == {"accuracy_tests_rc": 1,
+                             "accuracy_tests": {"tests": 5, "failures": 1, "errors": 0, "skipped": 1}}
+
+
+def test_the_model_step_measures_the_variants_asked_for_in_their_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tools import bench_model
+
+    result = measure_gpu("tiny", batch_size=2, seq_len=32, predictions=4, steps=1, dtypes=("bf16",), device="cpu",
+                         variants=("transformers", "eager"))
+    assert list(result["rows"]) == ["bf16_transformers", "bf16_eager"]
+    asked: dict = {}
+    monkeypatch.setattr(bench_model, "measure_gpu", lambda **kwargs: asked.update(kwargs) or {
+        "setup": "", "useful_tflop_per_step": 1.0, "peak_tflops": {}, "rows": {}})
+    bench_model.main(["--gpu", "--dtypes", "bf16", "--variants", "eager", "fast", "--steps", "5"])
+    assert asked == {"steps": 5, "dtypes": ("bf16",), "variants": ("eager", "fast")}
+
+
+def test_gpu_check_main_records_the_machine_then_each_part(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import signal
+
+    import torch
+
+    from tools import gpu_check
+
+    monkeypatch.setattr(gpu_check, "cuda_refusal", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA H200")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # main sets cuda for the check's commands; restored after the test
+    monkeypatch.setattr(gpu_check, "PARTS", (gpu_check.Part("passes", 1, lambda check: None),))
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        assert gpu_check.main(["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")]) == 0
+        results = json.loads((tmp_path / "out" / "results.json").read_text())
+        assert results["device"] == "NVIDIA H200" and results["torch"] == torch.__version__
+        assert results["budget_s"] == gpu_check.BUDGET_S == 350 and results["parts"]["passes"]["status"] == "ok"
+        assert os.environ["DS_ACCELERATOR"] == "cuda"
+
+        def fails(check: gpu_check.Check) -> None:
+            raise gpu_check.CheckFailed("no")
+
+        monkeypatch.setattr(gpu_check, "PARTS", (gpu_check.Part("fails", 1, fails),))
+        assert gpu_check.main(["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")]) == 1
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+
+
+def test_gpu_check_setup_names_missing_sample_corpora_and_still_waits_for_the_op_build(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from tools import gpu_check
+
+    check = gpu_check.Check(tmp_path / "out", tmp_path / "work", tmp_path / "samples", {})
+    check.deadline = time.monotonic() + 60
+    started = []
+    start = check.start
+
+    def stand_in(name: str, argv: list[str]) -> gpu_check.Job:  # no op build, no GPU tests here
+        started.append((name, argv))
+        return start(name, [sys.executable, "-c", "pass"])
+
+    monkeypatch.setattr(check, "start", stand_in)
+    with pytest.raises(gpu_check.CheckFailed, match=r"sample corpora missing in .*samples: wiki/enwiki-excerpt.xml"
+                                                    r".bz2, books.jsonl, bbc, rotten.csv.bz2, squad.json"):
+        gpu_check.setup(check)
+    assert [name for name, _ in started] == ["fused_adam", "accuracy_tests"]
+    assert started[1][1][-2:] == list(gpu_check.ACCURACY_TESTS) and "-m" in started[1][1]
+    assert check.results["fused_adam_rc"] == 0 and "shards_seq512" not in check.results
