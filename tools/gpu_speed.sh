@@ -12,6 +12,7 @@
 #   tools/gpu_speed.sh [OUT=bench_out/gpu_speed] [bench|tests|suite|all (= bench and tests)]
 #
 # Where torch sees no CUDA GPU it exits 2 and writes nothing (the CPU figures are `make bench`).
+# For one short device lease (at most 6 minutes) there is `make gpu-check` (tools/gpu_check.py) instead.
 #
 # OUT receives the reports alone (machine.txt, bench.log, results.md, results.json, gpu_partial.json -- what is
 # measured so far, rewritten after each part --, gpu_model.json, the test logs); what the benchmark builds and runs
