@@ -312,19 +312,21 @@ def resume_command(shards: str, run_dir: Path, precision: str, save_step: int) -
                               "optim.lr=1e-4", "optim.warmup_steps=2"))
 
 
+def resume_dir(check: Check, precision: str) -> Path:
+    return check.work / f"{precision}_resume"
+
+
 def large_run(check: Check, precision: str, save_step: int, kill_after_step: int,
-              names: dict[str, str]) -> tuple[Path, list[dict[str, Any]], str | None]:
-    """`kill_and_resume` of `resume_command`, its values recorded under ``names[key]``."""
+              names: dict[str, str]) -> tuple[list[dict[str, Any]], str | None]:
+    """`kill_and_resume` of `resume_command` in `resume_dir`, its values recorded under ``names[key]``."""
     shards = check.need("shards_seq512", "the setup part builds")
-    run_dir = check.work / f"{precision}_resume"
+    run_dir = resume_dir(check, precision)
 
     def record(key: str, value: Any) -> None:
         check.results[names[key]] = value
 
-    reference, problem = kill_and_resume(check, f"{precision}_resume",
-                                         resume_command(shards, run_dir, precision, save_step), run_dir, save_step,
-                                         kill_after_step, record)
-    return run_dir, reference, problem
+    return kill_and_resume(check, f"{precision}_resume", resume_command(shards, run_dir, precision, save_step),
+                           run_dir, save_step, kill_after_step, record)
 
 
 def resume_names(precision: str, prefix: str) -> dict[str, str]:
@@ -381,8 +383,10 @@ def setup(check: Check) -> None:
 
 
 def fp16_resume(check: Check) -> None:
-    run_dir, _, problem = large_run(check, "fp16", 3, 5, resume_names("fp16", ""))
-    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    try:
+        _, problem = large_run(check, "fp16", 3, 5, resume_names("fp16", ""))
+    finally:  # 4-6 GB each; the bf16 run's are kept for fine-tuning
+        shutil.rmtree(resume_dir(check, "fp16") / "checkpoints", ignore_errors=True)
     if problem:
         raise CheckFailed(problem)
 
@@ -406,7 +410,7 @@ def accuracy_tests(check: Check) -> None:
 def bf16_resume(check: Check) -> None:
     from tools.bench_train import step_medians
 
-    _, reference, problem = large_run(check, "bf16", 4, 7, resume_names("bf16", "bf16_"))
+    reference, problem = large_run(check, "bf16", 4, 7, resume_names("bf16", "bf16_"))
     steps = [r for r in reference if r.get("step", 0) >= 2]  # step 1 warms up
     if steps:
         measured = step_medians(steps)
@@ -456,7 +460,7 @@ def decode_command(data: Path, model: Path) -> list[str]:
 
 def finetune_decode(check: Check) -> None:
     data = Path(check.need("task_files", "the setup part writes"))
-    checkpoints = check.work / "bf16_resume" / "checkpoints"
+    checkpoints = resume_dir(check, "bf16") / "checkpoints"
     if not (checkpoints.is_dir() and ckpt.newest_complete_tag(checkpoints, hashes=False)):
         raise CheckFailed(f"needs the bf16_resume part's checkpoint in {checkpoints}")
     out = check.work / "finetune"

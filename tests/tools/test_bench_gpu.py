@@ -219,46 +219,72 @@ run = Path(args["out_dir"]); checkpoints = run / "checkpoints"; checkpoints.mkdi
 tag = ckpt.newest_complete_tag(checkpoints)
 step = ckpt.step_of_tag(tag) if tag else 0
 prepare_metrics_file(run / "metrics.jsonl", step if tag else None)
-drift = float(args["drift"]) if tag else 0.0  # a resume that is not exact
+drift = float(args.get("drift", 0)) if tag else 0.0  # a resume that is not exact
+rates = {"samples_per_s": 250.0, "tokens_per_s": 1e5, "tflops": 400.0, "mfu": 0.5, "peak_tflops": 800.0}
 while step < int(args.get("train.exit_at_step", 100)):
-    time.sleep(60 if step == 5 else 0.05)  # after step 5 it waits for the kill: no race with the save at 6
+    # after the step the check kills it at, it waits for the kill: no race with the next save
+    time.sleep(60 if step == int(args["kill_after"]) else 0.05)
     step += 1
     with open(run / "metrics.jsonl", "a") as metrics:
-        metrics.write(json.dumps({"step": step, "loss": 10 - step / 10 + drift}) + "\\n")
+        metrics.write(json.dumps({"step": step, "loss": 10 - step / 10 + drift, "step_time_s": 1.0 + step / 100,
+                                  **rates}) + "\\n")
     if step % int(args["train.save_interval"]) == 0 or step == int(args.get("train.exit_at_step", 0)):
         (checkpoints / ckpt.tag_for_step(step)).mkdir()
         (checkpoints / ckpt.tag_for_step(step) / "state").write_text(str(step))
         ckpt.write_marker(checkpoints / ckpt.tag_for_step(step), {})
 """
+"""A stand-in for pretrain.train: a marker-vouched checkpoint every ``train.save_interval`` steps, resuming from the
+newest, each step's metrics.jsonl record."""
 
 
-def test_kill_and_resume_kills_after_the_checkpoint_and_compares_the_rerun_with_the_killed_run(tmp_path: Path) -> None:
-    """A stand-in trainer (a marker-vouched checkpoint every 3 steps, resuming from the newest) in place of
-    pretrain.train: killed once step 5 is logged, rerun to step 5 from step 3."""
+def toy_trainer(tmp_path: Path, save_step: int, kill_after_step: int, drift: float = 0.0) -> list[str]:
+    (tmp_path / "toy_trainer.py").write_text(TOY_TRAINER)
+    return [sys.executable, str(tmp_path / "toy_trainer.py"), f"train.save_interval={save_step}",
+            f"kill_after={kill_after_step}", f"drift={drift}"]
+
+
+def test_the_bf16_part_kills_after_the_checkpoint_resumes_and_records_its_keys(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bf16 part with the stand-in trainer: killed once step 7 is logged, rerun to step 7 from step 4."""
+    import time
+
+    from pretrain import checkpoint as ckpt
+    from tools import gpu_check
+
+    monkeypatch.setattr(gpu_check, "resume_command", lambda shards, run_dir, precision, save_step: [
+        *toy_trainer(tmp_path, save_step, 7), f"out_dir={run_dir}"])
+    check = gpu_check.Check(tmp_path / "out", tmp_path / "work", tmp_path, {"shards_seq512": "shards"})
+    check.deadline = time.monotonic() + 100
+    gpu_check.bf16_resume(check)
+    assert check.results == {
+        "shards_seq512": "shards", "train_bf16_zero2_batch330_killed_after_step": 7, "train_bf16_zero2_batch330_rc": -9,
+        "bf16_resume_from_step": 4, "bf16_resume_rc": 0, "bf16_resume_max_loss_diff": 0.0, "bf16_resume_ok": True,
+        "bf16_resume_losses": {"steps": [5, 6, 7], "uninterrupted": [9.5, 9.4, 9.3], "resumed": [9.5, 9.4, 9.3]},
+        "train_samples_per_s_seq512": 250.0, "train_tokens_per_s_seq512": 1e5, "train_tflops_seq512": 400.0,
+        "train_mfu_seq512": 0.5, "train_peak_tflops": 800.0, "train_step_time_s_seq512": 1.045,
+        "train_measured_steps": 6}  # steps 2-7
+    run_dir = tmp_path / "work" / "bf16_resume"
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6, 7]  # the rerun's steps replace the killed run's past its checkpoint
+    assert ckpt.newest_complete_tag(run_dir / "checkpoints") == "global_step7"  # kept for the fine-tuning part
+    assert set(gpu_check.resume_names("fp16", "").values()) == {
+        "train_fp16_zero2_batch330_rc", "train_fp16_zero2_batch330_killed_after_step", "resume_rc",
+        "resume_from_step", "resume_max_loss_diff", "resume_losses", "resume_ok"}
+
+
+def test_kill_and_resume_fails_a_rerun_whose_losses_differ(tmp_path: Path) -> None:
     import time
 
     from tools.gpu_check import Check, kill_and_resume
 
-    (tmp_path / "toy_trainer.py").write_text(TOY_TRAINER)
     check = Check(tmp_path / "out", tmp_path, tmp_path, {})
     check.deadline = time.monotonic() + 100
-    outcomes = {}
-    for drift in (0.0, 0.01):
-        run_dir = tmp_path / f"run_{drift}"
-        command = [sys.executable, str(tmp_path / "toy_trainer.py"), f"out_dir={run_dir}", "train.save_interval=3",
-                   f"drift={drift}"]
-        recorded: dict = {}
-        reference, problem = kill_and_resume(check, f"toy_{drift}", command, run_dir, 3, 5, recorded.__setitem__)
-        assert [r["step"] for r in reference] == [1, 2, 3, 4, 5]
-        rerun = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        assert [r["step"] for r in rerun] == [1, 2, 3, 4, 5]  # the rerun's steps replace the killed run's past step 3
-        outcomes[drift] = recorded, problem
-    recorded, problem = outcomes[0.0]
-    assert problem is None and recorded == {
-        "killed_after_step": 5, "first_rc": -9, "resume_from_step": 3, "resume_rc": 0, "max_loss_diff": 0.0,
-        "losses": {"steps": [4, 5], "uninterrupted": [9.6, 9.5], "resumed": [9.6, 9.5]}, "ok": True}
-    recorded, problem = outcomes[0.01]
+    run_dir = tmp_path / "run"
+    recorded: dict = {}
+    _, problem = kill_and_resume(check, "toy", [*toy_trainer(tmp_path, 3, 5, drift=0.01), f"out_dir={run_dir}"],
+                                 run_dir, 3, 5, recorded.__setitem__)
     assert recorded["ok"] is False and recorded["max_loss_diff"] == pytest.approx(0.01)
+    assert recorded["resume_from_step"] == 3 and recorded["resume_rc"] == 0 and recorded["first_rc"] == -9
     assert problem == "the resumed losses differ from the uninterrupted ones by 0.01 (> 0.0001)"
 
 
