@@ -47,7 +47,7 @@ run (those that need its output fail at once, saying so). Keys of results.json b
                    train_step_time_s_seq512, train_measured_steps
   model_step       model_step_rc, model_step_pct_of_bf16_peak and model_step_samples_per_s (per variant),
                    model_step_vs_hf (eager and fast, samples/s over transformers'), model_step_bf16_peak_tflops
-  accuracy_tests   accuracy_tests_rc, accuracy_tests (tests, failures, errors, skipped)
+  accuracy_tests   accuracy_tests_rc, accuracy_tests (tests, failures, errors, skipped, passed)
   finetune_decode  finetune_rc, finetune_steps, finetune_dev (the dev scores), decode_rc, decode_records, decode_s
   setup            shards_seq512, task_files, fused_adam_rc, fused_adam_s
 Exit code 0 when every part passed, 1 otherwise, 2 without a CUDA GPU (then nothing is written).
@@ -347,10 +347,13 @@ def setup(check: Check) -> None:
     check.start("accuracy_tests", [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                                    f"--junitxml={check.out / 'accuracy_tests.xml'}", *ACCURACY_TESTS])
     problems = []
-    missing = [name for name in (*SAMPLE_INPUTS, *FINETUNE_SAMPLES) if not (check.samples / name).exists()]
-    if missing:
-        problems.append(f"sample corpora missing in {check.samples}: {', '.join(missing)} (`make sample-corpus` "
-                        "fetches them; a machine without network needs them brought along, SAMPLES=DIR)")
+
+    def missing(names: Sequence[str]) -> str | None:
+        absent = [name for name in names if not (check.samples / name).exists()]
+        return f"sample corpora missing in {check.samples}: {', '.join(absent)}" if absent else None
+
+    if problem := missing(SAMPLE_INPUTS):
+        problems.append(problem)
     else:
         shards, builds = sample_shards(check.work / "data", 512, check.samples)
         for index, command in enumerate(builds):
@@ -359,15 +362,20 @@ def setup(check: Check) -> None:
                 break
         else:
             check.results["shards_seq512"] = shards
-        data = check.work / "finetune_data"
-        if check.run("task_files", [sys.executable, "-m", "finetune.task_files", "--samples", str(check.samples),
-                                    "--out", str(data)]):
-            problems.append(f"finetune.task_files failed (log: {check.jobs['task_files'].log})")
-        else:
-            for split, count in (("train", 128), ("dev", 16)):  # spread over the topics the file is grouped by
-                records = read_jsonl(data / f"bbc_headline.{split}.jsonl")
-                write_jsonl(records[:: max(1, len(records) // count)][:count], data / f"headline.{split}.jsonl")
-            check.results["task_files"] = str(data)
+    data = check.work / "finetune_data"
+    if problem := missing(FINETUNE_SAMPLES):
+        problems.append(problem)
+    elif check.run("task_files", [sys.executable, "-m", "finetune.task_files", "--samples", str(check.samples),
+                                  "--out", str(data)]):
+        problems.append(f"finetune.task_files failed (log: {check.jobs['task_files'].log})")
+    else:
+        for split, count in (("train", 128), ("dev", 16)):  # spread over the topics the file is grouped by
+            records = read_jsonl(data / f"bbc_headline.{split}.jsonl")
+            write_jsonl(records[:: max(1, len(records) // count)][:count], data / f"headline.{split}.jsonl")
+        check.results["task_files"] = str(data)
+    if any(problem.startswith("sample corpora missing") for problem in problems):
+        problems.append("`make sample-corpus` fetches them; a machine without network needs them brought along "
+                        "(SAMPLES=DIR)")
     job = check.jobs["fused_adam"]
     try:  # left running at the part's limit: killed, a build leaves its lock file, on which the next build would hang
         check.results["fused_adam_rc"] = job.process.wait(timeout=max(0.0, check.deadline - time.monotonic()))
@@ -401,10 +409,13 @@ def accuracy_tests(check: Check) -> None:
         root = ElementTree.parse(report).getroot()  # pytest writes <testsuites><testsuite tests= ...>
         suite = root.find("testsuite") if root.tag == "testsuites" else root
         suite = root if suite is None else suite
-        check.results["accuracy_tests"] = {key: int(suite.get(key, 0))
-                                           for key in ("tests", "failures", "errors", "skipped")}
+        counts = {key: int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")}
+        counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+        check.results["accuracy_tests"] = counts
     if check.results["accuracy_tests_rc"]:
         raise CheckFailed(f"pytest exited {check.results['accuracy_tests_rc']} (log: {job.log})")
+    if not check.results.get("accuracy_tests", {}).get("passed"):  # all skipped: pytest's process saw no GPU
+        raise CheckFailed(f"no accuracy test passed (log: {job.log})")
 
 
 def bf16_resume(check: Check) -> None:

@@ -358,7 +358,12 @@ def test_gpu_check_accuracy_part_counts_the_junit_report(tmp_path: Path) -> None
     with pytest.raises(gpu_check.CheckFailed, match="pytest exited 1"):
         gpu_check.accuracy_tests(check)
     assert check.results == {"accuracy_tests_rc": 1,
-                             "accuracy_tests": {"tests": 5, "failures": 1, "errors": 0, "skipped": 1}}
+                             "accuracy_tests": {"tests": 5, "failures": 1, "errors": 0, "skipped": 1, "passed": 3}}
+    (tmp_path / "accuracy_tests.xml").write_text('<testsuites><testsuite errors="0" failures="0" skipped="5" '
+                                                 'tests="5"/></testsuites>')
+    check.start("accuracy_tests", [sys.executable, "-c", "pass"])
+    with pytest.raises(gpu_check.CheckFailed, match="no accuracy test passed"):  # all skipped: no GPU seen
+        gpu_check.accuracy_tests(check)
 
 
 def test_the_model_step_measures_the_variants_asked_for_in_their_order(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -418,9 +423,13 @@ def test_gpu_check_setup_names_missing_sample_corpora_and_still_waits_for_the_op
         return start(name, [sys.executable, "-c", "pass"])
 
     monkeypatch.setattr(check, "start", stand_in)
-    with pytest.raises(gpu_check.CheckFailed, match=r"sample corpora missing in .*samples: wiki/enwiki-excerpt.xml"
-                                                    r".bz2, books.jsonl, bbc, rotten.csv.bz2, squad.json"):
+    with pytest.raises(gpu_check.CheckFailed) as failed:
         gpu_check.setup(check)
+    samples = tmp_path / "samples"
+    assert str(failed.value) == (f"sample corpora missing in {samples}: wiki/enwiki-excerpt.xml.bz2, books.jsonl; "
+                                 f"sample corpora missing in {samples}: bbc, rotten.csv.bz2, squad.json; `make "
+                                 "sample-corpus` fetches them; a machine without network needs them brought along "
+                                 "(SAMPLES=DIR)")
     assert [name for name, _ in started] == ["fused_adam", "accuracy_tests"]
     assert started[1][1][-2:] == list(gpu_check.ACCURACY_TESTS) and "-m" in started[1][1]
     assert check.results["fused_adam_rc"] == 0 and "shards_seq512" not in check.results
