@@ -100,11 +100,12 @@ STEP_RATES = ("samples_per_s", "tokens_per_s", "tflops", "mfu", "peak_tflops", "
 
 
 def large_run_command(shards: str, run_dir: Path, precision: str, overrides: Sequence[str] = ()) -> list[str]:
-    """``pretrain.train`` on this machine's GPU (one rank under torchrun) with ``unilm-large.yaml`` under ZeRO-2 in
-    ``precision`` (``ds_configs/zero2_PRECISION.json``), global batch 330 = 33 × 10, writing ``run_dir``; the
-    shards' hashes are not re-verified (they were just built). ``overrides`` come last."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m",
-            "pretrain.train", "--config", "pretrain/configs/unilm-large.yaml",
+    """``pretrain.train`` on this machine's GPU with ``unilm-large.yaml`` under ZeRO-2 in ``precision``
+    (``ds_configs/zero2_PRECISION.json``), global batch 330 = 33 × 10, writing ``run_dir``; the shards' hashes are
+    not re-verified (they were just built). ``overrides`` come last. One rank, without a launcher (the trainer makes
+    its own 1-rank group): the process started is the trainer itself, which a kill then reaches (torchrun would
+    start it in a session of its own, where a kill of the launcher's process group leaves it running)."""
+    return [sys.executable, "-m", "pretrain.train", "--config", "pretrain/configs/unilm-large.yaml",
             f"deepspeed_config=ds_configs/zero2_{precision}.json", f"data.shards={shards}", "data.verify=false",
             f"out_dir={run_dir}", "train.global_batch_size=330", "train.micro_batch_size=33",
             "optim.warmup_steps=100", *overrides]

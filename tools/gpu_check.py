@@ -125,8 +125,8 @@ class Check:
 
     def start(self, name: str, argv: Sequence[str]) -> Job:
         """Start ``argv`` in the repository, its output (standard error merged in) appended to ``OUT/logs/NAME.log``,
-        in a session of its own: `kill` then ends it with every process it started (torchrun's worker, compile
-        workers)."""
+        in a session of its own: `kill` then ends it with the processes it started in it (compile workers, data
+        build workers)."""
         log = self.out / "logs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         say(f"  $ {' '.join(Path(a).name if i == 0 else a for i, a in enumerate(argv))}  (log: {log})")
@@ -244,7 +244,8 @@ def kill_and_resume(check: Check, name: str, command: Sequence[str], run_dir: Pa
     ``record(key, value)`` receives, as each becomes known: first_rc, killed_after_step, resume_from_step (the
     newest complete checkpoint, which the rerun resumes from), resume_rc, losses (``steps``, ``uninterrupted``,
     ``resumed``), max_loss_diff and ok. Returns the killed process's ``metrics.jsonl`` records and what went wrong
-    (None when the resume is exact within `RESUME_TOLERANCE`)."""
+    (None when the resume is exact within `RESUME_TOLERANCE`). The kill reaches ``command``'s process group: the
+    trainer must be in it (torchrun starts its workers in sessions of their own; one rank needs no launcher)."""
     if not save_step < kill_after_step < 2 * save_step:  # the kill must come before the next save
         raise ValueError(f"needs save_step < kill_after_step < 2 x save_step, got {save_step}, {kill_after_step}")
     shutil.rmtree(run_dir, ignore_errors=True)

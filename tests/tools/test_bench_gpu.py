@@ -312,6 +312,8 @@ def test_gpu_check_commands_parse_as_the_library_reads_them(tmp_path: Path) -> N
     from tools.gpu_check import decode_command, finetune_command, resume_command
 
     command = resume_command("shards", tmp_path / "run", "fp16", 3) + ["train.exit_at_step=5"]
+    # the trainer itself, not a launcher: torchrun would start it in a session of its own, out of the kill's reach
+    assert command[:3] == [sys.executable, "-m", "pretrain.train"]
     config = load_config(command[command.index("--config") + 1], command[command.index("--config") + 2:])
     assert (config.train.global_batch_size, config.train.micro_batch_size) == (330, 33)
     assert (config.train.compile, config.train.save_interval, config.train.exit_at_step) == (False, 3, 5)
