@@ -18,6 +18,8 @@ more `--seeds` on a finished output train and score only the new seeds' runs):
               Wikipedia excerpt + Shakespeare + Lee news (no BBC text)
     pretrain  deepspeed (2 local ranks) pretrain/train.py --config pretrain/configs/bert-continue.yaml
               model.init_from=OUT/bert-init, once per recipe
+    held-out  python -m data_prep.build --recipe unilm on Rotten Tomatoes' plot synopses (text no arm saw); every
+              arm's loss per objective on it with a 95 % bootstrap interval, beside the tokens' unigram loss
     finetune  python -m finetune.run --config finetune/configs/bert-{headline,topic}.yaml, per arm and seed;
               the dev split picks the best epoch
     test      python -m finetune.decode --beam-size 5 (headlines); the classifier on the test split (topics)
@@ -35,9 +37,11 @@ import json
 import shutil
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from tools.stages import Stages, driver_environment, duration, finetune_in_process, load_average, machine_line
@@ -60,6 +64,11 @@ BEAM_SIZE, MAX_HEADLINE_LEN = 5, 24
 NO_REPEAT_NGRAM = 3  # the test decoding's n-gram blocking: the paper's trigram blocking
 BLOCKING_TEXT = "trigram blocking" if NO_REPEAT_NGRAM == 3 else f"{NO_REPEAT_NGRAM}-gram blocking"
 SAMPLE_HEADLINES = 6
+HELD_OUT_SOURCE = "rotten.csv.bz2"  # its plot synopses: real prose that neither pre-training nor fine-tuning reads
+HELD_OUT_OBJECTIVES = ("bidirectional_mlm", "nsp", "left_to_right", "right_to_left", "seq2seq")
+UNIGRAM = "unigram"  # the held-out records' no-context baseline, in the place of an arm
+BOOTSTRAP_SEED, BOOTSTRAP_RESAMPLES = 0, 2000
+MIN_COMPARED_SAMPLES = 30  # below this a bootstrap interval says little (one sample gives a zero-width one)
 
 
 def find_bert(samples: Path) -> Path:
@@ -139,6 +148,174 @@ def paired_differences(a: list[float], b: list[float]) -> dict[str, Any]:
     return {"differences": differences, "mean": mean, "sd": sd, "real": real}
 
 
+
+# ------------------------------------------------------------------------------------------------ held-out text
+def held_out_documents(rotten_csv: Path) -> list[str]:
+    """The plot synopses of the Rotten Tomatoes sample (`category` ``plot``), one document each, in file order, their
+    whitespace collapsed (a blank line would split a document of the ``.txt`` input) and duplicates dropped."""
+    import bz2
+    import csv
+
+    documents: dict[str, None] = {}  # insertion-ordered set
+    with bz2.open(rotten_csv, "rt", encoding="utf-8", newline="") as rows:
+        for row in csv.DictReader(rows):
+            text = " ".join(row["text"].split())
+            if row["category"] == "plot" and text:
+                documents[text] = None
+    return list(documents)
+
+
+@torch.no_grad()
+def sample_losses(model: torch.nn.Module, samples: Sequence[Any], pad_id: int, max_len: int,
+                  device: torch.device | str = "cpu") -> tuple[np.ndarray, np.ndarray]:
+    """Each sample's loss sums and prediction counts, Float64[S, len(REPORTED_OBJECTIVES)] each, from the model's own
+    training forward (`PretrainOutput.objective_sums` / ``objective_counts``, dropout off) run on one sample at a
+    time: the per-sample numbers a bootstrap over samples needs, which a batch's totals do not keep.
+    ``samples``: `data_prep.shard_format.Sample` objects."""
+    from pretrain.data import collate, to_device
+    from pretrain.model import REPORTED_OBJECTIVES
+
+    model.eval()
+    sums = np.zeros((len(samples), len(REPORTED_OBJECTIVES)))
+    counts = np.zeros_like(sums)
+    for i, sample in enumerate(samples):
+        output = model(**to_device(collate([sample], pad_id, max_len), device))
+        sums[i] = output.objective_sums.double().cpu().numpy()
+        counts[i] = output.objective_counts.double().cpu().numpy()
+    return sums, counts
+
+
+def unigram_losses(samples: Sequence[Any], special_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """What a model without context scores, laid out as `sample_losses`: each predicted token at minus the log of its
+    frequency among the samples' text tokens (masked positions restored to their labels, ``special_ids`` left out),
+    each NSP label at minus the log of its share among the NSP samples. Fitted on these samples themselves, so no
+    context-free model scores lower on them."""
+    from pretrain.masks import BIDIRECTIONAL
+    from pretrain.model import REPORTED_OBJECTIVES
+
+    texts = []
+    for sample in samples:
+        text = np.array(sample.input_ids)
+        text[sample.masked_positions] = sample.masked_labels
+        texts.append(text[~np.isin(text, special_ids)])
+    frequencies = np.bincount(np.concatenate(texts)).astype(np.float64)
+    with np.errstate(divide="ignore"):  # a token that never occurs is never looked up
+        token_loss = -np.log(frequencies / frequencies.sum())
+    nsp = REPORTED_OBJECTIVES.index("nsp")
+    has_nsp = [s.objective == BIDIRECTIONAL and s.is_random_next >= 0 for s in samples]
+    nsp_labels = np.array([s.is_random_next for s, used in zip(samples, has_nsp) if used], dtype=np.int64)
+    with np.errstate(divide="ignore"):
+        nsp_loss = -np.log(np.bincount(nsp_labels, minlength=2) / max(len(nsp_labels), 1))
+    sums = np.zeros((len(samples), len(REPORTED_OBJECTIVES)))
+    counts = np.zeros_like(sums)
+    for i, (sample, used) in enumerate(zip(samples, has_nsp)):
+        sums[i, sample.objective] = token_loss[np.asarray(sample.masked_labels)].sum()
+        counts[i, sample.objective] = len(sample.masked_labels)
+        if used:
+            sums[i, nsp], counts[i, nsp] = nsp_loss[sample.is_random_next], 1.0
+    return sums, counts
+
+
+def bootstrap_interval(sums: np.ndarray, counts: np.ndarray, seed: int = BOOTSTRAP_SEED,
+                       resamples: int = BOOTSTRAP_RESAMPLES) -> tuple[float, float]:
+    """95 % percentile bootstrap interval of the loss per prediction ``sums.sum() / counts.sum()`` (Float[S] each,
+    one entry per sample): the samples are drawn with replacement ``resamples`` times. Samples, not tokens, are
+    resampled, because a sample's tokens share a context and are not independent. Seeded: the same seed and inputs
+    give the same interval, and every arm of the same held-out set is resampled with the same draws."""
+    if len(sums) == 0:
+        raise ValueError("a bootstrap interval needs at least one sample")
+    draws = np.random.default_rng(seed).integers(0, len(sums), size=(resamples, len(sums)))
+    ratios = sums[draws].sum(axis=1) / np.maximum(counts[draws].sum(axis=1), 1e-12)
+    low, high = np.percentile(ratios, [2.5, 97.5])
+    return float(low), float(high)
+
+
+def held_out_summary(sums: np.ndarray, counts: np.ndarray, seed: int = BOOTSTRAP_SEED) -> dict[str, dict[str, Any]]:
+    """Per objective present (`HELD_OUT_OBJECTIVES` order): the loss per prediction over the samples that predict it
+    (``mean``, what `pretrain.trainer.EvalSet` reports as ``eval_loss_<objective>``), its 95 % bootstrap interval
+    (``ci95``) and how many samples it averages (``samples``). ``sums``, ``counts``: `sample_losses`'s layout."""
+    from pretrain.model import REPORTED_OBJECTIVES
+
+    summary = {}
+    for name in HELD_OUT_OBJECTIVES:
+        slot = REPORTED_OBJECTIVES.index(name)
+        present = counts[:, slot] > 0
+        if not present.any():
+            continue
+        objective_sums, objective_counts = sums[present, slot], counts[present, slot]
+        summary[name] = {"mean": float(objective_sums.sum() / objective_counts.sum()),
+                         "ci95": list(bootstrap_interval(objective_sums, objective_counts, seed)),
+                         "samples": int(present.sum())}
+    return summary
+
+
+def held_out_records(losses: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """results.json's held-out records, one per arm (then `UNIGRAM`) and objective:
+    ``{"arm", "task": "held-out", "metric": "loss_<objective>", "mean", "ci95": [low, high], "samples"}``."""
+    return [{"arm": arm, "task": "held-out", "metric": f"loss_{objective}", **losses[arm][objective]}
+            for arm in (*ARMS, UNIGRAM) if arm in losses for objective in HELD_OUT_OBJECTIVES
+            if objective in losses[arm]]
+
+
+def _held_out(records: list[dict]) -> dict[str, dict[str, dict[str, Any]]]:
+    """The held-out records as {objective: {arm: record}}, objectives in `HELD_OUT_OBJECTIVES` order."""
+    by_objective: dict[str, dict[str, dict[str, Any]]] = {}
+    for objective in HELD_OUT_OBJECTIVES:
+        for r in records:
+            if r["task"] == "held-out" and r["metric"] == f"loss_{objective}":
+                by_objective.setdefault(objective, {})[r["arm"]] = r
+    return by_objective
+
+
+def held_out_table(records: list[dict]) -> str:
+    """Per objective: each arm's and the unigram loss, mean [95 % interval], in nats per prediction."""
+    lines = [f"| objective | samples | {' | '.join(ARMS)} | {UNIGRAM} |", "|---|---:|" + "---:|" * (len(ARMS) + 1)]
+    for objective, arms in _held_out(records).items():
+        cells = [f"{arms[arm]['mean']:.3f} [{arms[arm]['ci95'][0]:.3f}, {arms[arm]['ci95'][1]:.3f}]"
+                 if arm in arms else "—" for arm in (*ARMS, UNIGRAM)]
+        samples = next(iter(arms.values()))["samples"]
+        lines.append(f"| {objective.replace('_', ' ')} | {samples} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def held_out_verdict(records: list[dict]) -> str:
+    """One sentence: which arm is lowest at which objective, where its 95 % interval lies below the other arms'; or,
+    where no objective separates them, that the arms are still too close for the budget to tell them apart. An
+    objective scored on fewer than `MIN_COMPARED_SAMPLES` samples is not compared."""
+    leaders: dict[str, list[str]] = {}  # who leads → objectives
+    overlapping, too_few, losses, unigram = [], [], [], {}
+    for objective, arms in _held_out(records).items():
+        name = objective.replace("_", " ")
+        scored = {arm: arms[arm] for arm in ARMS if arm in arms}
+        losses += [r["mean"] for r in scored.values()]
+        if UNIGRAM in arms:
+            unigram[name] = arms[UNIGRAM]["mean"]
+        if min(r["samples"] for r in arms.values()) < MIN_COMPARED_SAMPLES:
+            too_few.append(name)
+            continue
+        # an arm is beaten when another arm's whole interval lies below its interval
+        unbeaten = [arm for arm, r in scored.items()
+                    if not any(o["ci95"][1] < r["ci95"][0] for other, o in scored.items() if other != arm)]
+        if len(scored) > 1 and len(unbeaten) < len(scored):
+            leaders.setdefault(" and ".join(unbeaten), []).append(name)
+        else:
+            overlapping.append(name)
+    if not losses:
+        return "Held-out text: not measured (the held-out stage did not run)."
+    baseline = ", ".join(f"{name} {value:.2f}" for name, value in unigram.items())
+    few = f"; {', '.join(too_few)}: fewer than {MIN_COMPARED_SAMPLES} samples, not compared" if too_few else ""
+    if not leaders:
+        return (f"On held-out text the arms ({min(losses):.2f}–{max(losses):.2f} nats) are still too close to one "
+                f"another and to the unigram loss ({baseline or 'not measured'}) for this budget to tell the recipes "
+                f"apart: on every objective their 95 % intervals overlap{few}.")
+    parts = [f"{arms} at {', '.join(objectives)}"
+             + (" (together, not apart from each other)" if " and " in arms else "")
+             for arms, objectives in leaders.items()]
+    return ("On held-out text the lowest loss, its 95 % interval below the other arms', is " + "; ".join(parts)
+            + (f"; on {', '.join(overlapping)} the intervals overlap" if overlapping else "") + few
+            + (f" (unigram loss: {baseline})." if unigram else "."))
+
+
 class Ablation(Stages):
     """Paths and settings shared by the stages; each stage is a method returning its results (a dict)."""
 
@@ -151,6 +328,7 @@ class Ablation(Stages):
         self.seeds = list(args.seeds)
         self.finetune_steps = args.finetune_steps
         self.test_limit = args.test_limit
+        self.held_out_samples = args.held_out_samples
         self.keep_checkpoints = args.keep_checkpoints
         self.data = self.out / "data"
         self.init_dir = self.out / "bert-init"
@@ -253,6 +431,39 @@ class Ablation(Stages):
                                               for r in records],
                 "median_step_s": statistics.median(r["step_time_s"] for r in records[1:] or records)}
 
+    def held_out_stage(self) -> dict[str, Any]:
+        """Every arm, before fine-tuning, on `unilm`-recipe shards of text none of them saw (`HELD_OUT_SOURCE`'s plot
+        synopses, one masked copy of each): the loss per objective with a 95 % bootstrap interval over the samples,
+        beside the held-out tokens' unigram loss."""
+        from data_prep.shard_format import ShardDataset
+        from finetune.model_io import load_init
+
+        text = self.out / "held-out" / "plot-synopses.txt"
+        text.parent.mkdir(parents=True, exist_ok=True)
+        documents = held_out_documents(self.samples / HELD_OUT_SOURCE)
+        text.write_text("\n\n".join(documents) + "\n", encoding="utf-8")
+        shards = self.out / "held-out" / f"unilm-{PRETRAIN_SEQ_LEN}"
+        self.command([self.python, "-m", "data_prep.build", "--input", str(text),
+                      "--vocab", str(self.bert / "vocab.txt"), "--uncased", "--recipe", "unilm",
+                      "--max-seq-len", str(PRETRAIN_SEQ_LEN), "--seed", "1", "--dupe-factor", "1", "--workers", "2",
+                      "--out", str(shards), "--overwrite", "--quiet"])
+        dataset = ShardDataset(shards)
+        samples = [dataset[i] for i in range(min(len(dataset), self.held_out_samples or len(dataset)))]
+        special = dataset.special_tokens
+        device = torch.device("cuda" if self.gpus else "cpu")
+        losses = {}
+        for arm in ARMS:  # the models the fine-tuning runs start from, loaded as they load them
+            init = self.init_dir if arm == "bert" else self.pretrain_dir(arm) / "checkpoints"
+            model, _ = load_init(init, vocab=self.init_dir / "vocab.txt")
+            losses[arm] = held_out_summary(*sample_losses(model.to(device), samples, special["pad"], PRETRAIN_SEQ_LEN,
+                                                          device))
+            self.say(f"  {arm}: " + ", ".join(f"{name} {r['mean']:.3f}" for name, r in losses[arm].items()))
+        losses[UNIGRAM] = held_out_summary(*unigram_losses(samples, [special[name] for name in
+                                                                     ("cls", "sep", "pad", "mask")]))
+        self.say(f"  {UNIGRAM}: " + ", ".join(f"{name} {r['mean']:.3f}" for name, r in losses[UNIGRAM].items()))
+        return {"source": str(self.samples / HELD_OUT_SOURCE), "documents": len(documents), "samples": len(samples),
+                "bootstrap": {"seed": BOOTSTRAP_SEED, "resamples": BOOTSTRAP_RESAMPLES}, "losses": losses}
+
     def finetune_stage(self, arm: str) -> dict[str, Any]:
         runs = {}
         for task in TASKS:
@@ -322,11 +533,12 @@ class Ablation(Stages):
     def report_stage(self) -> dict[str, Any]:
         tested = self.done("test")
         assert tested is not None, "the report stage runs after the test stage"
-        records = results(tested["scores"], self.seeds)
+        held_out = self.done("held-out")
+        records = results(tested["scores"], self.seeds) + held_out_records(held_out["losses"] if held_out else {})
         (self.out / "results.json").write_text(json.dumps(records, indent=1) + "\n")
         text = render_report(self, records)
         (self.out / "REPORT.md").write_text(text)
-        (self.out / "table.md").write_text(result_table(records) + "\n")
+        (self.out / "table.md").write_text(result_table(records) + "\n\n" + held_out_table(records) + "\n")
         self.say(f"  wrote {self.out / 'REPORT.md'} and {self.out / 'results.json'}")
         print("\n" + result_table(records) + "\n", flush=True)
         return {"report": str(self.out / "REPORT.md")}
@@ -344,6 +556,7 @@ class Ablation(Stages):
     def runners(self) -> dict[str, Any]:
         stages = {"data": self.data_stage, "init": self.init_stage, "shards": self.shards_stage}
         stages |= {f"pretrain-{RECIPES[arm]}": functools.partial(self.pretrain_stage, arm) for arm in ARMS[1:]}
+        stages |= {"held-out": self.held_out_stage}
         stages |= {f"finetune-{arm.replace('+', '-')}": functools.partial(self.finetune_stage, arm) for arm in ARMS}
         return stages | {"test": self.test_stage, "report": self.report_stage}
 
@@ -411,6 +624,8 @@ def render_report(ablation: Ablation, records: list[dict]) -> str:
              + (f", {ablation.gpus} GPU(s)" if ablation.gpus else "") + f"; load average at the end {load_average()} "
              "(1/5/15 min; other jobs on the machine slow every stage).", "",
              "## Result", "", result_table(records), "", verdict(records), "",
+             "## Held-out text, before fine-tuning", "", held_out_table(records), "", held_out_verdict(records), "",
+             held_out_note(stages["held-out"]), "",
              *([f"**Incomplete**: no test score for {', '.join(stages['test']['missing'])} (not fine-tuned); a task "
                 "uses the seeds every arm has.", ""] if stages["test"].get("missing") else []),
              "## What ran", "",
@@ -487,6 +702,19 @@ def render_report(ablation: Ablation, records: list[dict]) -> str:
         lines.append(f"| {outputs['bert'][i]['tgt']} | " + " | ".join(outputs[arm][i]["prediction"] for arm in ARMS)
                      + " |")
     return "\n".join(lines) + "\n"
+
+
+def held_out_note(stage: dict[str, Any]) -> str:
+    """What the held-out table measures: source, sizes, and how the interval and the unigram loss are made."""
+    bootstrap = stage.get("bootstrap", {})
+    return ("Loss in nats per prediction (NSP: per sample) of each arm as fine-tuning starts from it, on "
+            f"`unilm`-recipe shards (≤ {PRETRAIN_SEQ_LEN} tokens, one masked copy) of the "
+            f"{stage.get('documents', '?')} plot synopses in `{HELD_OUT_SOURCE}` "
+            f"({stage.get('samples', '?')} samples), text that no arm pre-trains or fine-tunes on; the model's own "
+            "training loss per objective, dropout off. Brackets: 95 % percentile bootstrap interval over the samples "
+            f"({bootstrap.get('resamples', '?')} resamples, seed {bootstrap.get('seed', '?')}, the same draws for "
+            f"every arm). `{UNIGRAM}`: each predicted token scored by its frequency in the held-out text (NSP by the "
+            "labels' shares), what a model that uses no context scores.")
 
 
 def dev_lines(ablation: Ablation, stages: dict[str, dict]) -> list[str]:
@@ -567,6 +795,8 @@ def main(argv: list[str] | None = None) -> None:
                                                   f"{GPU_STEPS} on a GPU)")
     parser.add_argument("--finetune-steps", type=int, help="cap on fine-tuning steps per run (quick checks)")
     parser.add_argument("--test-limit", type=int, help="evaluate on the first N test examples only (quick checks)")
+    parser.add_argument("--held-out-samples", type=int,
+                        help="score the arms on the first N held-out samples only (quick checks; default all)")
     parser.add_argument("--seeds", type=int, nargs="+", default=list(DEFAULT_SEEDS),
                         help="fine-tuning seeds, the same for every arm (default 42 43 44)")
     parser.add_argument("--from", dest="redo_from", help="redo this stage and all later ones")
