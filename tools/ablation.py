@@ -357,8 +357,13 @@ class Ablation(Stages):
 
     # ---------------------------------------------------------------------------------------- commands
     def pretrain_command(self, arm: str) -> list[str]:
-        launcher = self.launcher()
-        engine = [] if not self.gpus else ["deepspeed_config=ds_configs/zero2_bf16.json"]
+        """The continued pre-training of ``arm``: 2 CPU ranks, or one GPU (batch 32 of a 6-layer model needs no
+        more; the arms run one after the other). On the GPU the batch is one micro-batch of 32 (the same global
+        batch, so the same loss, without accumulation) and the blocks are not compiled: a run of a few thousand
+        steps this small would spend longer compiling than the compiled kernels save."""
+        launcher = self.launcher(max_gpus=1)
+        engine = [] if not self.gpus else ["deepspeed_config=ds_configs/zero2_bf16.json", "train.micro_batch_size=32",
+                                           "train.compile=false"]
         return [*launcher, "pretrain/train.py", "--config", PRETRAIN_CONFIG, f"out_dir={self.pretrain_dir(arm)}",
                 f"data.shards={self.shards(RECIPES[arm])}", f"model.init_from={self.init_dir}",
                 f"train.max_steps={self.steps}", f"train.save_interval={self.steps}",
@@ -636,7 +641,7 @@ def render_report(ablation: Ablation, records: list[dict]) -> str:
              f"- **Continued pre-training** (arms bert+mlm, bert+unilm): {ablation.steps} steps × 32 sequences of "
              f"≤ {PRETRAIN_SEQ_LEN} tokens (`{PRETRAIN_CONFIG}`: lr 1e-4, warm-up "
              f"{max(1, ablation.steps // 10)} steps, linear decay; "
-             + ("bf16 ZeRO-2 on the GPUs" if ablation.gpus else "fp32 ZeRO-2, 2 local ranks")
+             + ("bf16 ZeRO-2 on one GPU" if ablation.gpus else "fp32 ZeRO-2, 2 local ranks")
              + ") on the Wikipedia excerpt, the Shakespeare texts and the Lee news "
              "articles, tokenised with the BERT's own vocabulary; no BBC text. The two arms differ only in the "
              "shard recipe (`bert`: MLM + NSP; `unilm`: 1/3 bidirectional + NSP, 1/3 seq2seq, 1/6 left-to-right, "

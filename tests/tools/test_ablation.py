@@ -64,6 +64,19 @@ def test_the_three_arms_start_from_identical_bert_weights(samples_dir: Path, min
     assert torch.equal(starts["bert+mlm"]["embeddings.token.weight"], original["embeddings.word_embeddings.weight"])
 
 
+
+def test_on_a_gpu_each_arm_pre_trains_on_one_gpu_in_one_micro_batch_of_the_same_global_batch(
+        samples_dir: Path, tmp_path: Path) -> None:
+    """The GPU path (docs/ablation.md): bf16 ZeRO-2, 2,000 steps, batch 32 as one micro-batch, no compiling."""
+    driver = make_ablation(tmp_path / "out", samples_dir, steps=None)
+    driver.gpus = 1  # what a machine with a CUDA GPU reports
+    driver.steps = ablation.GPU_STEPS
+    overrides = [a for a in driver.pretrain_command("bert+unilm") if "=" in a and not a.startswith("--")]
+    assert {"train.max_steps=2000", "train.micro_batch_size=32", "train.compile=false",
+            "deepspeed_config=ds_configs/zero2_bf16.json"} <= set(overrides)
+    cfg = load_config(ROOT / ablation.PRETRAIN_CONFIG, overrides)
+    assert cfg.train.global_batch_size == cfg.train.micro_batch_size == 32 and cfg.train.compile is False
+
 def test_a_difference_is_real_only_beyond_twice_the_sd_of_the_per_seed_differences() -> None:
     steady = ablation.paired_differences([30.0, 31.0, 32.0], [28.0, 29.1, 29.9])  # +2.0, +1.9, +2.1
     assert steady["real"] and steady["mean"] == pytest.approx(2.0)
