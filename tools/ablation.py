@@ -17,7 +17,7 @@ more `--seeds` on a finished output train and score only the new seeds' runs):
     shards    python -m data_prep.build --vocab BERT/vocab.txt --uncased --recipe {bert,unilm}
               Wikipedia excerpt + Shakespeare + Lee news (no BBC text)
     pretrain  deepspeed (2 local ranks) pretrain/train.py --config pretrain/configs/bert-continue.yaml
-              model.init_from=OUT/bert-init, once per recipe
+              model.init_from=OUT/bert-init, once per recipe (on a GPU: python pretrain/train.py, one GPU, bf16)
     held-out  python -m data_prep.build --recipe unilm on Rotten Tomatoes' plot synopses (text no arm saw); every
               arm's loss per objective on it with a 95 % bootstrap interval, beside the tokens' unigram loss
     finetune  python -m finetune.run --config finetune/configs/bert-{headline,topic}.yaml, per arm and seed;
@@ -357,11 +357,12 @@ class Ablation(Stages):
 
     # ---------------------------------------------------------------------------------------- commands
     def pretrain_command(self, arm: str) -> list[str]:
-        """The continued pre-training of ``arm``: 2 CPU ranks, or one GPU (batch 32 of a 6-layer model needs no
-        more; the arms run one after the other). On the GPU the batch is one micro-batch of 32 (the same global
-        batch, so the same loss, without accumulation) and the blocks are not compiled: a run of a few thousand
-        steps this small would spend longer compiling than the compiled kernels save."""
-        launcher = self.launcher(max_gpus=1)
+        """The continued pre-training of ``arm``: 2 CPU ranks under DeepSpeed's launcher, or one GPU (batch 32 of a
+        6-layer model needs no more; the arms run one after the other) without a launcher: the trainer makes its
+        own 1-rank group, and a GPU image's python may have no ``deepspeed`` script beside it. On the GPU the batch
+        is one micro-batch of 32 (the same global batch, so the same loss, without accumulation) and the blocks are
+        not compiled: a run of a few thousand steps this small would spend longer compiling than it saves."""
+        launcher = [self.python] if self.gpus else self.launcher()
         engine = [] if not self.gpus else ["deepspeed_config=ds_configs/zero2_bf16.json", "train.micro_batch_size=32",
                                            "train.compile=false"]
         return [*launcher, "pretrain/train.py", "--config", PRETRAIN_CONFIG, f"out_dir={self.pretrain_dir(arm)}",

@@ -71,7 +71,9 @@ def test_on_a_gpu_each_arm_pre_trains_on_one_gpu_in_one_micro_batch_of_the_same_
     driver = make_ablation(tmp_path / "out", samples_dir, steps=None)
     driver.gpus = 1  # what a machine with a CUDA GPU reports
     driver.steps = ablation.GPU_STEPS
-    overrides = [a for a in driver.pretrain_command("bert+unilm") if "=" in a and not a.startswith("--")]
+    command = driver.pretrain_command("bert+unilm")
+    assert command[:2] == [driver.python, "pretrain/train.py"]  # one rank, no launcher
+    overrides = [a for a in command if "=" in a and not a.startswith("--")]
     assert {"train.max_steps=2000", "train.micro_batch_size=32", "train.compile=false",
             "deepspeed_config=ds_configs/zero2_bf16.json"} <= set(overrides)
     cfg = load_config(ROOT / ablation.PRETRAIN_CONFIG, overrides)
