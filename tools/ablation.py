@@ -282,12 +282,15 @@ def held_out_verdict(records: list[dict]) -> str:
     """One sentence: which arm is lowest at which objective, where its 95 % interval lies below the other arms'; or,
     where no objective separates them, that the arms are still too close for the budget to tell them apart. An
     objective scored on fewer than `MIN_COMPARED_SAMPLES` samples is not compared."""
+    by_objective = _held_out(records)
+    if not by_objective:
+        return "Held-out text: not measured (the held-out stage did not run)."
     leaders: dict[str, list[str]] = {}  # who leads → objectives
     overlapping, too_few, losses, unigram = [], [], [], {}
-    for objective, arms in _held_out(records).items():
+    for objective, arms in by_objective.items():
         name = objective.replace("_", " ")
         scored = {arm: arms[arm] for arm in ARMS if arm in arms}
-        losses += [r["mean"] for r in scored.values()]
+        losses += [r["mean"] for r in scored.values() if objective != "nsp"]  # the range quoted: token losses
         if UNIGRAM in arms:
             unigram[name] = arms[UNIGRAM]["mean"]
         if min(r["samples"] for r in arms.values()) < MIN_COMPARED_SAMPLES:
@@ -300,12 +303,11 @@ def held_out_verdict(records: list[dict]) -> str:
             leaders.setdefault(" and ".join(unbeaten), []).append(name)
         else:
             overlapping.append(name)
-    if not losses:
-        return "Held-out text: not measured (the held-out stage did not run)."
     baseline = ", ".join(f"{name} {value:.2f}" for name, value in unigram.items())
     few = f"; {', '.join(too_few)}: fewer than {MIN_COMPARED_SAMPLES} samples, not compared" if too_few else ""
     if not leaders:
-        return (f"On held-out text the arms ({min(losses):.2f}–{max(losses):.2f} nats) are still too close to one "
+        spread = f" ({min(losses):.2f}–{max(losses):.2f} nats)" if losses else ""
+        return (f"On held-out text the arms{spread} are still too close to one "
                 f"another and to the unigram loss ({baseline or 'not measured'}) for this budget to tell the recipes "
                 f"apart: on every objective their 95 % intervals overlap{few}.")
     parts = [f"{arms} at {', '.join(objectives)}"
