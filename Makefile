@@ -169,10 +169,34 @@ RANKS_ARGS     = $(if $(HOSTFILE),--hostfile '$(HOSTFILE)',--num_gpus $(PRETRAIN
 PREFLIGHT_ARGS = $(if $(HOSTFILE),--hostfile '$(HOSTFILE)',--local-ranks $(PRETRAIN_RANKS))$(HOST_FILTER) \
   $(SHARDS_OVERRIDE)
 
-pretrain: $(STAMP)  ## DeepSpeed pre-training: CONFIG, HOSTFILE (default: this machine), INCLUDE/EXCLUDE/NUM_NODES, SHARDS, OVERRIDES (resumes automatically)
+# Recovery: MAX_RESTARTS=N launches torch elastic's agent on every host instead (pretrain/elastic.py; over pdsh when
+# the hosts are others): a rank that dies or hangs, or a lost host, restarts the run on the hosts left (MIN_NODES of
+# them at least; default all), from the newest complete checkpoint, up to N times. The rendezvous is served on the
+# master host at RDZV_PORT; RDZV_ID names the run there (the same on every host).
+MAX_RESTARTS ?=
+MIN_NODES    ?=
+RDZV_PORT    ?= 29400
+RDZV_ID      ?= unilm-pretrain
+# Ranks per host: the first active host's slots in HOSTFILE (every host runs as many), else PRETRAIN_RANKS.
+ELASTIC_NPROC  = $(or $(if $(HOSTFILE),$(shell awk -v h='$(firstword $(ACTIVE_HOSTS))' '$$1 == h { for (i = 2; i <= NF; \
+  i++) if ($$i ~ /^slots=/) { sub(/slots=/, "", $$i); print $$i; exit } }' '$(HOSTFILE)' 2>/dev/null)),$(PRETRAIN_RANKS))
+ELASTIC_LAUNCH = $(abspath $(PY)) -m pretrain.elastic --max-restarts '$(MAX_RESTARTS)' --nproc-per-node $(ELASTIC_NPROC) \
+  --nodes $(or $(words $(ACTIVE_HOSTS)),1) $(if $(MIN_NODES),--min-nodes '$(MIN_NODES)') \
+  --endpoint '$(subst ','\'',$(MASTER_ADDR)):$(RDZV_PORT)' --run-id '$(RDZV_ID)' -- \
+  pretrain/train.py --config $(PRETRAIN_CONFIG) $(SHARDS_OVERRIDE) $(OVERRIDES)
+comma := ,
+
+pretrain: $(STAMP)  ## DeepSpeed pre-training: CONFIG, HOSTFILE (default: this machine), INCLUDE/EXCLUDE/NUM_NODES, SHARDS, OVERRIDES, MAX_RESTARTS/MIN_NODES (recovery; resumes automatically)
 	$(CHECK_HOSTS)$(PY) -m pretrain.preflight --config $(PRETRAIN_CONFIG) $(PREFLIGHT_ARGS) $(OVERRIDES)
+ifeq ($(strip $(MAX_RESTARTS)),)
 	$(VENV)/bin/deepspeed $(RANKS_ARGS) $(LAUNCH_FLAGS) \
 	  pretrain/train.py --config $(PRETRAIN_CONFIG) $(SHARDS_OVERRIDE) $(OVERRIDES)
+else ifneq ($(REMOTE_HOSTS),)
+	pdsh -S -R ssh -w '$(subst $(eval) ,$(comma),$(ACTIVE_HOSTS))' "cd '$(CURDIR)' && \
+	  TORCH_EXTENSIONS_DIR='$(TORCH_EXTENSIONS_DIR)' PYTHONUNBUFFERED=1 $(ELASTIC_LAUNCH)"
+else
+	$(ELASTIC_LAUNCH)
+endif
 
 preflight: $(STAMP)  ## check HOSTFILE's hosts (INCLUDE/EXCLUDE/NUM_NODES) before a long run: reachable, same code, shards, disk, batch plan, op builds
 	$(PY) -m pretrain.preflight --config $(PRETRAIN_CONFIG) $(PREFLIGHT_ARGS) $(OVERRIDES)

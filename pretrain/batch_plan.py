@@ -124,6 +124,36 @@ def plan_batch(global_batch_size: int, micro_batch_size: int, data_parallel_size
     raise InfeasibleBatchError("\n".join(lines))
 
 
+def plan_for_world(global_batch_size: int, micro_batch_size: int, world_size: int, saved_world_size: int | None,
+                   policy: str) -> tuple[BatchPlan, str | None]:
+    """The batch plan of a run on ``world_size`` ranks that resumes a checkpoint saved on ``saved_world_size`` (None:
+    nothing resumed), under ``train.on_world_change`` = ``policy``; and a note when the policy chose another global
+    batch. Raises `InfeasibleBatchError`, naming the feasible batches and the setting that accepts one, where the
+    policy stops the run."""
+    changed = saved_world_size is not None and saved_world_size != world_size
+    if changed and policy == "stop":
+        raise InfeasibleBatchError(
+            f"the checkpoint was saved on {saved_world_size} ranks and this run has {world_size}: "
+            "train.on_world_change=stop refuses a change of world size. Run on "
+            f"{saved_world_size} ranks, or set train.on_world_change=keep_global_batch (or nearest_batch)")
+    try:
+        return plan_batch(global_batch_size, micro_batch_size, world_size), None
+    except InfeasibleBatchError as error:
+        if not changed:
+            raise
+        if policy == "keep_global_batch":
+            raise InfeasibleBatchError(
+                f"the world changed from {saved_world_size} to {world_size} ranks and {error}\n"
+                "train.on_world_change=keep_global_batch keeps the global batch or stops; "
+                "train.on_world_change=nearest_batch goes on with the nearest feasible one") from None
+    nearest = min(nearest_feasible_globals(global_batch_size, world_size, micro_batch_size),
+                  key=lambda candidate: (abs(candidate - global_batch_size), candidate))
+    note = (f"[batch] the world changed from {saved_world_size} to {world_size} ranks and global batch "
+            f"{global_batch_size} does not split into micro-batches of {micro_batch_size} on {world_size}: "
+            f"train.on_world_change=nearest_batch goes on with global batch {nearest}")
+    return plan_batch(nearest, micro_batch_size, world_size), note
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pretrain.batch_plan", description=__doc__.splitlines()[0])
     parser.add_argument("--global-batch", type=int, default=330,

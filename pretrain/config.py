@@ -144,6 +144,10 @@ class OptimConfig:
             raise ValueError(f"optim.schedule must be linear or cosine, got {self.schedule!r}")
 
 
+WORLD_CHANGE_POLICIES = ("keep_global_batch", "nearest_batch", "stop")
+"""The choices of ``train.on_world_change`` (`pretrain.batch_plan.plan_for_world`)."""
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     global_batch_size: int = 330
@@ -194,8 +198,27 @@ class TrainConfig:
     Either way, a step faster than the peak has it re-measured and raised (its record says ``peak_remeasured``), so
     no MFU exceeds 100 %."""
 
+    on_world_change: str = "keep_global_batch"
+    """What a run resumed on another number of ranks (a node lost and the run restarted on the hosts left, or a
+    resume by hand) does with its batch: ``keep_global_batch`` (the same global batch through more or less
+    accumulation when it splits over the new world size; otherwise stop, naming the nearest feasible batches),
+    ``nearest_batch`` (go on with the nearest feasible global batch at this micro-batch size, said in the log and
+    in ``restarts.jsonl``) or ``stop`` (refuse any change of world size)."""
+    collective_timeout_s: float = 120.0
+    """Seconds a collective may wait for a rank during the training steps and saves before the run stops as hung
+    (torch's process-group timeout; NCCL's watchdog aborts the group): the message names the step and the ranks
+    that stopped answering, the exit is non-zero, and an elastic launch (``make pretrain MAX_RESTARTS=N``) restarts
+    on the ranks left. Longer than the slowest legitimate wait (rank 0 writing a checkpoint's full weights while the
+    others wait); the setup before the first step (checkpoint conversion and load) keeps DeepSpeed's default
+    (``DEEPSPEED_TIMEOUT`` minutes, 10)."""
+
     def __post_init__(self) -> None:
         check_field_types(self, "train.")
+        if self.on_world_change not in WORLD_CHANGE_POLICIES:
+            raise ValueError(f"train.on_world_change must be one of {', '.join(WORLD_CHANGE_POLICIES)}, got "
+                             f"{self.on_world_change!r}")
+        if self.collective_timeout_s <= 0:
+            raise ValueError(f"train.collective_timeout_s must be > 0, got {self.collective_timeout_s}")
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             raise ValueError(f"train.peak_tflops must be > 0 (or null: measured at start), got {self.peak_tflops}")
         if self.seed < 0:

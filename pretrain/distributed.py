@@ -3,6 +3,7 @@ torchrun, DeepSpeed), rank helpers, one rank speaking for all (`say_once`), a se
 (`on_every_rank`), and the diagnosed stops (`RunStopped`) raised alike on every rank."""
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import re
@@ -37,6 +38,70 @@ class SetupError(RunStopped):
 class NonFiniteLossError(RunStopped):
     """A NaN/inf loss or gradient (fp32/bf16): the run stops without saving, leaving the last checkpoint intact."""
     exit_code = 3
+
+
+
+class PeerLostError(RunStopped):
+    """A collective failed because a rank stopped answering (it died, its node vanished, or it hung past
+    ``train.collective_timeout_s``): raised on the ranks that are left, each saying it itself (the others cannot
+    agree on it in a collective). Exit code 5, so an elastic launch restarts on the ranks left."""
+    exit_code = 5
+
+
+LOST_PEER_SIGNS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe",
+                   "connection refused", "nccl communicator was aborted", "socket closed", "read error")
+"""Lower-case fragments of the messages gloo and NCCL raise when a collective's peer died or did not answer in
+time (gloo: ``Timed out waiting 120000ms for recv operation``, ``Connection closed by peer``)."""
+
+
+def is_lost_peer(error: BaseException) -> bool:
+    """Whether ``error``, raised inside a collective, says a peer died or stopped answering."""
+    return isinstance(error, RuntimeError) and any(sign in str(error).lower() for sign in LOST_PEER_SIGNS)
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """Give every process group of this rank (the world's and those DeepSpeed made for ZeRO) a timeout of
+    ``seconds``: a collective that waits longer for a rank fails instead of hanging (gloo raises; NCCL's watchdog
+    aborts the group and ends the process, ``TORCH_NCCL_ASYNC_ERROR_HANDLING``). Set once the run is set up:
+    converting and loading a checkpoint may legitimately keep ranks waiting longer."""
+    from torch.distributed import distributed_c10d  # the groups' registry and timeout setter are not public API
+
+    for group in list(distributed_c10d._world.pg_map):
+        distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
+
+
+def lost_peer_error(error: BaseException, where: str, timeout_s: float, window_s: float = 5.0) -> PeerLostError:
+    """The `PeerLostError` of ``error`` (`is_lost_peer`), raised in ``where`` (``step 7``): names the ranks that
+    stopped answering. Each rank left reports its failure to the launcher's store and waits up to ``window_s`` for
+    the others' reports; the ranks that never report are the ones lost (a rank that hung past the timeout, or died)."""
+    rank, world_size = torch_dist.get_rank(), torch_dist.get_world_size()
+    silent: list[int] | None = None
+    try:
+        from torch.distributed import distributed_c10d  # the default group's store: private API, best effort
+
+        store = distributed_c10d._get_default_store()
+        store.set_timeout(datetime.timedelta(seconds=window_s))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        keys = [f"unilm/lost_peer/{attempt}/{other}" for other in range(world_size)]
+        store.set(keys[rank], where)
+        deadline = time.monotonic() + window_s
+        while True:
+            silent = [other for other, key in enumerate(keys) if not store.check([key])]
+            if not silent or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    except Exception:  # the store lived with a lost rank: say what this rank knows
+        silent = None
+    kind = "did not answer within train.collective_timeout_s" \
+        if any(sign in str(error).lower() for sign in ("timed out", "timeout")) else "closed its connection"
+    who = (f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} stopped answering" if silent
+           else "a peer stopped answering")
+    first_line = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+    return PeerLostError(
+        f"{where}: {who} (rank {rank} on {socket.gethostname()} saw a collective fail: a peer {kind}"
+        f"{f' of {timeout_s:g} s' if 'within' in kind else ''}; {first_line}). The last complete checkpoint is "
+        "intact: an elastic launch (make pretrain MAX_RESTARTS=N) restarts from it on the ranks left; otherwise "
+        "rerun the same command")
 
 
 
@@ -131,6 +196,9 @@ def init_distributed() -> tuple[int, int]:
             port = probe.getsockname()[1]
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(port))
+    # a collective that fails or times out on a GPU ends the process instead of leaving it waiting (NCCL's
+    # watchdog), so an elastic agent sees the failure and restarts (train.collective_timeout_s)
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     # under mpirun DeepSpeed's MPI discovery sets MASTER_PORT from this argument
     deepspeed.init_distributed(auto_mpi_discovery=True, verbose=False,
                                distributed_port=int(os.environ.get("MASTER_PORT", 29500)))

@@ -192,7 +192,8 @@ def _shards_named(saved: dict[str, Any], current: dict[str, Any]) -> str:
     return f"; trained on {then}, these are {now}" if then and now else ""
 
 
-WHEN_TO_STOP = ("exit_at_step", "exit_after_minutes", "resume", "save_interval", "keep_last", "verify")
+WHEN_TO_STOP = ("exit_at_step", "exit_after_minutes", "resume", "save_interval", "keep_last", "verify",
+                "on_world_change", "collective_timeout_s")
 """Settings that only say when to stop or save, or what to check: a resumed run may change them unremarked."""
 
 
@@ -294,7 +295,8 @@ def _resume_decision(checkpoint_dir: Path, resume: str, report: Callable[[str], 
 
 def find_resume_point(checkpoint_dir: Path, resume: str, identity: dict[str, Any], world_size: int,
                       zero_stage: int, report: Callable[[str], None] | None = None,
-                      restart: str = PRETRAINING_RESTART) -> ResumePoint | None:
+                      restart: str = PRETRAINING_RESTART,
+                      check_world: Callable[[int], Any] | None = None) -> ResumePoint | None:
     """The checkpoint to resume (a collective: rank 0 reads and hash-verifies it, once, and every other rank checks
     that it sees the same save, by its marker).
 
@@ -302,7 +304,8 @@ def find_resume_point(checkpoint_dir: Path, resume: str, identity: dict[str, Any
     it; ``report(line)`` hears which tags were skipped and why), ``never``, or a tag directory. The choice is
     checked against ``identity`` (`check_compatible`) and converted to a universal checkpoint when the world
     size or the ZeRO stage changed (rank 0 converts, the others wait); a stage change DeepSpeed cannot make is
-    refused (`check_stage_change`).
+    refused (`check_stage_change`). ``check_world(saved world size)``, called before converting when the world size
+    changed, refuses the change by raising a ValueError (pre-training's ``train.on_world_change``).
     """
     if resume == "never":
         return None
@@ -334,6 +337,8 @@ def find_resume_point(checkpoint_dir: Path, resume: str, identity: dict[str, Any
                     "shared directory, at the same path, on every node")
         check_compatible(meta, identity, str(directory / tag), restart)
         check_stage_change(meta["zero_stage"], zero_stage, directory / tag)
+        if check_world is not None and meta["world_size"] != world_size:
+            check_world(meta["world_size"])
     except (ValueError, OSError) as problem_found:
         refusal = problem_found
     refusal = first_error(refusal)

@@ -12,6 +12,7 @@ Everything after ``--config`` is a dotted ``key=value`` override (``train.exit_a
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -21,8 +22,18 @@ if __package__ in (None, ""):  # `deepspeed pretrain/train.py` runs this file as
 from common.config_loader import config_error, keys_help  # noqa: E402
 from pretrain.config import RunConfig, load_config  # noqa: E402
 from pretrain.console import configure_console  # noqa: E402
-from pretrain.distributed import RunStopped, SetupError, close_distributed, init_distributed, on_every_rank, say_once  # noqa: E402
+from pretrain.distributed import (  # noqa: E402
+    PeerLostError,
+    RunStopped,
+    SetupError,
+    close_distributed,
+    init_distributed,
+    on_every_rank,
+    say_once,
+)
 from pretrain.trainer import train  # noqa: E402
+
+log = logging.getLogger("pretrain.train")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -44,6 +55,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     try:
         train(cfg)
+    except PeerLostError as error:  # each rank left says what it saw: the ranks cannot agree on it any more
+        log.warning(f"[stop] {error}")
+        sys.exit(error.exit_code)
     except RunStopped as error:  # a diagnosis (non-finite loss, checkpoint not written), not a crash: no traceback
         say_once(f"[stop] {error}")
         sys.exit(error.exit_code)

@@ -17,6 +17,7 @@ import dataclasses
 import json
 import logging
 import math
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -29,10 +30,20 @@ from deepspeed.accelerator import get_accelerator
 from common.files import sha256_file
 from data_prep.shard_format import MANIFEST_NAME, ShardDataset
 from pretrain import checkpoint as ckpt
-from pretrain.batch_plan import BatchPlan, plan_batch
+from pretrain.batch_plan import BatchPlan, InfeasibleBatchError, plan_batch, plan_for_world
 from pretrain.config import RunConfig
 from pretrain.data import PretrainLoader, SampleOrder, collate, sample_objectives, to_device
-from pretrain.distributed import NonFiniteLossError, SetupError, init_distributed, on_every_rank
+from pretrain.distributed import (
+    NonFiniteLossError,
+    SetupError,
+    gather_objects,
+    init_distributed,
+    is_lost_peer,
+    lost_peer_error,
+    on_every_rank,
+    set_collective_timeout,
+)
+from pretrain.elastic import Recovery
 from pretrain.engine import (
     build_engine,
     engine_config,
@@ -189,6 +200,8 @@ class RunSetup:
     deepspeed_config: dict[str, Any]
     model: UniLMModel
     """The initial model (`initial_model`)."""
+    batch_note: str | None = None
+    """What ``train.on_world_change=nearest_batch`` chose, when the world size changed (`plan_for_world`)."""
 
 
 def _train_locked(cfg: RunConfig, rank: int, world_size: int, started: float) -> dict[str, Any]:
@@ -199,6 +212,10 @@ def _train_locked(cfg: RunConfig, rank: int, world_size: int, started: float) ->
         take_over_optimizer(engine, cfg.model.init_from, rank)
     throughput = build_throughput(setup.model_cfg, world_size, engine, rank, cfg.train.peak_tflops)
     progress = restore_progress(engine, setup.resume, cfg.train.seed, rank, world_size)
+    hosts = gather_objects(socket.gethostname())  # one per rank: a recovery names the hosts that left or joined
+    recovery = Recovery.begin(Path(cfg.out_dir), setup.resume.meta if setup.resume else None,
+                              setup.resume.tag if setup.resume else None, world_size, hosts,
+                              setup.batch_note) if rank == 0 else None  # before the metrics drop redone steps
     loader = build_loader(cfg, setup.dataset, setup.model_cfg, setup.plan, rank, progress.consumed_samples,
                           engine.device, pack=setup.fast_paths["pack_samples"])
     eval_set = EvalSet(cfg, setup.plan, rank, world_size, loader.pad_id, loader.max_len) \
@@ -207,11 +224,12 @@ def _train_locked(cfg: RunConfig, rank: int, world_size: int, started: float) ->
     metrics = Metrics(Path(cfg.out_dir) / "metrics.jsonl", progress.step if setup.resume else None,
                       cfg.train.max_steps, enabled=rank == 0)
     meta = dict(setup.identity, run_config=cfg.to_dict(), code_version=ckpt.code_version(), world_size=world_size,
-                zero_stage=zero_stage(setup.engine_json), precision=precision(engine),
+                hosts=hosts, zero_stage=zero_stage(setup.engine_json), precision=precision(engine),
                 optimizer_class=optimizer_name(engine.basic_optimizer))
     stop_requested = StopRequest(started, cfg.train.exit_after_minutes)
     try:
-        run_steps(cfg, engine, loader, eval_set, setup.plan, metrics, progress, meta, stop_requested, throughput)
+        run_steps(cfg, engine, loader, eval_set, setup.plan, metrics, progress, meta, stop_requested, throughput,
+                  recovery)
     finally:
         loader.close()
         metrics.close()
@@ -231,8 +249,8 @@ def check_setup(cfg: RunConfig, rank: int, world_size: int) -> RunSetup:
     enters another collective."""
     try:
         check_shared_out_dir(Path(cfg.out_dir), rank, world_size)
-        plan, engine_json, dataset = on_every_rank(lambda: (
-            plan_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size),
+        early_plan, engine_json, dataset = on_every_rank(lambda: (
+            batch_before_resume(cfg, world_size),
             read_engine_json(cfg.deepspeed_config_path, accelerator=get_accelerator()),
             ShardDataset(cfg.data.shards)))
         verify_shards(cfg, dataset, rank, world_size)
@@ -240,7 +258,11 @@ def check_setup(cfg: RunConfig, rank: int, world_size: int) -> RunSetup:
         identity = dict(shard_identity(dataset), model_config=dataclasses.asdict(model_cfg), seed=cfg.train.seed)
         # a mismatch message names these shards by path (a marker has its own in its run config, not in identity)
         resume = find_resume_point(cfg.checkpoint_dir, cfg.train.resume, dict(identity, shards=str(dataset.directory)),
-                                   world_size, zero_stage(engine_json), report=log.info if rank == 0 else None)
+                                   world_size, zero_stage(engine_json), report=log.info if rank == 0 else None,
+                                   check_world=lambda saved: batch_for_world(cfg, world_size, saved))
+        plan, batch_note = (early_plan, None) if early_plan is not None and (
+            resume is None or resume.meta["world_size"] == world_size) else \
+            batch_for_world(cfg, world_size, resume.meta["world_size"] if resume else None)
         fast_paths, deepspeed_config, model = on_every_rank(lambda: (
             fast_path_settings(cfg, engine_json, model_cfg),
             build_deepspeed_config(cfg, plan, engine_json, load_universal=resume is not None and resume.universal),
@@ -253,7 +275,28 @@ def check_setup(cfg: RunConfig, rank: int, world_size: int) -> RunSetup:
         log.info("[fast paths] " + ", ".join(f"train.{name}={'on' if on else 'off'}" for name, on in fast_paths.items())
                  + " (null settings resolved for this run's device, precision and model)")
         report_changed_settings(resume, cfg.to_dict(), log.info)
-    return RunSetup(plan, engine_json, dataset, model_cfg, identity, resume, fast_paths, deepspeed_config, model)
+        if batch_note:
+            log.warning(batch_note)
+    return RunSetup(plan, engine_json, dataset, model_cfg, identity, resume, fast_paths, deepspeed_config, model,
+                    batch_note)
+
+
+def batch_before_resume(cfg: RunConfig, world_size: int) -> BatchPlan | None:
+    """The batch plan on ``world_size`` ranks, checked before anything is read; None where it does not split but a
+    checkpoint saved on another world size may be resumed, whose ``train.on_world_change`` then decides
+    (`batch_for_world`)."""
+    try:
+        return plan_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
+    except InfeasibleBatchError:
+        if cfg.train.resume == "never":
+            raise
+        return None
+
+
+def batch_for_world(cfg: RunConfig, world_size: int, saved_world_size: int | None) -> tuple[BatchPlan, str | None]:
+    """`plan_for_world` with this run's batch settings and ``train.on_world_change``."""
+    return plan_for_world(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size, saved_world_size,
+                          cfg.train.on_world_change)
 
 
 def initial_model(cfg: RunConfig, model_cfg: ModelConfig) -> UniLMModel:
@@ -317,8 +360,25 @@ def write_run_config(cfg: RunConfig, rank: int) -> None:
 
 def run_steps(cfg: RunConfig, engine: Any, loader: PretrainLoader, eval_set: EvalSet | None, plan: BatchPlan,
               metrics: Metrics, progress: Progress, meta: dict[str, Any], stop_requested: StopRequest,
-              throughput: Throughput) -> None:
-    """Optimizer steps until ``train.max_steps`` / ``train.exit_at_step`` / a stop request; saves on the way."""
+              throughput: Throughput, recovery: Recovery | None = None) -> None:
+    """Optimizer steps until ``train.max_steps`` / ``train.exit_at_step`` / a stop request; saves on the way.
+
+    From here on a collective that waits longer than ``train.collective_timeout_s`` for a rank, or whose peer died,
+    stops this rank with a `PeerLostError` naming the step and the ranks lost (`pretrain.distributed`);
+    ``recovery`` (a restarted run's) is recorded after the first step."""
+    set_collective_timeout(cfg.train.collective_timeout_s)
+    try:
+        _run_steps(cfg, engine, loader, eval_set, plan, metrics, progress, meta, stop_requested, throughput, recovery)
+    except RuntimeError as error:
+        if not is_lost_peer(error):
+            raise
+        raise lost_peer_error(error, f"step {progress.step + 1} (after {last_tag(progress) or 'no checkpoint'})",
+                              cfg.train.collective_timeout_s) from error
+
+
+def _run_steps(cfg: RunConfig, engine: Any, loader: PretrainLoader, eval_set: EvalSet | None, plan: BatchPlan,
+               metrics: Metrics, progress: Progress, meta: dict[str, Any], stop_requested: StopRequest,
+               throughput: Throughput, recovery: Recovery | None) -> None:
     rank = torch_dist.get_rank()
     engine.train()
     last_step = min(cfg.train.max_steps, cfg.train.exit_at_step or cfg.train.max_steps)
@@ -334,6 +394,9 @@ def run_steps(cfg: RunConfig, engine: Any, loader: PretrainLoader, eval_set: Eva
             engine.train()
         metrics.write(record)
         write_monitor(engine, record)
+        if recovery is not None:
+            recovery.finish(progress.step)
+            recovery = None
         exiting = stop or progress.step == cfg.train.exit_at_step
         if progress.step % cfg.train.save_interval == 0 or progress.step == cfg.train.max_steps or exiting:
             progress.last_checkpoint = ckpt.save(

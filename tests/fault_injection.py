@@ -4,8 +4,11 @@ outside the library, by wrapping the functions where the fault belongs.
 ``UNILM_TEST_FAULT=POINT@STEP`` or ``POINT@STEP@RANK`` picks it. Kill points (SIGKILL: no cleanup, no flush,
 a crash): ``step`` (as optimizer step STEP begins), ``save_begin`` (the checkpoint of STEP, before anything
 is written), ``after:FILE`` (after DeepSpeed wrote FILE of that checkpoint), ``before_marker``,
-``before_latest``. ``inf_grad`` turns one gradient of step STEP to inf instead; ``enospc`` makes this rank's
-checkpoint of STEP fail as on a full disk (ENOSPC as its files are synced).
+``before_latest``; ``node`` (as step STEP begins, SIGKILL to the launcher that started this rank, a torch
+elastic agent, then to the rank: its "node" is lost); ``freeze`` (the same with SIGSTOP: the node hangs, its
+processes alive but silent). With ``UNILM_TEST_FAULT_ONCE=FILE`` a fault fires only while FILE does not exist, and
+creates it (a restarted run does not meet it again). ``inf_grad`` turns one gradient of step STEP to inf instead;
+``enospc`` makes this rank's checkpoint of STEP fail as on a full disk (ENOSPC as its files are synced).
 """
 from __future__ import annotations
 
@@ -37,7 +40,17 @@ POINT, STEP, RANK = _parse(os.environ[FAULT_ENV])
 
 def _wanted(point: str, step: int) -> bool:
     rank = torch_dist.get_rank() if torch_dist.is_initialized() else 0
-    return point == POINT and step == STEP and (RANK is None or RANK == rank)
+    if not (point == POINT and step == STEP and (RANK is None or RANK == rank)):
+        return False
+    once = os.environ.get("UNILM_TEST_FAULT_ONCE")
+    if once is None:
+        return True
+    try:
+        with open(once, "x") as record:  # names the faulted rank's process for the test to end it
+            record.write(str(os.getpid()))
+    except FileExistsError:
+        return False
+    return True
 
 
 def _kill_if_wanted(point: str, step: int) -> None:
@@ -72,11 +85,21 @@ def _wrap(owner: Any, name: str, before: Any = None, after: Any = None) -> None:
     setattr(owner, name, wrapped)
 
 
+def _lose_node_if_wanted(step: int) -> None:
+    for point, signal_number in (("node", 9), ("freeze", 19)):  # SIGKILL, SIGSTOP
+        if _wanted(point, step):
+            print(f"[fault] {FAULT_ENV}: signal {signal_number} to the node (agent {os.getppid()} and rank "
+                  f"{torch_dist.get_rank()}) at step {step}", file=sys.stderr, flush=True)
+            os.kill(os.getppid(), signal_number)
+            os.kill(os.getpid(), signal_number)
+
+
 def _train_step_with_fault(original: Any) -> Any:
     @functools.wraps(original)
     def train_step(engine: Any, loader: Any, plan: Any, metrics: Any, progress: Any, *args: Any) -> Any:
         step = progress.step + 1
         _kill_if_wanted("step", step)
+        _lose_node_if_wanted(step)
         hook = None
         if _wanted("inf_grad", step):  # one gradient of this step becomes inf
             hook = engine.module.embeddings.token.weight.register_hook(lambda grad: torch.full_like(grad, math.inf))
