@@ -1,6 +1,7 @@
 """Loss curves of a run: ``make plot RUN=out_dir`` → ``out_dir/loss.png``.
 
-Left: total training loss (and eval loss, if any) per step; right: per-objective losses.
+Left: total training loss (and eval loss, if any) per step, with each recovery from a lost rank or node
+(``restarts.jsonl``) marked at the step it resumed from; right: per-objective losses.
 """
 from __future__ import annotations
 
@@ -25,6 +26,14 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     evals = [r for r in records if "eval_loss" in r]
     if evals:
         total.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval")
+    from pretrain.elastic import read_restarts
+    for number, restart in enumerate(read_restarts(run_dir)):
+        total.axvline(restart["resume_step"], color="red", linestyle=":",
+                      label="recovery (resumed here)" if number == 0 else None)
+        total.annotate(f"world {restart['world_size_before']}→{restart['world_size_after']}, "
+                       f"{restart['steps_redone']} redone, {restart['seconds_lost']} s lost",
+                       (restart["resume_step"], 0.98), xycoords=("data", "axes fraction"), rotation=90, va="top",
+                       ha="right", fontsize=7, color="red")
     total.set(title=f"{run_dir.name}: total loss", xlabel="step", ylabel="loss")
     total.legend()
     names = sorted({k[5:] for r in records for k in r if k.startswith("loss_") and k != "loss_scale"})

@@ -114,6 +114,9 @@ def test_the_recovery_is_on_the_record(node_lost: tuple[Path, subprocess.Complet
     line = next(line for line in process.stdout.splitlines() if line.startswith("[recovery]"))
     assert f"{record['seconds_lost']} s lost" in line and "world 2 -> 1 ranks" in line
     print(f"[test] seconds lost: {record['seconds_lost']}, steps redone: {record['steps_redone']}")
+    pytest.importorskip("matplotlib")
+    from pretrain.plot import plot_run
+    assert plot_run(out_dir).stat().st_size > 0   # the curve marks the recovery at the step resumed from
 
 
 @pytest.mark.slow
