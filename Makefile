@@ -38,7 +38,7 @@ BUILD_ARGS ?=
 # the exact shards it started with (its checkpoints record their manifest hash). OVERWRITE=1 replaces them.
 OVERWRITE  ?=
 
-.PHONY: help setup system-deps sample-corpus vocab shards inspect demo ablation lint test test-fast bench bench-data bench-model clean pretrain preflight plot bench-train finetune-data finetune-demo bench-decode gpu-speed gpu-check
+.PHONY: help setup system-deps sample-corpus vocab shards inspect demo ablation lint test test-fast coverage bench bench-data bench-model clean pretrain preflight plot bench-train finetune-data finetune-demo bench-decode gpu-speed gpu-check
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -98,11 +98,23 @@ lint: $(STAMP)  ## ruff over the whole project, mypy over common, data_prep, pre
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
-test: system-deps sample-corpus lint  ## lint, types, then the whole test suite (installs the Debian packages its launcher tests use)
-	$(PY) -m pytest -q tests
+# The suite runs on TEST_WORKERS pytest-xdist workers, a test module per worker at a time (its module fixtures are
+# built once): about half the suite waits on child processes, so 2 workers keep 2 cores busy. TEST_WORKERS=0 runs
+# it in this process. --durations=25 keeps the slowest tests in view (docs/testing.md).
+TEST_WORKERS ?= 2
+PYTEST_ARGS  ?=
+PYTEST = $(PY) -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder) \
+  $(PYTEST_ARGS)
 
-test-fast: sample-corpus lint  ## lint, types, then the test suite without the multi-process / multi-minute tests (-m "not slow")
-	$(PY) -m pytest -q -m "not slow" tests
+test: system-deps sample-corpus lint  ## lint, types, then the whole test suite (installs the Debian packages its launcher tests use)
+	$(PYTEST) --durations=25 tests
+
+test-fast: sample-corpus lint  ## lint, types, then the suite without the multi-process / multi-minute tests (-m "not slow"), ~3 min
+	$(PYTEST) --durations=10 -m "not slow" tests
+
+coverage: system-deps sample-corpus  ## the whole suite under coverage (launched ranks included) -> line coverage of the library
+	rm -rf .coverage_data
+	$(PYTEST) --cov --cov-report=term:skip-covered tests
 
 bench: sample-corpus  ## every benchmark in one run: one table of ratios + the machine -> bench_out/results.json
 	$(PY) -m tools.bench_all --out bench_out

@@ -423,6 +423,7 @@ def test_qa_run_on_the_squad_sample(small_tasks, tiny_init, tmp_path):
     torch.testing.assert_close(out.end_logits[inside], end[inside], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow  # 2 ranks under torchrun, twice
 def test_two_ranks_train_stop_and_resume_under_torchrun(small_tasks, tiny_init, tmp_path):
     """The same command on 2 data-parallel ranks (gloo): stops at a step, resumes, finishes every step once; the
     logged loss is the mean over ranks, so (dropout off) it is the 1-rank run's loss."""
@@ -452,6 +453,7 @@ def test_two_ranks_train_stop_and_resume_under_torchrun(small_tasks, tiny_init, 
     assert load_finetuned(tmp_path).task == "classify"
 
 
+@pytest.mark.slow  # 2 ranks under torchrun
 def test_a_file_one_rank_does_not_see_stops_every_rank_naming_it_once(small_tasks, tiny_init, tmp_path):
     """Across nodes no launcher stops the ranks that did see it: they must stop by themselves, not wait at the
     rendezvous. Rank 1 runs in a directory without the training file (given as a relative path)."""

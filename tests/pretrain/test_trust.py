@@ -686,6 +686,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow  # 2 ranks under torchrun, twice
 def test_rank_0_alone_hashes_the_resumed_checkpoint_and_a_rank_seeing_another_save_stops(tmp_path: Path) -> None:
     """Two gloo ranks resume: rank 0 hashes each file once, rank 1 none (it checks the marker's save id). A rank
     whose out_dir holds another save at that path (another node's disk) stops every rank, naming rank and host:

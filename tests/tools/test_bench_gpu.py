@@ -19,6 +19,7 @@ from tools.bench_train import train_step_throughput
 from tools.stages import stream
 
 
+@pytest.mark.slow  # ≈ 40 s: torch.compile builds the compiled variants for the CPU
 def test_model_step_measurement_runs_every_variant_on_the_cpu() -> None:
     result = measure_gpu("tiny", batch_size=4, seq_len=64, predictions=8, steps=1, dtypes=("bf16",), device="cpu")
     assert set(result["rows"]) == {f"bf16_{variant}" for variant in GPU_VARIANTS}
