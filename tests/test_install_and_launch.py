@@ -101,13 +101,18 @@ def test_make_builds_deepspeeds_ops_into_one_folder_per_torch_build(tmp_path: Pa
     assert ops_folder(Path(sys.prefix), TORCH_EXTENSIONS_DIR="/shared/ops") == "ops=[/shared/ops]"
 
 
-def test_the_slurm_script_gives_the_preflight_the_runs_overrides() -> None:
+def test_the_slurm_script_gives_the_preflight_the_runs_overrides(tmp_path: Path) -> None:
     script = (ROOT / "hostfiles/slurm.sbatch").read_text()
     launch = next(line for line in script.splitlines() if line.startswith("make pretrain"))
     assert 'OVERRIDES="$OVERRIDES"' in launch and "make preflight" not in script  # make pretrain runs it, once
-    recipe = (ROOT / "Makefile").read_text().split("\npretrain:", 1)[1].split("\n\n", 1)[0]
-    preflight, launcher = recipe.splitlines()[1:3]  # the preflight first, with the run's overrides
-    assert "-m pretrain.preflight" in preflight and preflight.endswith("$(OVERRIDES)") and "deepspeed" in launcher
+    overrides = "OVERRIDES=train.max_steps=7 train.save_interval=7"
+    # make pretrain's commands, read from make itself: DeepSpeed's launch, and torch elastic's (MAX_RESTARTS)
+    for recovery, launcher in (((), "bin/deepspeed "), (("MAX_RESTARTS=2",), "-m pretrain.elastic ")):
+        printed = make(tmp_path, None, "pretrain", overrides, *recovery).replace("\\\n", " ")  # one line a command
+        lines = [" ".join(line.split()) for line in printed.splitlines()]
+        runs = [line for line in lines if "-m pretrain.preflight" in line or launcher in line]
+        assert len(runs) == 2 and "-m pretrain.preflight" in runs[0] and launcher in runs[1], lines  # once, first
+        assert all(line.endswith("train.max_steps=7 train.save_interval=7") for line in runs), runs
     subprocess.run(["bash", "-n", str(ROOT / "hostfiles/slurm.sbatch")], check=True)
 
 
