@@ -38,6 +38,15 @@ agent silent for ``keep_alive_interval`` × ``keep_alive_max_attempt`` counts as
 without it; the first round waits ``join_timeout`` for ``--min-nodes`` agents."""
 
 
+AGENT_ENVIRONMENT = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+"""Set for the agent: each start of the ranks meets in a store of its own, served by its rank 0 on a new
+``MASTER_PORT``, instead of the agent's store, which torch elastic keeps on one port for every restart with the
+keys of the start before. Restarted ranks reading those keys take the lost group's gloo addresses for their own:
+on one host with a rank killed from outside, the restarted ranks hung in the default group's connection setup or
+failed in DeepSpeed's ``new_group`` with ``Connection refused``. (The lost-peer report of the ranks left,
+`pretrain.distributed.lost_peer_error`, goes to this store: when rank 0 itself is lost, the others name no rank.)"""
+
+
 def torchrun_command(script: list[str], max_restarts: int, nproc_per_node: int, nodes: int, min_nodes: int,
                      endpoint: str, run_id: str, rendezvous_conf: dict[str, Any] | None = None) -> list[str]:
     """The torchrun (torch elastic agent) command of one host: ``nproc_per_node`` workers running ``script``
@@ -159,7 +168,8 @@ def main(argv: list[str] | None = None) -> None:
                                    args.min_nodes or args.nodes, args.endpoint, args.run_id, conf)
     except ValueError as error:
         parser.error(str(error))
-    os.execv(command[0], command)  # the agent replaces this process: signals to it reach torchrun itself
+    # the agent replaces this process: signals to it reach torchrun itself
+    os.execve(command[0], command, {**os.environ, **AGENT_ENVIRONMENT})
 
 
 if __name__ == "__main__":
