@@ -23,7 +23,7 @@ more `--seeds` on a finished output train and score only the new seeds' runs):
     finetune  python -m finetune.run --config finetune/configs/bert-{headline,topic}.yaml, per arm and seed;
               the dev split picks the best epoch
     test      python -m finetune.decode --beam-size 5 (headlines); the classifier on the test split (topics)
-    report    OUT/REPORT.md, OUT/results.json
+    report    OUT/REPORT.md, OUT/results.json, OUT/table.md, OUT/loss-{bert,unilm}.png (python -m pretrain.plot)
 
 A fine-tuning seed fixes the example order of every epoch, the dropout masks, the target masking and the new
 classification head's initialisation; the backbone weights an arm starts from do not depend on it.
@@ -429,8 +429,6 @@ class Ablation(Stages):
         shutil.rmtree(self.pretrain_dir(arm), ignore_errors=True)  # a new run, never a stale continuation
         self.command(self.pretrain_command(arm), self.out / "logs" / f"pretrain-{RECIPES[arm]}.log",
                      env={"OMP_NUM_THREADS": "1"} if not self.gpus else None)
-        self.command([self.python, "-m", "pretrain.plot", str(self.pretrain_dir(arm)),
-                      "--out", str(self.out / f"loss-{RECIPES[arm]}.png")])
         records = [json.loads(line) for line in (self.pretrain_dir(arm) / "metrics.jsonl").read_text().splitlines()]
         records = [r for r in records if "loss" in r]
         reached = max((r["step"] for r in records), default=0)
@@ -547,6 +545,11 @@ class Ablation(Stages):
         text = render_report(self, records)
         (self.out / "REPORT.md").write_text(text)
         (self.out / "table.md").write_text(result_table(records) + "\n\n" + held_out_table(records) + "\n")
+        # the curves too, from the runs the report describes: every published file is written here, so a run resumed
+        # or redone from a later stage never publishes the plots of an earlier (or a stopped) pre-training
+        for arm in ARMS[1:]:
+            self.command([self.python, "-m", "pretrain.plot", str(self.pretrain_dir(arm)),
+                          "--out", str(self.out / f"loss-{RECIPES[arm]}.png")])
         self.say(f"  wrote {self.out / 'REPORT.md'} and {self.out / 'results.json'}")
         print("\n" + result_table(records) + "\n", flush=True)
         return {"report": str(self.out / "REPORT.md")}
