@@ -71,17 +71,19 @@ def code_text() -> str:
 
 def project_commands(code: str) -> list[tuple[str, list[tuple[int, str]]]]:
     """(module, its --long-options as (line within the code, option)) for each command of this project in a piece of
-    code: `python -m MODULE`, `torchrun ... -m MODULE`, `deepspeed ... PACKAGE/SCRIPT.py` or a bare
-    `MODULE --option` (only what follows the module counts: the launcher's flags are the launcher's). Synopsis
-    brackets (`[--flag N]`) and `{a,b}` choices need no care: only the `--word`s are taken."""
+    code: `python -m MODULE`, `torchrun ... -m MODULE`, `deepspeed ... PACKAGE/SCRIPT.py`, a launcher's
+    `-- PACKAGE/SCRIPT.py` or a bare `MODULE --option` (only what follows the module counts: the launcher's flags are
+    the launcher's). Synopsis brackets (`[--flag N]`) and `{a,b}` choices need no care: only the `--word`s are taken."""
     commands = []
     offset = 0
-    for command in re.split(r"(;|&&|\|\||\s\|\s)", code):
+    for command in re.split(r"(;|&&|\|\||\s\|\s|\s--\s)", code):  # after a bare `--`: the launched script's
         match = re.search(rf"\b(?:python3?|torchrun|deepspeed)\b.*?\s-m\s+(?P<module>(?:{PACKAGES})\.\w+)(?=\s|$)"
                           rf"|\b(?:python3?|deepspeed)\b.*?\s(?:\./)?(?P<script>(?:{PACKAGES})/\w+)\.py(?=\s|$)"
-                          rf"|^\s*(?P<bare>(?:{PACKAGES})\.\w+)(?=\s+--)", command, re.S)
+                          rf"|^\s*(?P<bare>(?:{PACKAGES})\.\w+)(?=\s+--)"
+                          rf"|^\s*(?:\./)?(?P<launched>(?:{PACKAGES})/\w+)\.py(?=\s|$)", command, re.S)
         if match:
-            module = match.group("module") or match.group("bare") or match.group("script").replace("/", ".")
+            script = match.group("script") or match.group("launched")
+            module = match.group("module") or match.group("bare") or script.replace("/", ".")
             options = re.finditer(r"(?:^|[\s\[(])(--[A-Za-z][\w-]*)", command[match.end():])
             commands.append((module, [(code.count("\n", 0, offset + match.end() + option.start(1)), option.group(1))
                                       for option in options]))
