@@ -115,8 +115,10 @@ def test_throughput_is_per_rank_and_mfu_is_over_the_configured_peak(runs: dict) 
     assert said and (said[1], said[2]) == (f"{step_10['tflops']:.3g}", f"{step_10['mfu'] * 100:.1f}"), \
         runs["full_log"].stdout[-3000:]
     measured = metrics(runs["nodrop"])
-    assert len({r["peak_tflops"] for r in measured}) == 1 and measured[0]["peak_tflops"] > 0
-    assert all(r["mfu"] == r["tflops"] / r["peak_tflops"] for r in measured)
+    assert measured[0]["peak_tflops"] > 0 and all(r["mfu"] == r["tflops"] / r["peak_tflops"] for r in measured)
+    for before, record in zip(measured, measured[1:]):  # the start's probe holds, unless a step beat it and re-probed
+        assert record["peak_tflops"] == before["peak_tflops"] or (
+            record.get("peak_remeasured") and record["peak_tflops"] > before["peak_tflops"] and record["mfu"] <= 1)
     # both ranks measured together; the median of two is their mean, between them
     said = re.search(r"\[mfu\] measured fp32 matmul peak of cpu: (\S+) TFLOP/s, median of 2 ranks measured "
                      r"together: (\S+)–(\S+) \(", runs["nodrop_log"].stdout)
