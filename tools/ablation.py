@@ -279,13 +279,14 @@ def held_out_table(records: list[dict]) -> str:
 
 
 def held_out_verdict(records: list[dict]) -> str:
-    """One sentence: which arm is lowest at which objective, where its 95 % interval lies below the other arms'; or,
-    where no objective separates them, that the arms are still too close for the budget to tell them apart. An
-    objective scored on fewer than `MIN_COMPARED_SAMPLES` samples is not compared."""
+    """One sentence on the held-out table: per objective, the arm (or arms) whose 95 % interval lies below the
+    others', and whether it lies below the unigram loss too; where no objective separates the arms, that they are
+    still too close to one another and to the unigram loss for the budget to tell the recipes apart. An objective
+    scored on fewer than `MIN_COMPARED_SAMPLES` samples is not compared."""
     by_objective = _held_out(records)
     if not by_objective:
         return "Held-out text: not measured (the held-out stage did not run)."
-    leaders: dict[str, list[str]] = {}  # who leads → objectives
+    groups: dict[tuple[str, str], list[str]] = {}  # (leading arms, where they stand to the unigram loss) → objectives
     overlapping, too_few, losses, unigram = [], [], [], {}
     for objective, arms in by_objective.items():
         name = objective.replace("_", " ")
@@ -299,24 +300,36 @@ def held_out_verdict(records: list[dict]) -> str:
         # an arm is beaten when another arm's whole interval lies below its interval
         unbeaten = [arm for arm, r in scored.items()
                     if not any(o["ci95"][1] < r["ci95"][0] for other, o in scored.items() if other != arm)]
-        if len(scored) > 1 and len(unbeaten) < len(scored):
-            leaders.setdefault(" and ".join(unbeaten), []).append(name)
-        else:
+        if len(scored) < 2 or len(unbeaten) == len(scored):
             overlapping.append(name)
+            continue
+        standing = "" if UNIGRAM not in arms else (
+            "below" if all(scored[arm]["ci95"][1] < arms[UNIGRAM]["mean"] for arm in unbeaten) else "not below")
+        groups.setdefault((" and ".join(unbeaten), standing), []).append(name)
     baseline = ", ".join(f"{name} {value:.2f}" for name, value in unigram.items())
-    few = f"; {', '.join(too_few)}: fewer than {MIN_COMPARED_SAMPLES} samples, not compared" if too_few else ""
-    if not leaders:
+    few = [f"{', '.join(too_few)}: fewer than {MIN_COMPARED_SAMPLES} samples, not compared"] if too_few else []
+    if not groups:
         spread = f" ({min(losses):.2f}–{max(losses):.2f} nats)" if losses else ""
-        return (f"On held-out text the arms{spread} are still too close to one "
-                f"another and to the unigram loss ({baseline or 'not measured'}) for this budget to tell the recipes "
-                f"apart: on every objective their 95 % intervals overlap{few}.")
-    parts = [f"{arms} at {', '.join(objectives)}"
-             + (" (together, not apart from each other)" if " and " in arms else "")
-             for arms, objectives in leaders.items()]
-    return ("On held-out text the lowest loss, its 95 % interval below the other arms', is " + "; ".join(parts)
-            + (f"; on {', '.join(overlapping)} the intervals overlap" if overlapping else "") + few
+        return (f"On held-out text the arms{spread} are still too close to one another and to the unigram loss "
+                f"({baseline or 'not measured'}) for this budget to tell the recipes apart: on every objective their "
+                f"95 % intervals overlap{''.join('; ' + f for f in few)}.")
+    clauses = []
+    for (leaders, standing), objectives in groups.items():
+        together = " and " in leaders
+        rest = " and ".join(arm for arm in ARMS if arm not in leaders.split(" and "))
+        clause = (f"{leaders} are lower than {rest} at {', '.join(objectives)}" if together
+                  else f"{leaders} is lowest at {', '.join(objectives)}, its 95 % interval below the other arms'")
+        if standing == "below":
+            clause += ", below the unigram loss" + (", and not apart from each other" if together else " too")
+        elif standing == "not below":
+            clause += (", not apart from each other" if together else "") + \
+                ", and no lower than the unigram loss: too close to it for this budget to tell the recipes apart"
+        elif together:
+            clause += ", not apart from each other"
+        clauses.append(clause)
+    clauses += [f"at {', '.join(overlapping)} the intervals overlap"] if overlapping else []
+    return ("On held-out text " + "; ".join(clauses + few)
             + (f" (unigram loss: {baseline})." if unigram else "."))
-
 
 class Ablation(Stages):
     """Paths and settings shared by the stages; each stage is a method returning its results (a dict)."""

@@ -229,11 +229,22 @@ def test_the_held_out_sentence_names_the_better_recipe_per_objective_where_the_i
     assert "| seq2seq | 400 | 10.500 [10.450, 10.550] | 5.900 [5.850, 5.950] | 4.000 [3.950, 4.050] | " \
            "6.840 [6.810, 6.870] |" in table
     sentence = ablation.held_out_verdict(records)
-    assert "bert+mlm at bidirectional mlm" in sentence
-    assert "bert+unilm at left to right, right to left, seq2seq" in sentence
+    assert sentence.startswith("On held-out text bert+mlm is lowest at bidirectional mlm, its 95 % interval below "
+                               "the other arms', below the unigram loss too; ")
+    assert "; bert+unilm is lowest at left to right, right to left, seq2seq, its 95 % interval below the other " \
+           "arms', below the unigram loss too" in sentence
     # NSP: both continued arms below bert, but not apart from each other
-    assert "bert+mlm and bert+unilm at nsp (together, not apart from each other)" in sentence
-    assert "too close" not in sentence and "unigram loss: bidirectional mlm 6.85" in sentence
+    assert "; bert+mlm and bert+unilm are lower than bert at nsp, below the unigram loss, and not apart from each " \
+           "other" in sentence
+    assert "too close" not in sentence and sentence.endswith("(unigram loss: bidirectional mlm 6.85, nsp 0.69, "
+                                                             "left to right 6.88, right to left 6.91, seq2seq 6.84).")
+    # lower than bert but not below the unigram loss: the budget has not told the recipes apart there
+    means["bert+mlm"]["left_to_right"], means["bert+unilm"]["left_to_right"] = 6.90, 6.88
+    losses = _losses(means, 0.05) | {"unigram": _losses({"u": UNIGRAM_LOSSES}, 0.03)["u"]}
+    sentence = ablation.held_out_verdict(ablation.held_out_records(losses))
+    assert "; bert+mlm and bert+unilm are lower than bert at left to right, not apart from each other, and no lower " \
+           "than the unigram loss: too close to it for this budget to tell the recipes apart; " in sentence
+    assert "bert+unilm is lowest at right to left, seq2seq, its" in sentence
 
 
 def test_the_held_out_sentence_says_when_the_arms_are_too_close_to_tell_apart() -> None:
@@ -247,16 +258,17 @@ def test_the_held_out_sentence_says_when_the_arms_are_too_close_to_tell_apart() 
     # one objective apart is enough to name it, the others are listed as overlapping
     means["bert+unilm"]["seq2seq"] = 5.0
     sentence = ablation.held_out_verdict(ablation.held_out_records(_losses(means, 0.08)))
-    assert "bert+unilm at seq2seq" in sentence and "on bidirectional mlm, nsp, left to right, right to left the " \
-           "intervals overlap" in sentence
+    assert sentence == ("On held-out text bert+unilm is lowest at seq2seq, its 95 % interval below the other arms'; "
+                        "at bidirectional mlm, nsp, left to right, right to left the intervals overlap.")
     # an interval from a handful of samples (one sample: zero width) is not a comparison
     means["bert+unilm"] |= {"bidirectional_mlm": 4.0, "left_to_right": 4.0, "right_to_left": 4.0}
     few = ablation.held_out_records(_losses(means, 0.08))
     for r in few:
         r["samples"] = 29 if r["metric"] == "loss_right_to_left" else 30
     sentence = ablation.held_out_verdict(few)
-    assert "bert+unilm at bidirectional mlm, left to right, seq2seq; on nsp the intervals overlap; right to left: " \
-           "fewer than 30 samples, not compared." in sentence  # no unigram records: no unigram loss named
+    assert sentence == ("On held-out text bert+unilm is lowest at bidirectional mlm, left to right, seq2seq, its "
+                        "95 % interval below the other arms'; at nsp the intervals overlap; right to left: fewer than "
+                        "30 samples, not compared.")  # no unigram records: no unigram loss named
     assert ablation.held_out_verdict([]) == "Held-out text: not measured (the held-out stage did not run)."
 
 @pytest.mark.slow
