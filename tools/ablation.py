@@ -148,7 +148,6 @@ def paired_differences(a: list[float], b: list[float]) -> dict[str, Any]:
     return {"differences": differences, "mean": mean, "sd": sd, "real": real}
 
 
-
 # ------------------------------------------------------------------------------------------------ held-out text
 def held_out_documents(rotten_csv: Path) -> list[str]:
     """The plot synopses of the Rotten Tomatoes sample (`category` ``plot``), one document each, in file order, their
@@ -209,6 +208,7 @@ def unigram_losses(samples: Sequence[Any], special_ids: Sequence[int]) -> tuple[
     sums = np.zeros((len(samples), len(REPORTED_OBJECTIVES)))
     counts = np.zeros_like(sums)
     for i, (sample, used) in enumerate(zip(samples, has_nsp)):
+        # a token objective's report slot is its objective id (`pretrain.model.REPORTED_OBJECTIVES`)
         sums[i, sample.objective] = token_loss[np.asarray(sample.masked_labels)].sum()
         counts[i, sample.objective] = len(sample.masked_labels)
         if used:
