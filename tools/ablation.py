@@ -569,8 +569,8 @@ class Ablation(Stages):
         # the curves too, from the runs the report describes: every published file is written here, so a run resumed
         # or redone from a later stage never publishes the plots of an earlier (or a stopped) pre-training
         for arm in ARMS[1:]:
-            self.command([self.python, "-m", "pretrain.plot", str(self.pretrain_dir(arm)),
-                          "--out", str(self.out / f"loss-{RECIPES[arm]}.png")])
+            self.in_process("pretrain.plot", [str(self.pretrain_dir(arm)), "--out",
+                                              str(self.out / f"loss-{RECIPES[arm]}.png")])
         self.say(f"  wrote {self.out / 'REPORT.md'} and {self.out / 'results.json'}")
         print("\n" + result_table(records) + "\n", flush=True)
         return {"report": str(self.out / "REPORT.md")}
