@@ -192,6 +192,50 @@ def test_the_agent_command_of_a_host() -> None:
     assert command[-3:] == ["pretrain/train.py", "--config", "c.yaml"]
     with pytest.raises(ValueError, match="MIN_NODES"):
         torchrun_command(["x.py"], 1, 1, 2, 3, "h:1", "run")
+    with pytest.raises(ValueError, match="MAX_RESTARTS must be >= 0, got -1"):
+        torchrun_command(["x.py"], -1, 1, 1, 1, "h:1", "run")
+
+
+class _Replaced(Exception):
+    """What the stand-in for `os.execve` raises: the agent's command and environment, where it would have run."""
+
+
+def test_the_entry_point_becomes_the_agent_with_a_store_per_start(monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture) -> None:
+    from pretrain import elastic
+
+    def execve(path: str, argv: list[str], environment: dict[str, str]) -> None:
+        raise _Replaced(path, argv, environment)
+
+    monkeypatch.setattr(elastic.os, "execve", execve)
+    with pytest.raises(_Replaced) as replaced:
+        elastic.main(["--max-restarts", "2", "--nproc-per-node", "2", "--nodes", "2", "--min-nodes", "1",
+                      "--endpoint", "node-1:29400", "--rendezvous-conf", "join_timeout=30",
+                      "--", "pretrain/train.py", "--config", "c.yaml", "train.max_steps=8"])
+    path, argv, environment = replaced.value.args
+    assert path == argv[0] == sys.executable and "--nnodes=1:2" in argv and "--max-restarts=2" in argv
+    assert any(a.startswith("--rdzv-conf=") and "join_timeout=30" in a for a in argv)
+    assert argv[-4:] == ["pretrain/train.py", "--config", "c.yaml", "train.max_steps=8"]
+    assert environment["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"  # each start of the ranks: a store of its own
+    for bad, said in ((["--"], "give the training command after --"),
+                      (["--min-nodes", "3", "--", "x.py"], "MIN_NODES")):
+        with pytest.raises(SystemExit) as stopped:
+            elastic.main(["--max-restarts", "1", "--nproc-per-node", "1", *bad])
+        assert stopped.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_a_batch_that_does_not_split_stops_a_run_that_cannot_resume_from_another_world() -> None:
+    from pretrain.batch_plan import InfeasibleBatchError, plan_for_world
+    from pretrain.config import load_config
+    from pretrain.trainer import batch_before_resume
+
+    with pytest.raises(InfeasibleBatchError):  # the world did not change: no policy applies
+        plan_for_world(24, 4, 5, 5, "keep_global_batch")
+    tiny = ROOT / "pretrain/configs/tiny.yaml"
+    assert batch_before_resume(load_config(tiny), 2).gradient_accumulation_steps == 3
+    assert batch_before_resume(load_config(tiny), 5) is None  # a checkpoint of another world size may decide
+    with pytest.raises(InfeasibleBatchError):
+        batch_before_resume(load_config(tiny, ["train.resume=never"]), 5)
 
 
 # ------------------------------------------------------------------------------- one host: make pretrain itself

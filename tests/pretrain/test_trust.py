@@ -294,6 +294,8 @@ def test_a_fresh_run_keeps_an_earlier_history(tmp_path: Path) -> None:
     ("train.seed=-1", "train.seed"), ("data.max_seq_len=0", "data.max_seq_len"), ("optim.eps=0", "optim.eps"),
     ("optim.weight_decay=.nan", "optim.weight_decay"), ("optim.betas=[0.9, .nan]", "optim.betas"),
     ("train.max_steps=true", "train.max_steps"), ("model.overrides.layer_norm_eps=.nan", None),
+    ("train.on_world_change=shrink", "train.on_world_change"),
+    ("train.collective_timeout_s=0", "train.collective_timeout_s"),
 ])
 def test_bad_pretraining_values_are_refused_naming_the_key(override: str, key: str | None, tmp_path: Path) -> None:
     from pretrain.config import load_config, resolve_model_config
