@@ -52,6 +52,8 @@ def test_n_best_lists_are_sorted_and_begin_with_the_one_best() -> None:
 
 
 def test_decode_writes_n_best_lists_beside_the_output(tiny_init, sources, tmp_path, capsys) -> None:
+    """Over 30 s only on a clean checkout, where it is often its worker's first DeepSpeed start: DeepSpeed builds
+    its CPU all-reduce op with g++ then (once, ~40 s), about a second afterwards."""
     one_best = tmp_path / "one.txt"
     decode.main(decode_args(tiny_init, sources, one_best))
     output = tmp_path / "out.txt"

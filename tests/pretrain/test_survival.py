@@ -58,8 +58,9 @@ def reference(common: list[str], tmp_path_factory: pytest.TempPathFactory) -> Pa
 @pytest.mark.slow
 def test_kills_during_checkpoint_writes_resume_from_the_newest_complete_one(
         common: list[str], reference: Path, tmp_path: Path) -> None:
-    """One run killed (SIGKILL) at five points of its saves in turn; each restart of the same command resumes
-    from the newest complete checkpoint, and in the end every step's loss equals the uninterrupted run's."""
+    """One run killed (SIGKILL) at five points of its saves in turn (six launches, ≈ 40 s); each restart of the
+    same command resumes from the newest complete checkpoint, and in the end every step's loss equals the
+    uninterrupted run's."""
     overrides = common + [f"out_dir={tmp_path}"]
     tag4 = tmp_path / "checkpoints" / "global_step4"
     # (fault, checkpoint the restart must resume from, what the killed save left in global_step4)
@@ -168,6 +169,8 @@ def test_saves_fsync_files_and_directories_before_the_marker_and_latest(tmp_path
 @pytest.mark.slow
 def test_a_rank_killed_between_checkpoints_ends_the_launch_and_the_restart_loses_nothing(
         unilm_shards: Path, tmp_path: Path) -> None:
+    """Rank 1 killed mid-step, then mid-save on the restart, then a clean restart: three launches of 2 ranks (≈ 45 s
+    on 2 cores), each loss the point of the next."""
     overrides = [f"data.shards={unilm_shards}", "model.overrides.vocab_size=4000", f"out_dir={tmp_path}",
                  "train.global_batch_size=8", "train.max_steps=9", "train.save_interval=3"]
     # a launch that hung after losing a rank would end in train()'s TimeoutExpired, failing the test
@@ -242,7 +245,8 @@ def test_a_full_disk_while_writing_the_weights_is_an_os_error(tmp_path: Path) ->
 
 @pytest.mark.slow
 def test_a_new_run_saving_an_old_runs_tag_leaves_nothing_of_it(common: list[str], tmp_path: Path) -> None:
-    """A run started afresh (train.resume=never) in a directory where an older run saved the same step: the tag
+    """A run started afresh (train.resume=never) in a directory where an older run saved the same step (four
+    launches, ≈ 45 s: the older run on 2 ranks, its conversion on 1, the fresh run, a resume on 2): the tag
     holds only the new run's files (a second rank's optimizer file stayed behind and was vouched for, so moving
     the checkpoint to two ranks failed), and the older run's universal conversion is gone (a resume on another
     world size reused it: the older run's weights)."""

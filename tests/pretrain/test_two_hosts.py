@@ -145,6 +145,8 @@ def marker(out_dir: Path, step: int) -> dict:
 
 def test_two_hosts_train_checkpoint_resume_then_the_cluster_shrinks(cluster: Cluster, unilm_shards: Path,
                                                                      tmp_path: Path) -> None:
+    """Two hosts (network namespaces, sshd, DeepSpeed's pdsh launch) train, checkpoint and resume, then one host
+    resumes alone: ≈ 50 s, the launches over ssh of a real two-host run, which nothing else shows."""
     overrides = [f"data.shards={unilm_shards}", f"out_dir={tmp_path}", "model.overrides.vocab_size=4000",
                  "train.global_batch_size=8", "train.save_interval=2", "optim.warmup_steps=2"]
     first = check(cluster.deepspeed(list(ADDRESSES), overrides + ["train.max_steps=4", "train.exit_at_step=2"],
