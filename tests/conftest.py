@@ -101,6 +101,12 @@ GPU_ENV = {"DS_ACCELERATOR": "cuda"}
 """Extra environment of a GPU test's child process (DeepSpeed's CUDA accelerator, NCCL)."""
 
 
+LONGEST_MODULES = ("tools/test_ablation.py", "pretrain/test_train.py", "pretrain/test_survival.py",
+                   "pretrain/test_engine.py", "pretrain/test_recovery.py")
+"""The modules that took longest in `make test`'s --durations (docs/testing.md), handed out before the other slow
+ones. Only the order depends on it: a stale list makes the suite slower, never wrong."""
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Modules holding `slow` tests run first; `@pytest.mark.gpu` tests are skipped, saying why, where torch sees
     no CUDA device.
@@ -109,7 +115,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     modules start first and the many short ones fill in after them, so no worker is left with a long module at the
     end while the other idles. Within a module the order is unchanged."""
     slow_modules = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_modules)  # a stable sort: modules and their tests keep order
+    longest = {ROOT / "tests" / name: rank for rank, name in enumerate(LONGEST_MODULES)}
+
+    def order(item: pytest.Item) -> tuple[int, bool]:
+        return longest.get(item.path, len(longest)), item.path not in slow_modules
+
+    items.sort(key=order)  # a stable sort: modules and their tests keep their order
     if not any(item.get_closest_marker("gpu") for item in items):
         return
     import torch
