@@ -272,18 +272,22 @@ def test_the_held_out_sentence_says_when_the_arms_are_too_close_to_tell_apart() 
     assert ablation.held_out_verdict([]) == "Held-out text: not measured (the held-out stage did not run)."
 
 @pytest.mark.slow
-def test_the_driver_runs_every_stage_on_a_few_steps_and_skips_them_on_a_rerun(samples_dir: Path,
-                                                                              tmp_path: Path) -> None:
-    """The driver end to end at its smallest (2 steps, 1 seed, 4 test examples, 24 held-out samples), rerun, then one
-    seed more: ≈ 3 min on 2 cores (two 2-rank pre-trainings, 12 fine-tunings and their scoring), the only run of
-    the driver's stages on real data."""
+def test_the_driver_runs_every_stage_on_a_few_steps_and_skips_them_on_a_rerun(samples_dir: Path, tmp_path: Path,
+                                                                              monkeypatch, capsys) -> None:
+    """The driver end to end at its smallest (2 steps, 1 seed, 4 test examples, 24 held-out samples), the only run
+    of its stages on real data: ≈ 2.5 min on 2 cores (two 2-rank pre-trainings, 6 fine-tunings and their scoring).
+    Then, in this process, a rerun (every stage skipped) and one seed more, whose 6 fine-tunings are stand-ins
+    (copies of seed 42's real runs, resume state included) while everything after them is real: only the new
+    seed's runs are trained, the rest is kept, and the new seed's models are decoded, scored and reported."""
+    import shutil
     import subprocess
     import sys
 
     out = tmp_path / "ablation_out"
-    argv = [sys.executable, "-m", "tools.ablation", "--out", str(out), "--samples", str(samples_dir), "--steps", "2",
-            "--finetune-steps", "2", "--seeds", "42", "--test-limit", "4", "--held-out-samples", "24"]
-    first = subprocess.run(argv, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=3000)
+    args = ["--out", str(out), "--samples", str(samples_dir), "--steps", "2", "--finetune-steps", "2",
+            "--seeds", "42", "--test-limit", "4", "--held-out-samples", "24"]
+    first = subprocess.run([sys.executable, "-m", "tools.ablation", *args], cwd=ROOT, env=subprocess_env(),
+                           capture_output=True, text=True, timeout=3000)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     first_results = (out / "results.json").read_text()
     records = [r for r in json.loads(first_results) if r["task"] != "held-out"]
@@ -309,20 +313,37 @@ def test_the_driver_runs_every_stage_on_a_few_steps_and_skips_them_on_a_rerun(sa
     assert "| BBC headline | rougeL |" in report and "Quick check: only the first 4 test examples" in report
     assert "## Held-out text, before fine-tuning" in report and "| seq2seq | " in report
     assert "On held-out text" in report
-    again = subprocess.run(argv, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0 and again.stdout.count("done earlier") == 10, again.stdout[-3000:]
-    # one more seed: only its 6 runs are trained, the others and the pre-training are kept
-    more = subprocess.run(argv[:argv.index("--seeds") + 2] + ["43"] + argv[argv.index("--seeds") + 2:], cwd=ROOT,
-                          env=subprocess_env(), capture_output=True, text=True, timeout=1200)
-    assert more.returncode == 0, more.stdout[-3000:] + more.stderr[-3000:]
-    assert more.stdout.count("done earlier") == 6 and more.stdout.count("MiB of resume state") == 6
-    assert "headline seed 43:" in more.stdout and "topic seed 43:" in more.stdout
-    assert "headline seed 42:" not in more.stdout and "topic seed 42:" not in more.stdout
+
+    monkeypatch.chdir(ROOT)
+    ablation.main(args)  # a rerun: every stage but the report was done
+    assert capsys.readouterr().out.count("done earlier") == 10
+
+    trained = []
+
+    def stand_in_finetuning(argv: list[str], tag: str) -> dict:
+        """Seed 42's run of the same arm and task, copied to the new run's directory with resume state beside it,
+        as a finished fine-tuning leaves them."""
+        run = Path(argv[argv.index("--out") + 1])
+        trained.append((run.name, argv[argv.index("--seed") + 1]))
+        shutil.copytree(run.with_name(run.name.replace("-seed43", "-seed42")), run)
+        (run / "checkpoints" / "step2").mkdir(parents=True)
+        (run / "checkpoints" / "step2" / "optim_states.pt").write_bytes(bytes(2**20))
+        return json.loads((run / "summary.json").read_text())
+
+    monkeypatch.setattr(ablation, "finetune_in_process", stand_in_finetuning)
+    ablation.main(args[:args.index("--seeds") + 2] + ["43"] + args[args.index("--seeds") + 2:])
+    more = capsys.readouterr().out
+    assert sorted(trained) == sorted((run.name.replace("seed42", "seed43"), "43") for run in runs)
+    assert more.count("done earlier") == 6 and more.count("MiB of resume state") == 6
+    assert not any((run / "checkpoints").exists() for run in (out / "finetune").iterdir())
+    assert "headline seed 43:" in more and "topic seed 43:" in more
+    assert "headline seed 42:" not in more and "topic seed 42:" not in more
     records = json.loads((out / "results.json").read_text())
     finetuned = [r for r in records if r["task"] != "held-out"]
     assert all(r["seed_ids"] == [42, 43] and len(r["seeds"]) == 2 for r in finetuned)  # now with a spread
     first_records = json.loads(first_results)
     assert [r["seeds"][:1] for r in finetuned] == [r["seeds"] for r in first_records if r["task"] != "held-out"]
+    assert all(r["seeds"][1] == r["seeds"][0] for r in finetuned)  # seed 43's models, copies of 42's, scored alike
     assert [r for r in records if r["task"] == "held-out"] == held_out  # scored once, kept
     assert "2·sd" in (out / "REPORT.md").read_text()
 
