@@ -38,7 +38,7 @@ BUILD_ARGS ?=
 # the exact shards it started with (its checkpoints record their manifest hash). OVERWRITE=1 replaces them.
 OVERWRITE  ?=
 
-.PHONY: help setup system-deps sample-corpus vocab shards inspect demo ablation lint test test-fast coverage bench bench-data bench-model clean pretrain preflight plot bench-train finetune-data finetune-demo bench-decode gpu-speed gpu-check
+.PHONY: help setup system-deps sample-corpus vocab shards inspect demo ablation lint test test-fast coverage bench bench-data bench-model clean pretrain preflight plot bench-train finetune-data finetune-demo bench-decode gpu-speed gpu-check ops ops-background
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -106,15 +106,27 @@ PYTEST_ARGS  ?=
 PYTEST = $(PY) -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder) \
   $(PYTEST_ARGS)
 
-test: system-deps sample-corpus lint  ## lint, types, then the whole test suite (installs the Debian packages its launcher tests use)
+# The CPU builds of DeepSpeed's ops the suite loads (tools/ops.py: the all-reduce every DeepSpeed start on CPUs loads,
+# FusedAdam; the suite runs on the CPU accelerator on any machine), compiled in the background while the targets after
+# this one fetch and lint (one core or none busy). The suite's first DeepSpeed starts then find them built, or the
+# build under way, instead of each worker's ranks waiting on one compiler; a test that needs an op that cannot be
+# built says why itself.
+ops-background: $(STAMP)
+	@mkdir -p .cache; echo "[ops] building DeepSpeed's ops the suite loads, in the background (log: .cache/ops.log)"
+	@DS_ACCELERATOR=cpu $(PY) -m tools.ops shm_comm fused_adam > .cache/ops.log 2>&1 &
+
+test: system-deps ops-background sample-corpus lint  ## lint, types, then the whole test suite (installs the Debian packages its launcher tests use)
 	$(PYTEST) --durations=25 tests
 
-test-fast: sample-corpus lint  ## lint, types, then the suite without the multi-process / multi-minute tests (-m "not slow"), ~3 min
+test-fast: ops-background sample-corpus lint  ## lint, types, then the suite without the multi-process / multi-minute tests (-m "not slow"), ~3 min
 	$(PYTEST) --durations=10 -m "not slow" tests
 
-coverage: system-deps sample-corpus  ## the whole suite under coverage (launched ranks included) -> line coverage of the library
+coverage: system-deps ops-background sample-corpus  ## the whole suite under coverage (launched ranks included) -> line coverage of the library
 	rm -rf .coverage_data
 	$(PYTEST) --cov --cov-report=term:skip-covered tests
+
+ops: $(STAMP)  ## build DeepSpeed's JIT ops before the first run needs them (OPS="shm_comm fused_adam"; default: what runs here load)
+	$(PY) -m tools.ops $(OPS)
 
 bench: sample-corpus  ## every benchmark in one run: one table of ratios + the machine -> bench_out/results.json
 	$(PY) -m tools.bench_all --out bench_out

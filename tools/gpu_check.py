@@ -344,7 +344,7 @@ def setup(check: Check) -> None:
     from finetune.task_files import read_jsonl, write_jsonl
     from tools.bench_all import SAMPLE_INPUTS, sample_shards
 
-    check.start("fused_adam", [sys.executable, "-m", "tools.gpu_check", "--build-fused-adam"])
+    check.start("fused_adam", [sys.executable, "-m", "tools.ops", "fused_adam"])
     check.start("accuracy_tests", [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                                    f"--junitxml={check.out / 'accuracy_tests.xml'}", *ACCURACY_TESTS])
     problems = []
@@ -512,16 +512,6 @@ def cuda_refusal() -> str | None:
             f"{torch.version.cuda or 'none'}); nothing was written. The CPU figures are make bench")
 
 
-def build_fused_adam() -> int:
-    """Load DeepSpeed's FusedAdam as the trainer does (building it into TORCH_EXTENSIONS_DIR); 0 when it loads."""
-    from pretrain.accelerator import apply_deepspeed_arch_list, op_failure
-
-    apply_deepspeed_arch_list()
-    failure = op_failure("FusedAdamBuilder")
-    say(f"FusedAdam: {failure or 'loaded'}")
-    return 1 if failure else 0
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.gpu_check", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -530,10 +520,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="shards, training runs, checkpoints (deleted once used)")
     parser.add_argument("--samples", type=Path, default=Path("data/samples"), help="make sample-corpus's folder")
     parser.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for all parts (default %(default)s)")
-    parser.add_argument("--build-fused-adam", action="store_true", help=argparse.SUPPRESS)  # setup's background job
     args = parser.parse_args(argv)
-    if args.build_fused_adam:
-        return build_fused_adam()
     refusal = cuda_refusal()
     if refusal:
         print(f"{parser.prog}: {refusal}", file=sys.stderr)
