@@ -176,6 +176,41 @@ def minilm_dir(samples_dir: Path) -> Path:
     return samples_dir / "minilm"
 
 
+@pytest.fixture(scope="session")
+def task_files(samples_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`finetune.task_files` output of the real samples (BBC topic/headline, Rotten Tomatoes, SQuAD)."""
+    from finetune.task_files import convert_samples
+
+    out = tmp_path_factory.mktemp("task_files")
+    convert_samples(samples_dir, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_init(task_files: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Hugging Face BERT directory: tiny random model + an uncased 1,500-piece vocab trained on BBC text."""
+    import json
+
+    import torch
+    from tokenizers import BertWordPieceTokenizer
+
+    from finetune.task_files import read_jsonl
+    from pretrain.hf import save_hf_bert
+    from pretrain.model import ModelConfig, build_model
+
+    out = tmp_path_factory.mktemp("tiny_init")
+    texts = [r["src"] for r in read_jsonl(task_files / "bbc_headline.train.jsonl")[::10]]
+    wordpiece = BertWordPieceTokenizer(lowercase=True)
+    wordpiece.train_from_iterator(texts, vocab_size=1500, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
+    wordpiece.save_model(str(out))
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(vocab_size=wordpiece.get_vocab_size(), hidden_size=32, num_layers=2,
+                                    num_heads=4, intermediate_size=64, max_position_embeddings=256))
+    save_hf_bert(model, out)
+    (out / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": True}))
+    return out
+
+
 # --- data_prep fixtures: a small real corpus, a cased WordPiece vocab trained on it, shards per recipe ---
 
 @pytest.fixture(scope="session")

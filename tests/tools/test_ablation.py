@@ -272,20 +272,23 @@ def test_the_held_out_sentence_says_when_the_arms_are_too_close_to_tell_apart() 
     assert ablation.held_out_verdict([]) == "Held-out text: not measured (the held-out stage did not run)."
 
 @pytest.mark.slow
-def test_the_driver_runs_every_stage_on_a_few_steps_and_skips_them_on_a_rerun(samples_dir: Path, tmp_path: Path,
-                                                                              monkeypatch, capsys) -> None:
-    """The driver end to end at its smallest (2 steps, 1 seed, 4 test examples, 24 held-out samples), the only run
-    of its stages on real data: ≈ 2.5 min on 2 cores (two 2-rank pre-trainings, 6 fine-tunings and their scoring).
-    Then, in this process, a rerun (every stage skipped) and one seed more, whose 6 fine-tunings are stand-ins
-    (copies of seed 42's real runs, resume state included) while everything after them is real: only the new
-    seed's runs are trained, the rest is kept, and the new seed's models are decoded, scored and reported."""
+def test_the_driver_runs_every_stage_on_a_few_steps_and_skips_them_on_a_rerun(samples_dir: Path, tiny_init: Path,
+                                                                              tmp_path: Path, monkeypatch,
+                                                                              capsys) -> None:
+    """The driver end to end at its smallest, the only run of its stages on real data: a 2-layer BERT of 32 hidden
+    units (`--bert`; the samples' MiniLM is what `test_the_three_arms_start_from_identical_bert_weights` loads), 2
+    steps, 1 seed, 4 test examples, 24 held-out samples: ≈ 1 min on 2 cores (two 2-rank pre-trainings, 6
+    fine-tunings and their scoring). Then, in this process, a rerun (every stage skipped) and one seed more, whose 6
+    fine-tunings are stand-ins (copies of seed 42's real runs, resume state included) while everything after them is
+    real: only the new seed's runs are trained, the rest is kept, and the new seed's models are decoded, scored and
+    reported."""
     import shutil
     import subprocess
     import sys
 
     out = tmp_path / "ablation_out"
-    args = ["--out", str(out), "--samples", str(samples_dir), "--steps", "2", "--finetune-steps", "2",
-            "--seeds", "42", "--test-limit", "4", "--held-out-samples", "24"]
+    args = ["--out", str(out), "--samples", str(samples_dir), "--bert", str(tiny_init), "--steps", "2",
+            "--finetune-steps", "2", "--seeds", "42", "--test-limit", "4", "--held-out-samples", "24"]
     first = subprocess.run([sys.executable, "-m", "tools.ablation", *args], cwd=ROOT, env=subprocess_env(),
                            capture_output=True, text=True, timeout=3000)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
