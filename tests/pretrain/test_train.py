@@ -6,8 +6,8 @@ their outputs:
   stopped  the same command with train.exit_at_step=10, then junk planted (an incomplete newer tag and a
            truncated one), then the same command again (auto-resume) to step 24
   nodrop   2 ranks, dropout off, 12 steps (a data-order seed that packs some micro-batches); then resumed from
-           its step-8 checkpoint on 1 rank (universal), on 1 rank
-           under ZeRO-1 to step 10, and refused under ZeRO-3
+           its step-8 checkpoint on 1 rank in micro-batches of 8 (universal), with half the learning rate, under
+           ZeRO-1 to step 10, and refused under ZeRO-3
   unpacked nodrop with train.pack_samples=false (one sample per row)
   fast     nodrop on 1 rank to step 6 with compiled blocks, chunked loss and activation checkpointing (with the
            packed rows, CUDA's defaults), reporting what torch.compile did (tests/compile_report.py)
@@ -66,14 +66,10 @@ def runs(unilm_shards: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
                                    nproc=1, module="compile_report"))
     out["unpacked"] = base / "unpacked"
     check(launch(nodrop + [f"out_dir={out['unpacked']}", "train.pack_samples=false"], nproc=2))
-    out["one_rank"] = base / "one_rank"
-    out["one_rank_log"] = check(launch(
-        nodrop + [f"out_dir={out['one_rank']}", f"train.resume={out['nodrop'] / 'checkpoints' / 'global_step8'}"],
-        nproc=1))
     step8 = f"train.resume={out['nodrop'] / 'checkpoints' / 'global_step8'}"
-    out["other_split"] = base / "other_split"  # 24 = 8 × 3 on one rank, where the run split it 4 × 3 × 2 ranks
-    check(launch(nodrop + [f"out_dir={out['other_split']}", step8, "train.micro_batch_size=8",
-                           "train.exit_at_step=10"], nproc=1))
+    out["one_rank"] = base / "one_rank"  # 24 = 8 × 3 on one rank, where the run split it 4 × 3 × 2 ranks
+    out["one_rank_log"] = check(launch(nodrop + [f"out_dir={out['one_rank']}", step8, "train.micro_batch_size=8"],
+                                       nproc=1))
     out["half_lr"] = base / "half_lr"
     out["half_lr_log"] = check(launch(nodrop + [f"out_dir={out['half_lr']}", step8, "optim.lr=1.0e-3",
                                                 "train.exit_at_step=9"], nproc=1))
@@ -181,8 +177,9 @@ def test_the_objective_is_the_global_batchs_mean_whatever_its_split(runs: dict) 
     """A step minimises the mean loss over the global batch's predicted tokens plus the mean NSP loss over its NSP
     samples: resumed with 8 × 3 micro-batches on one rank, the run split 4 × 3 × 2 ranks trains the same losses
     (a mean per micro-batch weighed NSP by how many micro-batches held an NSP sample)."""
-    two_ranks, other_split = losses(runs["nodrop"]), losses(runs["other_split"])
-    assert sorted(other_split) == [9, 10]
+    two_ranks, other_split = losses(runs["nodrop"]), losses(runs["one_rank"])
+    assert json.loads((runs["one_rank"] / "run_config.json").read_text())["train"]["micro_batch_size"] == 8
+    assert sorted(other_split) == [9, 10, 11, 12]
     for step in other_split:
         assert other_split[step] == pytest.approx(two_ranks[step], rel=1e-5, abs=1e-5), step
 
