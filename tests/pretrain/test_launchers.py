@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import socket
@@ -50,22 +51,22 @@ def assert_trained(out_dir: Path, world_size: int = 2, zero_stage: int | None = 
     return records
 
 
-def test_deepspeed_launcher_with_the_localhost_hostfile_zero0(unilm_shards: Path, tmp_path: Path) -> None:
-    """Also: the run leaves none of DeepSpeed's CPU all-reduce buffers (66 MB a rank) behind in /dev/shm."""
+@pytest.mark.skipif(shutil.which("numactl") is None, reason="needs numactl (make system-deps)")
+def test_deepspeed_launcher_with_the_localhost_hostfile_zero0_and_core_binding(unilm_shards: Path,
+                                                                               tmp_path: Path) -> None:
+    """DeepSpeed's launcher with the localhost hostfile (what `make pretrain` runs on a CPU machine) and a core
+    bound to each rank (numactl). Also: the run leaves none of DeepSpeed's CPU all-reduce buffers (66 MB a rank)
+    behind in /dev/shm."""
     port = free_port()
     process = run([str(BIN / "deepspeed"), "--hostfile", "hostfiles/localhost", "--no_ssh_check", "--master_addr",
-                   "127.0.0.1", "--master_port", str(port), "pretrain/train.py",
+                   "127.0.0.1", "--master_port", str(port), "--bind_cores_to_rank", "pretrain/train.py",
                    *train_args(unilm_shards, tmp_path, "ds_configs/zero0_fp32_cpu.json")])
     assert_trained(tmp_path, zero_stage=0)
-    assert "deepspeed_shm_comm" in process.stdout + process.stderr  # the shared-memory all-reduce was in use
+    shown = process.stdout + process.stderr
+    bound = re.findall(r"spawned with command: \['numactl', .*?'-C', '[\d,-]+', .*?'--local_rank=(\d)'", shown)
+    assert sorted(bound) == ["0", "1"], shown[-3000:]  # each rank started under numactl with its cores
+    assert "deepspeed_shm_comm" in shown  # the shared-memory all-reduce was in use
     assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
-
-
-@pytest.mark.skipif(shutil.which("numactl") is None, reason="needs numactl (make system-deps)")
-def test_deepspeed_launcher_on_one_node_with_core_binding(unilm_shards: Path, tmp_path: Path) -> None:
-    run([str(BIN / "deepspeed"), "--num_gpus", "2", "--bind_cores_to_rank", "--master_port", str(free_port()),
-         "pretrain/train.py", *train_args(unilm_shards, tmp_path, "ds_configs/zero2_fp32_cpu.json")])
-    assert_trained(tmp_path, zero_stage=2)
 
 
 def test_torchrun_zero1_with_held_out_eval(unilm_shards: Path, tmp_path: Path) -> None:
