@@ -99,10 +99,9 @@ lint: $(STAMP)  ## ruff over the whole project, mypy over common, data_prep, pre
 	$(VENV)/bin/mypy
 
 # The suite runs on TEST_WORKERS pytest-xdist workers, a test module per worker at a time (its module fixtures are
-# built once). A worker often waits on its child processes (rendezvous, timeouts, disk), so one worker more than
-# the cores keeps them busy: on 2 cores 3 workers took 717 s where 2 took 773-819 s (docs/testing.md); at most 8.
-# TEST_WORKERS=0 runs it in this process. --durations=25 keeps the slowest tests in view (docs/testing.md).
-TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 8 ? n + 1 : 8 )))
+# built once): about half the suite waits on child processes, so 2 workers keep 2 cores busy. TEST_WORKERS=0 runs
+# it in this process. --durations=25 keeps the slowest tests in view (docs/testing.md).
+TEST_WORKERS ?= 2
 PYTEST_ARGS  ?=
 PYTEST = $(PY) -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder) \
   $(PYTEST_ARGS)
