@@ -32,6 +32,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def runs(unilm_shards: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The module's 11 launches (the module docstring lists them), once for all its tests: 2-3 minutes on 2 cores,
+    ~10 s of start-up per launch plus the compiled run's first torch.compile build (~35 s with a cold cache)."""
     base = tmp_path_factory.mktemp("train")
     common = [f"data.shards={unilm_shards}", "model.overrides.vocab_size=4000", "train.max_steps=24",
               "train.save_interval=4", "train.keep_last=3"]
