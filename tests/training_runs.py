@@ -1,6 +1,7 @@
 """Launching `pretrain.train` from tests: the command, its child environment, and reading what a run wrote."""
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ import time
 from pathlib import Path
 
 from conftest import ROOT, subprocess_env
+from preloaded import PreloadedPython
 
 TINY_CONFIG = "pretrain/configs/tiny.yaml"
 TESTS = Path(__file__).resolve().parent
@@ -31,8 +33,27 @@ def launch(overrides: list[str], nproc: int = 1, config: str = TINY_CONFIG, time
     env = subprocess_env(**(extra_env or {}))
     if module != "pretrain.train":
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
-    return subprocess.run(train_command(overrides, nproc, config, module), cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    command = train_command(overrides, nproc, config, module)
+    server = _preloaded() if nproc == 1 else None
+    if server is not None and server.serves(env):
+        return server.run(command, module, command[3:], env, ROOT, timeout)
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+_SERVERS: list[PreloadedPython] = []
+_SERVED_ENV = subprocess_env()  # as the suite starts, before any test changes os.environ
+
+
+def _preloaded() -> PreloadedPython | None:
+    """This process's server of one-process runs (``tests/preloaded.py``) in the suite's environment, started on
+    first use; None under coverage, whose measurement of child processes starts with their interpreter."""
+    coverage = sys.modules.get("coverage")
+    if coverage is not None and coverage.Coverage.current() is not None:
+        return None
+    if not _SERVERS:
+        _SERVERS.append(PreloadedPython(_SERVED_ENV, ROOT))
+        atexit.register(_SERVERS[0].close)
+    return _SERVERS[0]
 
 
 def check(process: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
