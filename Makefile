@@ -5,6 +5,8 @@ SHELL := /bin/bash
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
+# torch and DeepSpeed alone (a step of STAMP): what building DeepSpeed's ops needs
+OPS_STAMP := $(VENV)/.deepspeed
 SAMPLES ?= data/samples
 # DeepSpeed's ops built on first use go to one folder per torch build (tools/torch_extensions.py), so a changed
 # torch never loads a library built against another one; worked out when a target starts, once the venv exists.
@@ -55,11 +57,18 @@ system-deps:  ## Debian packages for MPI, core binding and the two-host test (on
 TORCH_PIP_ARGS ?=
 # Installs nothing from Debian: targets that only run code depend on this alone. A venv made with
 # --system-site-packages on top of a cluster's CUDA torch keeps that torch (pyproject asks for torch>=2.6).
-$(STAMP): pyproject.toml
+# torch, then DeepSpeed at pyproject's pin, then the rest: `make test` starts DeepSpeed's op builds (ops-background)
+# after the second step, so the compiler runs while pip installs the rest.
+DEEPSPEED_PIN := $(shell grep -o '"deepspeed[=<>~!][^"]*"' pyproject.toml | tr -d '"')
+$(OPS_STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q -U pip
 	# torch first when the venv has none (the build the index offers; TORCH_PIP_ARGS="--index-url URL" picks one)
 	$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q torch==2.13.0 $(TORCH_PIP_ARGS)
+	$(PY) -m pip install -q '$(DEEPSPEED_PIN)'
+	@touch $@
+
+$(STAMP): pyproject.toml $(OPS_STAMP)
 	$(PY) -m pip install -q -e '.[dev]'
 	@touch $@
 
@@ -107,11 +116,12 @@ PYTEST = $(PY) -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKE
   $(PYTEST_ARGS)
 
 # The CPU builds of DeepSpeed's ops the suite loads (tools/ops.py: the all-reduce every DeepSpeed start on CPUs loads,
-# FusedAdam; the suite runs on the CPU accelerator on any machine), compiled in the background while the targets after
-# this one fetch and lint (one core or none busy). The suite's first DeepSpeed starts then find them built, or the
+# FusedAdam; the suite runs on the CPU accelerator on any machine), compiled in the background as soon as torch and
+# DeepSpeed are installed, while pip installs the rest and the targets after this one fetch and lint (one core or
+# none busy). The suite's first DeepSpeed starts then find them built, or the
 # build under way, instead of each worker's ranks waiting on one compiler; a test that needs an op that cannot be
 # built says why itself.
-ops-background: $(STAMP)
+ops-background: $(OPS_STAMP)
 	@mkdir -p .cache; echo "[ops] building DeepSpeed's ops the suite loads, in the background (log: .cache/ops.log)"
 	@DS_ACCELERATOR=cpu $(PY) -m tools.ops shm_comm fused_adam > .cache/ops.log 2>&1 &
 

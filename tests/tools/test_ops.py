@@ -56,13 +56,19 @@ def test_an_unknown_op_is_refused_naming_the_ops(capsys) -> None:
     assert "unknown op 'cpu_adamw'; the ops: shm_comm, fused_adam" in capsys.readouterr().err
 
 
-def test_make_test_builds_the_ops_in_the_background_while_it_lints() -> None:
-    """`make -n` prints the recipes in order: the build goes to the background, on the CPU accelerator the suite
-    uses, before the sample corpora are fetched and the code linted; the suite runs after them."""
+def test_make_test_builds_the_ops_in_the_background_while_it_installs_the_rest_and_lints() -> None:
+    """`make -n` prints the recipes in order: in a fresh venv, torch, then DeepSpeed at pyproject's pin; the build
+    goes to the background, on the CPU accelerator the suite uses, before the rest is installed, the sample corpora
+    fetched and the code linted; the suite runs after them."""
     build = "DS_ACCELERATOR=cpu .venv/bin/python -m tools.ops shm_comm fused_adam > .cache/ops.log 2>&1 &"
+    pin = next(line.strip().strip('",') for line in (ROOT / "pyproject.toml").read_text().splitlines()
+               if line.strip().startswith('"deepspeed=='))
     lint, coverage = ".venv/bin/mypy", "rm -rf .coverage_data"
     for goal, then in (("test", lint), ("test-fast", lint), ("coverage", coverage)):
-        recipe = subprocess.run(["make", "-n", "--no-print-directory", goal, "PYTEST=pytest"], cwd=ROOT,
-                                capture_output=True, text=True, check=True).stdout.splitlines()
-        assert recipe.index(build) < recipe.index(".venv/bin/python -m data_prep.samples --out data/samples") \
+        recipe = subprocess.run(["make", "-n", "--no-print-directory", "-W", "pyproject.toml", goal, "PYTEST=pytest"],
+                                cwd=ROOT, capture_output=True, text=True, check=True).stdout.splitlines()
+        torch = next(i for i, line in enumerate(recipe) if "pip install -q torch==" in line)
+        assert torch < recipe.index(f".venv/bin/python -m pip install -q '{pin}'") < recipe.index(build) \
+            < recipe.index(".venv/bin/python -m pip install -q -e '.[dev]'") \
+            < recipe.index(".venv/bin/python -m data_prep.samples --out data/samples") \
             < recipe.index(then) < next(i for i, line in enumerate(recipe) if line.startswith("pytest ")), goal
