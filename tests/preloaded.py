@@ -130,25 +130,45 @@ class PreloadedPython:
 
     def run(self, command: list[str], module: str, args: list[str], env: dict[str, str], cwd: Path,
             timeout: float) -> subprocess.CompletedProcess:
+        """Run ``python -m module args`` as a fork; past ``timeout`` it is killed and TimeoutExpired raised, as
+        ``subprocess.run`` does. A run interrupted otherwise (a test's own timeout, Ctrl-C) is killed too, and this
+        server serves no more runs."""
         assert self.server.stdin is not None
+        pid = None
         with tempfile.TemporaryDirectory(prefix="preloaded-") as folder:
             out, err = Path(folder) / "stdout", Path(folder) / "stderr"
             request = {"module": module, "args": args, "env": env, "cwd": str(cwd), "stdout": str(out),
                        "stderr": str(err)}
-            self.server.stdin.write(json.dumps(request) + "\n")
-            self.server.stdin.flush()
-            started = self._read(timeout=60)
-            if started is None:
-                raise RuntimeError("the preloaded interpreter did not start the run")
-            deadline = time.monotonic() + timeout
-            done = self._read(timeout=deadline - time.monotonic())
-            if done is None:
-                os.kill(started["pid"], signal.SIGKILL)
-                self._read(timeout=60)
-                raise subprocess.TimeoutExpired(command, timeout, out.read_text(errors="replace"),
-                                                err.read_text(errors="replace"))
-            return subprocess.CompletedProcess(command, done["exit"], out.read_text(errors="replace"),
-                                               err.read_text(errors="replace"))
+            try:
+                self.server.stdin.write(json.dumps(request) + "\n")
+                self.server.stdin.flush()
+                started = self._read(timeout=60)
+                if started is None:
+                    raise RuntimeError("the preloaded interpreter did not start the run")
+                pid = started["pid"]
+                done = self._read(timeout=timeout)
+                if done is None:
+                    os.kill(pid, signal.SIGKILL)
+                    if self._read(timeout=60) is None:
+                        raise RuntimeError(f"the preloaded interpreter did not reap the killed run {pid}")
+            except BaseException:
+                self._abandon(pid)
+                raise
+            said = out.read_text(errors="replace"), err.read_text(errors="replace")
+        if done is None:
+            raise subprocess.TimeoutExpired(command, timeout, *said)
+        return subprocess.CompletedProcess(command, done["exit"], *said)
+
+    def _abandon(self, pid: int | None) -> None:
+        """Out of step with the server: its run, if any, is killed, and so is the server."""
+        self.ready = False
+        for process in (pid, self.server.pid):
+            if process is not None:
+                try:
+                    os.kill(process, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        self.server.wait(timeout=60)
 
     def close(self) -> None:
         if self.server.stdin is None or self.server.stdin.closed:

@@ -2,8 +2,10 @@
 ``python -m MODULE`` does: the same output, exit status, working directory, path, environment and exit."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -72,6 +74,31 @@ def test_a_served_run_past_its_timeout_is_killed(server: PreloadedPython, tmp_pa
         server.run(["probe"], "probe", ["hang"], env, tmp_path, timeout=2)
     assert "on stderr" in str(expired.value.stderr)
     assert server.run(["probe"], "probe", ["end"], env, tmp_path, timeout=60).returncode == 0  # it serves on
+
+
+def test_a_run_interrupted_by_the_test_is_killed_and_the_server_serves_no_more(tmp_path: Path, monkeypatch) -> None:
+    """A test's own timeout (or Ctrl-C) raised while a served run goes on: the run and the server are killed, so no
+    later run reads the interrupted one's answers; later runs start plainly."""
+    (tmp_path / "probe.py").write_text(PROBE)
+    env = subprocess_env(PYTHONPATH=str(tmp_path))
+    served = PreloadedPython(subprocess_env(), Path.cwd(), preload=("json",))
+    reads = []
+
+    def interrupted(timeout: float) -> dict | None:
+        reads.append(PreloadedPython._read(served, timeout))
+        if len(reads) == 2:
+            raise KeyboardInterrupt
+        return reads[-1]
+    monkeypatch.setattr(served, "_read", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        served.run(["probe"], "probe", ["hang"], env, tmp_path, timeout=1)
+    pid = reads[0]["pid"]
+    assert served.server.poll() is not None and not served.serves(env)
+    with pytest.raises(ProcessLookupError):  # killed and reaped (by the server's end: the run was its child)
+        for _ in range(100):
+            os.kill(pid, 0)
+            time.sleep(0.1)
+    served.close()
 
 
 def test_only_runs_in_the_servers_environment_are_served(server: PreloadedPython) -> None:
