@@ -5,8 +5,12 @@ Every ``python -m pretrain.train`` pays ~4 CPU-seconds before its first line run
 ``torch.compile``), and DeepSpeed. The suite starts ~50 such one-process runs. A server process imports those once
 (``PRELOAD``); each run is a fork of it that then does what ``python -m MODULE ARGS`` does: its own environment,
 working directory, ``sys.path`` and ``sys.argv``, stdout and stderr to files, ``runpy`` as ``-m`` runs a module, and
-the interpreter's normal exit (atexit, thread joins, finalisation). It is a real process: its own pid, exit status
-(``-9`` when killed) and signals. Everything of the project's own code is imported afresh in each run.
+the interpreter's exit up to its teardown (exit status, thread joins, atexit, flushed output). It is a real process:
+its own pid, exit status (``-9`` when killed) and signals. Everything of the project's own code is imported afresh
+in each run. The teardown of every module and object is left out: in a fork it would copy the server's memory page
+by page (1.8 s, more than the whole run of a refused configuration), so a crash in a one-process run's teardown
+would go unseen here; the multi-rank launches, where process groups are torn down (gloo aborts a process that
+leaves one open), start as before.
 
 The server serves only runs whose environment equals its own in the variables the preload may read
 (``READ_AT_IMPORT``: torch and DeepSpeed read ``OMP_NUM_THREADS`` or ``DS_ACCELERATOR`` when imported). Any other
@@ -77,14 +81,35 @@ def run(request):
     runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
 
 
+def run_and_exit(request):
+    '''The run, then what the interpreter's exit does before it tears its objects down: its exit status (from
+    SystemExit as the interpreter reads it, 1 after an uncaught exception it prints), the joins of non-daemon
+    threads, atexit, the flush of stdout and stderr.'''
+    import atexit, threading
+    try:
+        run(request)
+        code = 0
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+        if not isinstance(stop.code, (int, type(None))):
+            print(stop.code, file=sys.stderr)
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    return code
+
+
 for line in sys.stdin:
     request = json.loads(line)
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
-        run(request)  # an exception or SystemExit leaves through the interpreter's own exit, as under python -m
-        sys.exit(0)
+        os._exit(run_and_exit(request))
     answer(pid=pid)
     _, status = os.waitpid(pid, 0)
     answer(exit=os.waitstatus_to_exitcode(status))

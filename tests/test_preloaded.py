@@ -23,6 +23,8 @@ threading.Thread(target=lambda: (time.sleep(0.2), print("thread joined"))).start
 mode = sys.argv[1]
 if mode == "exit":
     sys.exit(3)
+if mode == "message":
+    sys.exit("stopped with a message")
 if mode == "raise":
     raise ValueError("raised in the run")
 if mode == "kill":
@@ -51,7 +53,7 @@ def both(server: PreloadedPython, folder: Path, mode: str, timeout: float = 60) 
     return plain, server.run(command, "probe", [mode], env, folder, timeout)
 
 
-@pytest.mark.parametrize("mode, status", [("end", 0), ("exit", 3), ("raise", 1), ("kill", -9)])
+@pytest.mark.parametrize("mode, status", [("end", 0), ("exit", 3), ("message", 1), ("raise", 1), ("kill", -9)])
 def test_a_served_run_says_and_ends_as_python_m_does(server: PreloadedPython, tmp_path: Path, mode: str,
                                                      status: int) -> None:
     plain, served = both(server, tmp_path, mode)
