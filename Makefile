@@ -118,9 +118,8 @@ PYTEST = $(PY) -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKE
 # The CPU builds of DeepSpeed's ops the suite loads (tools/ops.py: the all-reduce every DeepSpeed start on CPUs loads,
 # FusedAdam; the suite runs on the CPU accelerator on any machine), compiled in the background as soon as torch and
 # DeepSpeed are installed, while pip installs the rest and the targets after this one fetch and lint (one core or
-# none busy). The suite's first DeepSpeed starts then find them built, or the
-# build under way, instead of each worker's ranks waiting on one compiler; a test that needs an op that cannot be
-# built says why itself.
+# none busy). The suite's first DeepSpeed starts then find them built, or the build under way, instead of each
+# worker's ranks waiting on one compiler; a test that needs an op that cannot be built says why itself.
 ops-background: $(OPS_STAMP)
 	@mkdir -p .cache; echo "[ops] building DeepSpeed's ops the suite loads, in the background (log: .cache/ops.log)"
 	@DS_ACCELERATOR=cpu $(PY) -m tools.ops shm_comm fused_adam > .cache/ops.log 2>&1 &

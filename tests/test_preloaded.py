@@ -35,7 +35,7 @@ if mode == "hang":
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
+def server():
     served = PreloadedPython(subprocess_env(), Path.cwd(), preload=("json",))
     assert served.ready
     yield served
@@ -118,7 +118,7 @@ def test_the_suites_one_process_training_runs_are_served() -> None:
     import training_runs
 
     server = training_runs._preloaded()
-    if sys.modules.get("coverage") is not None and sys.modules["coverage"].Coverage.current() is not None:
+    if training_runs.under_coverage():
         assert server is None
         return
     assert server is not None and server is training_runs._preloaded() and server.ready

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
 import signal
@@ -40,20 +41,23 @@ def launch(overrides: list[str], nproc: int = 1, config: str = TINY_CONFIG, time
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-_SERVERS: list[PreloadedPython] = []
 _SERVED_ENV = subprocess_env()  # as the suite starts, before any test changes os.environ
 
 
+def under_coverage() -> bool:
+    coverage = sys.modules.get("coverage")
+    return coverage is not None and coverage.Coverage.current() is not None
+
+
+@functools.cache
 def _preloaded() -> PreloadedPython | None:
     """This process's server of one-process runs (``tests/preloaded.py``) in the suite's environment, started on
     first use; None under coverage, whose measurement of child processes starts with their interpreter."""
-    coverage = sys.modules.get("coverage")
-    if coverage is not None and coverage.Coverage.current() is not None:
+    if under_coverage():
         return None
-    if not _SERVERS:
-        _SERVERS.append(PreloadedPython(_SERVED_ENV, ROOT))
-        atexit.register(_SERVERS[0].close)
-    return _SERVERS[0]
+    server = PreloadedPython(_SERVED_ENV, ROOT)
+    atexit.register(server.close)
+    return server
 
 
 def check(process: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

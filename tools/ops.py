@@ -3,9 +3,8 @@
     python -m tools.ops [OP ...]
 
 DeepSpeed builds an op with the machine's compiler the first time a process loads it (on 2 CPU cores about 40 s of
-g++ for the all-reduce, 2 minutes for FusedAdam; about a minute of nvcc for FusedAdam on a GPU machine), while the
-run's other ranks wait on the build's lock. Built here first, every run finds it cached. The
-ops (default: those a run on this machine loads):
+g++ for the all-reduce, 2 minutes for FusedAdam; nvcc on a GPU machine), while the run's other ranks wait on the
+build's lock. Built here first, every run finds it cached. The ops (default: those a run on this machine loads):
 
   shm_comm     the CPU accelerator's shared-memory all-reduce, loaded by every DeepSpeed start on CPUs (default
                where torch sees no GPU)
